@@ -1,0 +1,55 @@
+# Locates LibTorch from the pinned torch wheel and exposes it as the interface
+# target ddp_torch (CPU: torch, torch_cpu, c10) and, where the CUDA toolkit is
+# present, ddp_torch_cuda (torch_cuda, c10_cuda) for the NCCL backend.
+#
+# The wheel's TorchConfig.cmake is used when the CUDA toolkit is installed,
+# since the CUDA wheel's config requires it. Without a toolkit we describe the
+# CPU libraries ourselves, so a machine without CUDA still builds ddp for CPU.
+
+if(NOT DDP_PYTHON)
+  find_program(DDP_PYTHON NAMES python3 REQUIRED)
+endif()
+execute_process(
+  COMMAND ${DDP_PYTHON} -c "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__)"
+  OUTPUT_VARIABLE _ddp_torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
+  RESULT_VARIABLE _ddp_torch_rc)
+if(NOT _ddp_torch_rc EQUAL 0)
+  message(FATAL_ERROR "ddp: ${DDP_PYTHON} cannot import torch. Run 'make' (which runs scripts/setup.sh) or pass -DDDP_PYTHON=<venv>/bin/python.")
+endif()
+string(REPLACE "\n" ";" _ddp_torch_info "${_ddp_torch_info}")
+list(GET _ddp_torch_info 0 DDP_TORCH_CMAKE_PREFIX)
+list(GET _ddp_torch_info 1 DDP_TORCH_VERSION)
+get_filename_component(DDP_TORCH_ROOT "${DDP_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
+message(STATUS "ddp: torch ${DDP_TORCH_VERSION} at ${DDP_TORCH_ROOT}")
+
+find_package(CUDAToolkit QUIET)
+if(CUDAToolkit_FOUND AND NOT DDP_FORCE_CPU_TORCH)
+  list(APPEND CMAKE_PREFIX_PATH "${DDP_TORCH_CMAKE_PREFIX}")
+  find_package(Torch REQUIRED)
+  add_library(ddp_torch INTERFACE)
+  target_link_libraries(ddp_torch INTERFACE torch_cpu c10)
+  target_include_directories(ddp_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+  add_library(ddp_torch_cuda INTERFACE)
+  target_link_libraries(ddp_torch_cuda INTERFACE torch c10_cuda)
+  # NCCL's header comes from the CUDA toolkit or the nvidia-nccl wheel.
+  find_path(DDP_NCCL_INCLUDE_DIR nccl.h
+    HINTS ${CUDAToolkit_INCLUDE_DIRS}
+          "${DDP_TORCH_ROOT}/../nvidia/nccl/include"
+          "${DDP_TORCH_ROOT}/../nvidia/cu13/include")
+  if(DDP_NCCL_INCLUDE_DIR)
+    set(DDP_WITH_NCCL ON)
+    message(STATUS "ddp: NCCL backend enabled (nccl.h in ${DDP_NCCL_INCLUDE_DIR})")
+  endif()
+else()
+  message(STATUS "ddp: no CUDA toolkit; building the CPU path only (gloo)")
+  foreach(_lib torch torch_cpu c10)
+    add_library(ddp_imported_${_lib} SHARED IMPORTED)
+    set_target_properties(ddp_imported_${_lib} PROPERTIES
+      IMPORTED_LOCATION "${DDP_TORCH_ROOT}/lib/lib${_lib}.so")
+  endforeach()
+  add_library(ddp_torch INTERFACE)
+  target_link_libraries(ddp_torch INTERFACE ddp_imported_torch_cpu ddp_imported_c10)
+  target_include_directories(ddp_torch SYSTEM INTERFACE
+    "${DDP_TORCH_ROOT}/include" "${DDP_TORCH_ROOT}/include/torch/csrc/api/include")
+endif()
+set(DDP_WITH_NCCL ${DDP_WITH_NCCL} CACHE INTERNAL "")

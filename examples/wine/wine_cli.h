@@ -1,0 +1,96 @@
+#pragma once
+
+// Command line of the Wine examples, shared so that wine_single and wine_ddp
+// differ only in what DDP itself asks of a program.
+
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+
+namespace wine {
+
+struct Args {
+  int64_t total_epochs = 0;
+  int64_t save_every = 0;
+  int64_t batch_size = 32;
+  uint64_t seed = 0;  // shuffle seed; epoch e shuffles with seed + e
+  std::string train_csv;
+  std::string test_csv;
+  std::string init_state;
+  std::string checkpoint_dir = ".";
+};
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline void print_usage(const char* program) {
+  std::cerr << "usage: " << program << " TOTAL_EPOCHS SAVE_EVERY [options]\n"
+            << "  TOTAL_EPOCHS           epochs to train (> 0)\n"
+            << "  SAVE_EVERY             write model_E.pt when E % SAVE_EVERY == 0 (> 0)\n"
+            << "  --batch-size N         samples per batch on each process (default 32)\n"
+            << "  --seed N               shuffle seed; epoch E uses N + E (default 0)\n"
+            << "  --train CSV --test CSV use these files instead of the shipped split\n"
+            << "                         (rows: 13 features, then an integer label)\n"
+            << "  --init FILE            start from a state dict saved by Python's torch.save\n"
+            << "  --checkpoint-dir DIR   where checkpoints go (default .)\n"
+            << "  -h, --help             show this help\n";
+}
+
+inline int64_t parse_positive(const std::string& what, const std::string& text) {
+  char* end = nullptr;
+  long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0') throw UsageError(what + " must be an integer, got '" + text + "'");
+  if (value <= 0) throw UsageError(what + " must be positive, got " + text);
+  return value;
+}
+
+inline Args parse_args(int argc, char** argv) {
+  Args args;
+  int positional = 0;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "-h" || arg == "--help") {
+      print_usage(argv[0]);
+      std::exit(0);
+    } else if (arg == "--batch-size" || arg == "--batch_size") {
+      args.batch_size = parse_positive("--batch-size", value());
+    } else if (arg == "--seed") {
+      std::string text = value();
+      char* end = nullptr;
+      args.seed = std::strtoull(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0') throw UsageError("--seed must be a non-negative integer, got '" + text + "'");
+    } else if (arg == "--train") {
+      args.train_csv = value();
+    } else if (arg == "--test") {
+      args.test_csv = value();
+    } else if (arg == "--init") {
+      args.init_state = value();
+    } else if (arg == "--checkpoint-dir") {
+      args.checkpoint_dir = value();
+    } else if (!arg.empty() && arg[0] == '-' && arg != "-") {
+      throw UsageError("unknown option " + arg);
+    } else if (positional == 0) {
+      args.total_epochs = parse_positive("TOTAL_EPOCHS", arg);
+      ++positional;
+    } else if (positional == 1) {
+      args.save_every = parse_positive("SAVE_EVERY", arg);
+      ++positional;
+    } else {
+      throw UsageError("unexpected argument '" + arg + "'");
+    }
+  }
+  if (positional < 2) throw UsageError("TOTAL_EPOCHS and SAVE_EVERY are required");
+  if (args.train_csv.empty() != args.test_csv.empty()) {
+    throw UsageError("--train and --test must be given together");
+  }
+  return args;
+}
+
+}  // namespace wine

@@ -1,0 +1,114 @@
+#include "wine_data.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+namespace wine {
+namespace {
+
+std::vector<std::string> split_fields(const std::string& line) {
+  std::vector<std::string> fields;
+  std::string field;
+  std::istringstream in(line);
+  while (std::getline(in, field, ',')) fields.push_back(field);
+  if (!line.empty() && line.back() == ',') fields.emplace_back();
+  return fields;
+}
+
+std::string trim(const std::string& s) {
+  size_t begin = s.find_first_not_of(" \t\r");
+  size_t end = s.find_last_not_of(" \t\r");
+  return begin == std::string::npos ? "" : s.substr(begin, end - begin + 1);
+}
+
+bool parse_double(const std::string& text, double& out) {
+  std::string t = trim(text);
+  if (t.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtod(t.c_str(), &end);
+  return end == t.c_str() + t.size() && errno == 0 && std::isfinite(out);
+}
+
+}  // namespace
+
+Dataset read_csv(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "cannot open data file '", path, "': ", std::strerror(errno));
+  std::vector<float> features;
+  std::vector<int64_t> labels;
+  std::string line;
+  int64_t line_number = 0;
+  bool seen_data = false;
+  while (std::getline(in, line)) {
+    ++line_number;
+    if (trim(line).empty()) continue;
+    auto fields = split_fields(trim(line));
+    std::vector<double> values(fields.size());
+    bool numeric = true;
+    size_t bad_column = 0;
+    for (size_t c = 0; c < fields.size(); ++c) {
+      if (!parse_double(fields[c], values[c])) {
+        numeric = false;
+        bad_column = c;
+        break;
+      }
+    }
+    if (!numeric && !seen_data && line_number == 1) continue;  // a header
+    TORCH_CHECK(fields.size() == static_cast<size_t>(kNumFeatures + 1), path, ":", line_number,
+                ": expected ", kNumFeatures + 1, " columns (13 features and a label), found ",
+                fields.size());
+    TORCH_CHECK(numeric, path, ":", line_number, ": column ", bad_column + 1, " is not a number: '",
+                trim(fields[bad_column]), "'");
+    double label = values.back();
+    TORCH_CHECK(label == std::floor(label) && label >= 0 && label < kNumClasses, path, ":",
+                line_number, ": the label must be an integer in [0, ", kNumClasses, "), found '",
+                trim(fields.back()), "'");
+    for (int64_t c = 0; c < kNumFeatures; ++c) features.push_back(static_cast<float>(values[c]));
+    labels.push_back(static_cast<int64_t>(label));
+    seen_data = true;
+  }
+  TORCH_CHECK(!labels.empty(), "data file '", path, "' holds no data rows");
+  int64_t n = static_cast<int64_t>(labels.size());
+  Dataset data;
+  data.features = at::tensor(features, at::kFloat).reshape({n, kNumFeatures});
+  data.labels = at::tensor(labels, at::kLong);
+  return data;
+}
+
+Split train_test_split(const Dataset& data, double test_fraction, uint64_t seed) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor order = at::randperm(data.size(), generator, at::TensorOptions().dtype(at::kLong));
+  // Round the test share up, as scikit-learn does.
+  int64_t n_test = static_cast<int64_t>(std::ceil(test_fraction * static_cast<double>(data.size())));
+  TORCH_CHECK(n_test > 0 && n_test < data.size(), "cannot split ", data.size(),
+              " samples into non-empty train and test sets");
+  at::Tensor test_idx = order.narrow(0, 0, n_test);
+  at::Tensor train_idx = order.narrow(0, n_test, data.size() - n_test);
+  Split split;
+  split.train = {data.features.index_select(0, train_idx), data.labels.index_select(0, train_idx)};
+  split.test = {data.features.index_select(0, test_idx), data.labels.index_select(0, test_idx)};
+  return split;
+}
+
+void standardize(Dataset& fit_on, Dataset& also) {
+  at::Tensor mean = fit_on.features.mean(0);
+  // Population standard deviation, as scikit-learn's StandardScaler uses.
+  at::Tensor std = fit_on.features.std(0, /*unbiased=*/false);
+  std = at::where(std > 0, std, at::ones_like(std));
+  fit_on.features = (fit_on.features - mean) / std;
+  also.features = (also.features - mean) / std;
+}
+
+std::string default_csv_path() { return DDP_WINE_CSV; }
+
+}  // namespace wine

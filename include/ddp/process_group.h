@@ -1,0 +1,111 @@
+#pragma once
+
+// A group of processes that run collectives together: rendezvous through a
+// c10d TCPStore hosted by rank 0, then a Gloo (CPU) or NCCL (CUDA) backend.
+
+#include <ddp/env.h>
+
+#include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Backend;
+}
+
+namespace ddp {
+
+enum class BackendKind {
+  kAuto,  ///< NCCL when the device is CUDA, Gloo otherwise
+  kGloo,
+  kNccl,
+};
+
+/// "auto", "gloo" or "nccl"; throws on anything else.
+BackendKind parse_backend(const std::string& name);
+std::string to_string(BackendKind backend);
+
+/// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
+/// environment if set, else 30 minutes (PyTorch's default for Gloo).
+std::chrono::milliseconds default_timeout();
+
+/// Options for init_process_group.
+///
+///   auto pg = ddp::init_process_group(
+///       ddp::ProcessGroupOptions().backend(ddp::BackendKind::kGloo)
+///                                 .timeout(std::chrono::seconds(60)));
+struct ProcessGroupOptions {
+  /// Which collective library to use.
+  TORCH_ARG(BackendKind, backend) = BackendKind::kAuto;
+  /// The device the tensors live on; decides what kAuto means.
+  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// How long rendezvous and each collective may take before they fail.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
+};
+
+/// A process group: the ranks of one job and the collectives between them.
+/// All ranks must call collectives in the same order.
+class ProcessGroup {
+ public:
+  /// Rendezvous with the other ranks of `world` and connect the backend.
+  /// Rank 0 hosts the store on MASTER_ADDR:MASTER_PORT; a busy port, an
+  /// unreachable master or a missing peer fails after `timeout`.
+  static std::shared_ptr<ProcessGroup> create(const World& world, ProcessGroupOptions options = {});
+  ~ProcessGroup();
+
+  int rank() const { return world_.rank; }
+  int size() const { return world_.world_size; }
+  const World& world() const { return world_; }
+  BackendKind backend() const { return backend_kind_; }
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+
+  /// Starts an all-reduce of `tensor` in place and returns at once; call
+  /// wait() on the result before reading `tensor`.
+  c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& tensor,
+                                                  c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// All-reduces `tensor` in place and waits for it.
+  void all_reduce(at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// Copies `tensor` from `root` to every rank, in place.
+  void broadcast(at::Tensor& tensor, int root = 0);
+  /// Returns every rank's `tensor`, indexed by rank. Shapes must match.
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor);
+  /// Returns when every rank has reached it.
+  void barrier();
+
+  /// Waits for `work`; on failure throws an error that names `operation`,
+  /// this rank and the timeout.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const;
+
+  /// The rendezvous store, shared by all ranks (keys live under "ddp/").
+  c10d::Store& store() { return *store_; }
+  /// A fresh store key prefix for one use of the store, "ddp/<purpose>/<n>/".
+  /// Ranks that make the same calls in the same order get the same prefixes.
+  std::string unique_store_prefix(const std::string& purpose);
+
+  /// Releases the backend and the store. Idempotent; also run by the
+  /// destructor.
+  void shutdown();
+
+ private:
+  ProcessGroup() = default;
+
+  World world_;
+  ProcessGroupOptions options_;
+  BackendKind backend_kind_ = BackendKind::kGloo;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int64_t store_prefixes_issued_ = 0;
+};
+
+/// Reads the world from the environment (see env.h) and creates its process
+/// group. A one-process world gets a group of size 1, so the same program
+/// runs alone or under a launcher.
+std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options = {});
+
+}  // namespace ddp

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs what ddp needs to build and test, idempotently, and prints the
+# virtualenv's path on its last line. Fast when everything is already there.
+#
+#   DDP_CACHE_DIR  where cached virtualenvs live (default ~/.cache/ddp)
+#   DDP_VENV       use this virtualenv instead (must already hold torch)
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+NUMPY_VERSION=2.4.6
+APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev
+              python3 python3-venv iproute2 procps)
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    log "missing Debian packages: ${missing[*]}; install them as root (apt-get install ${missing[*]})"
+    exit 1
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if [ -n "${DDP_VENV:-}" ]; then
+  venv="$DDP_VENV"
+  [ -x "$venv/bin/python" ] || { log "DDP_VENV=$venv has no bin/python"; exit 1; }
+else
+  py_tag=$(python3 -c 'import sys; print(f"py{sys.version_info[0]}.{sys.version_info[1]}")')
+  venv="${DDP_CACHE_DIR:-$HOME/.cache/ddp}/torch-${TORCH_VERSION}-${py_tag}"
+  if [ ! -f "$venv/.ddp-complete" ]; then
+    log "installing torch==${TORCH_VERSION} into $venv (about 3 GB, once per machine)"
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check --progress-bar off \
+      "torch==${TORCH_VERSION}" "numpy==${NUMPY_VERSION}" >&2
+    touch "$venv/.ddp-complete"
+  fi
+fi
+
+version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+if [ "$version" != "$TORCH_VERSION" ]; then
+  log "$venv holds torch $version, but ddp pins $TORCH_VERSION"
+  exit 1
+fi
+echo "$venv"

@@ -1,0 +1,80 @@
+// The only file of ddp that includes Gloo's headers (through c10d's
+// ProcessGroupGloo.hpp). Gloo itself is compiled into libtorch_cpu; the wheel
+// ships no Gloo headers, so Debian's libgloo-dev provides the declarations.
+// Nothing here touches a Gloo class's layout: devices are created and held by
+// libtorch through shared_ptr, and every call goes to a function defined in
+// libtorch_cpu. tests/test_gloo_headers.cpp checks that at the symbol level.
+#define USE_C10D_GLOO 1
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "backends.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace ddp::detail {
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// The local address the kernel would use to reach `host`: each rank must bind
+// Gloo to an address its peers can reach, which on a multi-node job is not
+// loopback and not necessarily what the hostname resolves to.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* result = nullptr;
+  std::string port_text = std::to_string(port);
+  if (getaddrinfo(host.c_str(), port_text.c_str(), &hints, &result) != 0 || result == nullptr) {
+    return "";
+  }
+  std::string local;
+  int fd = socket(result->ai_family, SOCK_DGRAM, 0);
+  // A UDP connect() sends nothing; it only picks the route and source address.
+  if (fd >= 0 && connect(fd, result->ai_addr, result->ai_addrlen) == 0) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* raw = addr.ss_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&addr)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr);
+      if (inet_ntop(addr.ss_family, raw, text, sizeof(text)) != nullptr) local = text;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(result);
+  return local;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const World& world,
+                                                    std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (world.world_size == 1 || is_loopback(world.master_addr)) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    std::string local = local_address_towards(world.master_addr, world.master_port);
+    TORCH_CHECK(!local.empty(), "ddp: no network route from this host to MASTER_ADDR=",
+                world.master_addr, "; set GLOO_SOCKET_IFNAME to the interface to use");
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
+  }
+  // Two threads per rank keep bucket all-reduces in flight while the next
+  // bucket is being filled.
+  options->threads = 2;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, world.rank, world.world_size, options);
+}
+
+}  // namespace ddp::detail

@@ -1,0 +1,37 @@
+// NCCL process groups for CUDA tensors. Compiled with NCCL support when the
+// CUDA toolkit and nccl.h are found at configure time (DDP_WITH_NCCL).
+#include "backends.h"
+
+#ifdef DDP_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace ddp::detail {
+
+bool nccl_available() {
+#ifdef DDP_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const World& world,
+                                                    std::chrono::milliseconds timeout) {
+#ifdef DDP_WITH_NCCL
+  int devices = c10::cuda::device_count();
+  TORCH_CHECK(devices > 0, "ddp: the NCCL backend needs a CUDA device, but none is visible ",
+              "(check CUDA_VISIBLE_DEVICES); use the gloo backend for CPU training");
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(world.local_rank % devices));
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, world.rank, world.world_size, options);
+#else
+  TORCH_CHECK(false, "ddp: this build of ddp has no NCCL support (no CUDA toolkit or nccl.h was ",
+              "found when it was configured); use the gloo backend or rebuild with CUDA");
+#endif
+}
+
+}  // namespace ddp::detail

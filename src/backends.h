@@ -1,0 +1,26 @@
+#pragma once
+
+// Backend factories, one translation unit each, so that Gloo's and NCCL's
+// headers are seen by exactly one file of ddp.
+
+#include <ddp/env.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+
+namespace ddp::detail {
+
+c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const World& world,
+                                                    std::chrono::milliseconds timeout);
+
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const World& world,
+                                                    std::chrono::milliseconds timeout);
+
+/// Whether this build of ddp can create NCCL process groups.
+bool nccl_available();
+
+}  // namespace ddp::detail

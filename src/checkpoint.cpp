@@ -1,0 +1,511 @@
+#include <ddp/checkpoint.h>
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/nn/module.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+
+namespace ddp {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Atomic files
+
+void write_all(int fd, const char* data, size_t size, const std::string& path) {
+  while (size > 0) {
+    ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno));
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+std::string directory_of(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// ---------------------------------------------------------------------------
+// A weights-only unpickler for torch.save's zip format.
+
+// What the unpickler's stack holds: a small mirror of the Python objects a
+// weights-only pickle can build.
+struct PyObject;
+using PyRef = std::shared_ptr<PyObject>;
+
+struct PyObject {
+  enum class Kind { kNone, kBool, kInt, kFloat, kString, kTuple, kList, kDict, kTensor, kStorageType,
+                    kGlobal, kStorage, kMark };
+  Kind kind = Kind::kNone;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;                            // string; global "module.name"
+  std::vector<PyRef> items;                 // tuple, list
+  std::vector<std::pair<PyRef, PyRef>> kv;  // dict, in insertion order
+  at::Tensor tensor;                        // tensor; storage (1-D, its whole data)
+  c10::ScalarType dtype = c10::kFloat;      // storage type
+
+  static PyRef make(Kind kind) {
+    auto o = std::make_shared<PyObject>();
+    o->kind = kind;
+    return o;
+  }
+};
+
+const std::map<std::string, c10::ScalarType>& storage_types() {
+  static const std::map<std::string, c10::ScalarType> types = {
+      {"torch.FloatStorage", c10::kFloat},     {"torch.DoubleStorage", c10::kDouble},
+      {"torch.HalfStorage", c10::kHalf},       {"torch.BFloat16Storage", c10::kBFloat16},
+      {"torch.LongStorage", c10::kLong},       {"torch.IntStorage", c10::kInt},
+      {"torch.ShortStorage", c10::kShort},     {"torch.CharStorage", c10::kChar},
+      {"torch.ByteStorage", c10::kByte},       {"torch.BoolStorage", c10::kBool},
+      {"torch.ComplexFloatStorage", c10::kComplexFloat},
+      {"torch.ComplexDoubleStorage", c10::kComplexDouble},
+  };
+  return types;
+}
+
+class WeightsOnlyUnpickler {
+ public:
+  WeightsOnlyUnpickler(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive,
+                       const char* data, size_t size)
+      : path_(path), archive_(archive), data_(data), size_(size) {}
+
+  PyRef run() {
+    while (true) {
+      uint8_t op = read_u8();
+      switch (op) {
+        case 0x80: read_u8(); break;                   // PROTO
+        case 0x95: read_bytes(8); break;               // FRAME
+        case '.': {                                    // STOP
+          TORCH_CHECK(stack_.size() == 1, fail("the pickle ends with ", stack_.size(), " values"));
+          return stack_.back();
+        }
+        case 'c': {                                    // GLOBAL
+          std::string module = read_line();
+          std::string name = read_line();
+          push(global(module + "." + name));
+          break;
+        }
+        case 0x93: {                                   // STACK_GLOBAL
+          PyRef name = pop();
+          PyRef module = pop();
+          push(global(module->s + "." + name->s));
+          break;
+        }
+        case 'q': memo_[read_u8()] = top(); break;     // BINPUT
+        case 'r': memo_[read_u32()] = top(); break;    // LONG_BINPUT
+        case 0x94: memo_[memo_.size()] = top(); break; // MEMOIZE
+        case 'h': push(memo(read_u8())); break;        // BINGET
+        case 'j': push(memo(read_u32())); break;       // LONG_BINGET
+        case '(': push(PyObject::make(PyObject::Kind::kMark)); break;
+        case ')': push(PyObject::make(PyObject::Kind::kTuple)); break;
+        case 't': push(tuple(pop_to_mark())); break;
+        case 0x85: { auto a = pop(); push(tuple({a})); break; }
+        case 0x86: { auto b = pop(); auto a = pop(); push(tuple({a, b})); break; }
+        case 0x87: { auto c = pop(); auto b = pop(); auto a = pop(); push(tuple({a, b, c})); break; }
+        case ']': push(PyObject::make(PyObject::Kind::kList)); break;
+        case 'a': { auto v = pop(); expect(top(), PyObject::Kind::kList, "APPEND")->items.push_back(v); break; }
+        case 'e': {
+          auto values = pop_to_mark();
+          auto list = expect(top(), PyObject::Kind::kList, "APPENDS");
+          list->items.insert(list->items.end(), values.begin(), values.end());
+          break;
+        }
+        case '}': push(PyObject::make(PyObject::Kind::kDict)); break;
+        case 's': {
+          auto v = pop();
+          auto k = pop();
+          expect(top(), PyObject::Kind::kDict, "SETITEM")->kv.emplace_back(k, v);
+          break;
+        }
+        case 'u': {
+          auto values = pop_to_mark();
+          auto dict = expect(top(), PyObject::Kind::kDict, "SETITEMS");
+          TORCH_CHECK(values.size() % 2 == 0, fail("SETITEMS with an odd number of values"));
+          for (size_t k = 0; k < values.size(); k += 2) dict->kv.emplace_back(values[k], values[k + 1]);
+          break;
+        }
+        case 'N': push(PyObject::make(PyObject::Kind::kNone)); break;
+        case 0x88: push(boolean(true)); break;
+        case 0x89: push(boolean(false)); break;
+        case 'K': push(integer(read_u8())); break;
+        case 'M': push(integer(read_u16())); break;
+        case 'J': push(integer(static_cast<int32_t>(read_u32()))); break;
+        case 0x8a: push(integer(read_long(read_u8()))); break;  // LONG1
+        case 'G': push(real(read_double_be())); break;
+        case 'X': push(string(read_bytes(read_u32()))); break;  // BINUNICODE
+        case 0x8c: push(string(read_bytes(read_u8()))); break;  // SHORT_BINUNICODE
+        case 'B': push(string(read_bytes(read_u32()))); break;  // BINBYTES
+        case 'C': push(string(read_bytes(read_u8()))); break;   // SHORT_BINBYTES
+        case 'Q': push(persistent_load(pop())); break;          // BINPERSID
+        case 'R': {                                             // REDUCE
+          PyRef args = pop();
+          PyRef callable = pop();
+          push(call(callable, args));
+          break;
+        }
+        case 'b': {                                             // BUILD
+          pop();  // The state: OrderedDict's _metadata, tensor extras. Not needed.
+          break;
+        }
+        default:
+          TORCH_CHECK(false, fail("unsupported pickle opcode 0x", std::hex, static_cast<int>(op),
+                                  "; only weights-only checkpoints can be loaded"));
+      }
+    }
+  }
+
+ private:
+  template <typename... Args>
+  std::string fail(const Args&... args) const {
+    return c10::str("ddp: cannot load '", path_, "': ", args...);
+  }
+
+  void need(size_t n) const {
+    TORCH_CHECK(pos_ + n <= size_, fail("the pickle is truncated"));
+  }
+  uint8_t read_u8() { need(1); return static_cast<uint8_t>(data_[pos_++]); }
+  uint16_t read_u16() { auto s = read_bytes(2); return static_cast<uint16_t>(static_cast<uint8_t>(s[0]) | (static_cast<uint8_t>(s[1]) << 8)); }
+  uint32_t read_u32() {
+    auto s = read_bytes(4);
+    uint32_t v = 0;
+    for (int k = 3; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(s[k]);
+    return v;
+  }
+  int64_t read_long(size_t n) {
+    TORCH_CHECK(n <= 8, fail("integer of ", n, " bytes is too large"));
+    auto s = read_bytes(n);
+    uint64_t v = 0;
+    for (size_t k = n; k-- > 0;) v = (v << 8) | static_cast<uint8_t>(s[k]);
+    if (n > 0 && n < 8 && (static_cast<uint8_t>(s[n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
+    return static_cast<int64_t>(v);
+  }
+  double read_double_be() {
+    auto s = read_bytes(8);
+    uint64_t bits = 0;
+    for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<uint8_t>(s[k]);
+    double v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
+  std::string read_bytes(size_t n) {
+    need(n);
+    std::string s(data_ + pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::string read_line() {
+    size_t end = pos_;
+    while (end < size_ && data_[end] != '\n') ++end;
+    TORCH_CHECK(end < size_, fail("the pickle is truncated"));
+    std::string s(data_ + pos_, end - pos_);
+    pos_ = end + 1;
+    return s;
+  }
+
+  void push(PyRef v) { stack_.push_back(std::move(v)); }
+  PyRef pop() {
+    TORCH_CHECK(!stack_.empty(), fail("malformed pickle (stack underflow)"));
+    PyRef v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  PyRef top() {
+    TORCH_CHECK(!stack_.empty(), fail("malformed pickle (empty stack)"));
+    return stack_.back();
+  }
+  PyRef memo(size_t key) {
+    auto it = memo_.find(key);
+    TORCH_CHECK(it != memo_.end(), fail("malformed pickle (memo ", key, " unset)"));
+    return it->second;
+  }
+  std::vector<PyRef> pop_to_mark() {
+    std::vector<PyRef> values;
+    while (true) {
+      PyRef v = pop();
+      if (v->kind == PyObject::Kind::kMark) break;
+      values.push_back(v);
+    }
+    return {values.rbegin(), values.rend()};
+  }
+  PyRef expect(PyRef v, PyObject::Kind kind, const char* op) {
+    TORCH_CHECK(v->kind == kind, fail("malformed pickle (", op, " on the wrong type)"));
+    return v;
+  }
+
+  static PyRef tuple(std::vector<PyRef> items) {
+    auto t = PyObject::make(PyObject::Kind::kTuple);
+    t->items = std::move(items);
+    return t;
+  }
+  static PyRef boolean(bool b) { auto o = PyObject::make(PyObject::Kind::kBool); o->b = b; return o; }
+  static PyRef integer(int64_t i) { auto o = PyObject::make(PyObject::Kind::kInt); o->i = i; return o; }
+  static PyRef real(double f) { auto o = PyObject::make(PyObject::Kind::kFloat); o->f = f; return o; }
+  static PyRef string(std::string s) { auto o = PyObject::make(PyObject::Kind::kString); o->s = std::move(s); return o; }
+
+  // The allowlist: anything else in a checkpoint means it is not weights-only.
+  PyRef global(const std::string& name) {
+    auto storage = storage_types().find(name);
+    if (storage != storage_types().end()) {
+      auto o = PyObject::make(PyObject::Kind::kStorageType);
+      o->dtype = storage->second;
+      o->s = name;
+      return o;
+    }
+    static const char* callables[] = {"collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
+                                      "torch._utils._rebuild_parameter",
+                                      "torch._utils._rebuild_parameter_with_state"};
+    for (const char* allowed : callables) {
+      if (name == allowed) {
+        auto o = PyObject::make(PyObject::Kind::kGlobal);
+        o->s = name;
+        return o;
+      }
+    }
+    TORCH_CHECK(false, fail("it refers to the Python global '", name,
+                            "', which a weights-only checkpoint (a dict of tensors) never contains"));
+  }
+
+  PyRef call(const PyRef& callable, const PyRef& args) {
+    TORCH_CHECK(callable->kind == PyObject::Kind::kGlobal && args->kind == PyObject::Kind::kTuple,
+                fail("malformed pickle (REDUCE on a non-callable)"));
+    const auto& a = args->items;
+    if (callable->s == "collections.OrderedDict") return PyObject::make(PyObject::Kind::kDict);
+    if (callable->s == "torch._utils._rebuild_tensor_v2") {
+      TORCH_CHECK(a.size() >= 4 && a[0]->kind == PyObject::Kind::kStorage,
+                  fail("malformed _rebuild_tensor_v2 call"));
+      auto sizes = int_list(a[2]);
+      auto strides = int_list(a[3]);
+      int64_t offset = a[1]->i;
+      const at::Tensor& storage = a[0]->tensor;
+      int64_t needed = offset + 1;
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        if (sizes[d] == 0) needed = 0;
+        else needed += (sizes[d] - 1) * strides[d];
+      }
+      TORCH_CHECK(needed <= storage.numel(), fail("a tensor reaches past the end of its storage"));
+      auto o = PyObject::make(PyObject::Kind::kTensor);
+      o->tensor = storage.as_strided(sizes, strides, offset);
+      return o;
+    }
+    // _rebuild_parameter(data, requires_grad, backward_hooks[, state]).
+    TORCH_CHECK(!a.empty() && a[0]->kind == PyObject::Kind::kTensor, fail("malformed parameter"));
+    return a[0];
+  }
+
+  std::vector<int64_t> int_list(const PyRef& v) {
+    TORCH_CHECK(v->kind == PyObject::Kind::kTuple || v->kind == PyObject::Kind::kList,
+                fail("malformed tensor shape"));
+    std::vector<int64_t> out;
+    for (const auto& item : v->items) {
+      TORCH_CHECK(item->kind == PyObject::Kind::kInt, fail("malformed tensor shape"));
+      out.push_back(item->i);
+    }
+    return out;
+  }
+
+  // ('storage', StorageType, key, location, numel) -> the storage's data,
+  // read from the archive's data/<key> record.
+  PyRef persistent_load(const PyRef& id) {
+    TORCH_CHECK(id->kind == PyObject::Kind::kTuple && id->items.size() >= 5 &&
+                    id->items[0]->s == "storage" && id->items[1]->kind == PyObject::Kind::kStorageType,
+                fail("unsupported persistent id"));
+    const std::string& key = id->items[2]->s;
+    auto cached = storages_.find(key);
+    if (cached != storages_.end()) return cached->second;
+    c10::ScalarType dtype = id->items[1]->dtype;
+    int64_t numel = id->items[4]->i;
+    std::string record = "data/" + key;
+    TORCH_CHECK(archive_.hasRecord(record), fail("the archive lacks the record '", record,
+                                                 "' (the file is incomplete)"));
+    auto [data, size] = archive_.getRecord(record);
+    size_t expected = static_cast<size_t>(numel) * c10::elementSize(dtype);
+    TORCH_CHECK(size >= expected, fail("record '", record, "' holds ", size, " bytes, but ", expected,
+                                       " are needed"));
+    auto o = PyObject::make(PyObject::Kind::kStorage);
+    o->tensor = at::empty({numel}, at::TensorOptions().dtype(dtype));
+    if (expected > 0) std::memcpy(o->tensor.data_ptr(), data.get(), expected);
+    storages_[key] = o;
+    return o;
+  }
+
+  const std::string& path_;
+  caffe2::serialize::PyTorchStreamReader& archive_;
+  const char* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  std::vector<PyRef> stack_;
+  std::unordered_map<size_t, PyRef> memo_;
+  std::unordered_map<std::string, PyRef> storages_;
+};
+
+c10::IValue to_ivalue(const PyRef& v, const std::string& path) {
+  using Kind = PyObject::Kind;
+  switch (v->kind) {
+    case Kind::kNone: return c10::IValue();
+    case Kind::kBool: return c10::IValue(v->b);
+    case Kind::kInt: return c10::IValue(v->i);
+    case Kind::kFloat: return c10::IValue(v->f);
+    case Kind::kString: return c10::IValue(v->s);
+    case Kind::kTensor: return c10::IValue(v->tensor);
+    case Kind::kTuple: {
+      std::vector<c10::IValue> items;
+      for (const auto& item : v->items) items.push_back(to_ivalue(item, path));
+      return c10::ivalue::Tuple::create(std::move(items));
+    }
+    case Kind::kList: {
+      c10::impl::GenericList list(c10::AnyType::get());
+      for (const auto& item : v->items) list.push_back(to_ivalue(item, path));
+      return list;
+    }
+    case Kind::kDict: {
+      c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
+      for (const auto& [key, value] : v->kv) dict.insert(to_ivalue(key, path), to_ivalue(value, path));
+      return dict;
+    }
+    default:
+      TORCH_CHECK(false, "ddp: cannot load '", path, "': it holds a bare storage or global");
+  }
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
+              " (does the directory exist and is it writable?)");
+  try {
+    write_all(fd, bytes.data(), bytes.size(), temporary);
+    TORCH_CHECK(::fsync(fd) == 0, "ddp: fsync of '", temporary, "' failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    throw;
+  }
+  ::close(fd);
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    int saved = errno;
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "ddp: cannot rename '", temporary, "' to '", path, "': ", std::strerror(saved));
+  }
+  // The rename is durable only once the directory entry is on disk.
+  int dir = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+void save_value(const c10::IValue& value, const std::string& path) {
+  std::vector<char> pickle;
+  // Untagged aggregates: tagged ones name torch.jit globals that Python's
+  // weights_only loader rejects.
+  torch::jit::Pickler pickler(
+      [&](const char* bytes, size_t n) { pickle.insert(pickle.end(), bytes, bytes + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+
+  std::vector<char> archive;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t n) -> size_t {
+    const char* begin = static_cast<const char*>(bytes);
+    archive.insert(archive.end(), begin, begin + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  write_file_atomically(path, archive);
+}
+
+c10::IValue load_value(const std::string& path) {
+  struct stat info {};
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
+  try {
+    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ddp: cannot load '", path, "': it is not a complete torch.save file (",
+                e.what_without_backtrace(), ")");
+  }
+  if (archive->hasRecord("byteorder")) {
+    auto [data, size] = archive->getRecord("byteorder");
+    std::string order(static_cast<const char*>(data.get()), size);
+    TORCH_CHECK(order == "little", "ddp: cannot load '", path, "': it was written on a ", order,
+                "-endian machine");
+  }
+  TORCH_CHECK(archive->hasRecord("data.pkl"), "ddp: cannot load '", path,
+              "': it has no data.pkl record; it is not a torch.save file (TorchScript archives ",
+              "from torch::save(module) are not state dicts)");
+  auto [data, size] = archive->getRecord("data.pkl");
+  WeightsOnlyUnpickler unpickler(path, *archive, static_cast<const char*>(data.get()), size);
+  return to_ivalue(unpickler.run(), path);
+}
+
+void save_state_dict(const StateDict& state, const std::string& path) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, tensor] : state) {
+    // A compact CPU copy: views would otherwise save their whole storage.
+    dict.insert(name, tensor.detach().to(at::kCPU).contiguous().clone());
+  }
+  save_value(dict, path);
+}
+
+StateDict load_state_dict(const std::string& path) {
+  c10::IValue value = load_value(path);
+  TORCH_CHECK(value.isGenericDict(), "ddp: '", path, "' does not hold a state dict (a dict of tensors)");
+  StateDict state;
+  for (const auto& item : value.toGenericDict()) {
+    TORCH_CHECK(item.key().isString() && item.value().isTensor(), "ddp: '", path,
+                "' is not a state dict: every key must be a string and every value a tensor");
+    state.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  }
+  return state;
+}
+
+StateDict state_dict(const torch::nn::Module& module) {
+  StateDict state;
+  for (const auto& item : module.named_parameters(true)) state.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers(true)) state.emplace_back(item.key(), item.value());
+  return state;
+}
+
+void load_state_dict(torch::nn::Module& module, const StateDict& state) {
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  auto targets = state_dict(module);
+  at::NoGradGuard no_grad;
+  for (auto& [name, target] : targets) {
+    auto it = by_name.find(name);
+    TORCH_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name,
+                "' that the model needs");
+    TORCH_CHECK(it->second.sizes() == target.sizes(), "ddp: state dict entry '", name, "' has shape ",
+                it->second.sizes(), " but the model's has shape ", target.sizes());
+    target.copy_(it->second);
+    by_name.erase(it);
+  }
+  TORCH_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first,
+              "' that the model lacks");
+}
+
+}  // namespace ddp
