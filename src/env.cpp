@@ -105,13 +105,16 @@ World from_slurm(const EnvLookup& lookup) {
   w.world_size = step_tasks ? *step_tasks : require_int(lookup, "SLURM_NTASKS", "SLURM_PROCID");
   w.local_rank = lookup_int(lookup, "SLURM_LOCALID").value_or(0);
   w.node_rank = lookup_int(lookup, "SLURM_NODEID").value_or(0);
+  // The step's own layout first; SLURM_NTASKS_PER_NODE (from --ntasks-per-node)
+  // is one number for every node.
   std::optional<int> per_node;
-  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
     if (auto spec = lookup(name)) {
       per_node = slurm_tasks_on_node(name, *spec, w.node_rank);
       if (per_node) break;
     }
   }
+  if (!per_node) per_node = lookup_int(lookup, "SLURM_NTASKS_PER_NODE");
   w.local_world_size = per_node.value_or(w.world_size);
   std::string first_host;
   for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {

@@ -3,6 +3,7 @@
 // Command line of the Wine examples, shared so that wine_single and wine_ddp
 // differ only in what DDP itself asks of a program.
 
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
@@ -74,7 +75,7 @@ inline Args parse_args(int argc, char** argv) {
       args.init_state = value();
     } else if (arg == "--checkpoint-dir") {
       args.checkpoint_dir = value();
-    } else if (!arg.empty() && arg[0] == '-' && arg != "-") {
+    } else if (arg.size() > 1 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1]))) {
       throw UsageError("unknown option " + arg);
     } else if (positional == 0) {
       args.total_epochs = parse_positive("TOTAL_EPOCHS", arg);

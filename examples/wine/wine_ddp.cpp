@@ -20,6 +20,7 @@
 #include <torch/utils.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 int main(int argc, char** argv) {
@@ -32,6 +33,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    // Fail now rather than after the first epoch's training.
+    TORCH_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
+                args.checkpoint_dir, "' does not exist; create it or pass --checkpoint-dir");
     // Join the job: rendezvous with the other ranks through MASTER_ADDR:PORT.
     auto group = ddp::init_process_group();
     const bool is_master = group->rank() == 0;

@@ -14,6 +14,7 @@
 #include <torch/utils.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 int main(int argc, char** argv) {
@@ -26,6 +27,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    // Fail now rather than after the first epoch's training.
+    TORCH_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
+                args.checkpoint_dir, "' does not exist; create it or pass --checkpoint-dir");
     wine::Split data;
     if (args.train_csv.empty()) {
       data = wine::train_test_split(wine::read_csv(wine::default_csv_path()), 0.2, 42);

@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make run    trains the Wine example with DDP on 2 CPU ranks under ddprun
+#   make test   runs every test
+# Both install what is missing (scripts/setup.sh) and build incrementally first.
+
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CTEST_ARGS ?=
+
+# The virtualenv holding the pinned torch; scripts/setup.sh creates it once
+# per machine in ~/.cache/ddp (or $DDP_CACHE_DIR, or uses $DDP_VENV).
+VENV_FILE := $(BUILD_DIR)/.venv-path
+
+.PHONY: all build setup run test bench clean install
+
+all: build
+
+setup:
+	@mkdir -p $(BUILD_DIR)
+	@bash scripts/setup.sh > $(VENV_FILE).new && mv $(VENV_FILE).new $(VENV_FILE)
+
+build: setup
+	@venv=$$(cat $(VENV_FILE)); \
+	if ! grep -qs "DDP_PYTHON:FILEPATH=$$venv/bin/python" $(BUILD_DIR)/CMakeCache.txt; then \
+	  cmake -S . -B $(BUILD_DIR) -G Ninja -DDDP_PYTHON=$$venv/bin/python $(CMAKE_ARGS) || exit 1; \
+	fi
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+run: build
+	@mkdir -p runs/wine
+	$(BUILD_DIR)/bin/ddprun --standalone --nproc-per-node 2 \
+	  $(BUILD_DIR)/bin/wine_ddp 100 50 --checkpoint-dir runs/wine
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j 2 --timeout 300 $(CTEST_ARGS)
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,46 @@
+// Launching ddp programs from tests: through ddprun, or alone with a world
+// described by hand-set variables.
+#pragma once
+
+#include <support/subprocess.h>
+
+#include <algorithm>
+
+#include <string>
+#include <vector>
+
+namespace ddp::testing {
+
+/// ddprun --standalone --nproc-per-node N <bin/program> args...
+inline std::vector<std::string> under_ddprun(int nproc, const std::string& program,
+                                             const std::vector<std::string>& args = {}) {
+  std::vector<std::string> argv = {bin_path("ddprun"), "--standalone", "--nproc-per-node",
+                                   std::to_string(nproc), bin_path(program)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+/// Options for running one rank by hand: the launcher variables of other
+/// launchers are removed so only `env` describes the world.
+inline RunOptions one_rank(std::vector<std::pair<std::string, std::string>> env,
+                           std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  RunOptions options;
+  options.env = std::move(env);
+  options.unset_env = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                       "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"};
+  for (const auto& [name, value] : options.env) {
+    options.unset_env.erase(std::remove(options.unset_env.begin(), options.unset_env.end(), name),
+                            options.unset_env.end());
+  }
+  options.timeout = timeout;
+  return options;
+}
+
+/// Number of times `needle` occurs in `haystack`.
+inline int count_of(const std::string& haystack, const std::string& needle) {
+  int count = 0;
+  for (size_t pos = haystack.find(needle); pos != std::string::npos; pos = haystack.find(needle, pos + 1)) ++count;
+  return count;
+}
+
+}  // namespace ddp::testing

@@ -1,0 +1,593 @@
+// Tests of the ddprun launcher, run as a real program against the launcher_probe worker.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/subprocess.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using ddp::testing::BackgroundProcess;
+using ddp::testing::bin_path;
+using ddp::testing::ProcessResult;
+using ddp::testing::RunOptions;
+
+// Every run here should take a second or two; this only bounds a broken launcher.
+constexpr std::chrono::milliseconds kRunTimeout = 20s;
+
+using EnvAssignments = std::vector<std::pair<std::string, std::string>>;
+
+RunOptions run_options(EnvAssignments env = {}, std::vector<std::string> unset_env = {}) {
+  RunOptions options;
+  options.env = std::move(env);
+  options.unset_env = std::move(unset_env);
+  options.timeout = kRunTimeout;
+  return options;
+}
+
+std::string probe() { return bin_path("launcher_probe"); }
+
+std::vector<std::string> ddprun_argv(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{bin_path("ddprun")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+ProcessResult ddprun(const std::vector<std::string>& args,
+                     const RunOptions& options = run_options()) {
+  return ddp::testing::run_process(ddprun_argv(args), options);
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+// Lines "[rankR]: KEY=VALUE KEY=VALUE ..." printed by --print-env, by rank.
+std::map<int, std::map<std::string, std::string>> env_by_rank(const std::string& out) {
+  static const std::regex kEnvLine(R"(^\[rank(\d+)\]: (RANK=.*)$)");
+  std::map<int, std::map<std::string, std::string>> result;
+  for (const std::string& line : lines_of(out)) {
+    std::smatch match;
+    if (!std::regex_match(line, match, kEnvLine)) continue;
+    auto& variables = result[std::stoi(match[1])];
+    std::istringstream words(match[2].str());
+    for (std::string word; words >> word;) {
+      size_t equals = word.find('=');
+      variables[word.substr(0, equals)] = word.substr(equals + 1);
+    }
+  }
+  return result;
+}
+
+size_t count_of(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+class TempDir {
+ public:
+  TempDir() : path_(ddp::testing::make_temp_dir("ddprun_test")) {}
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Waits for a pid file written by the probe; returns its pid, or -1 after the timeout.
+int wait_for_pid_file(const std::string& path, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    std::ifstream file(path);
+    int pid = -1;
+    if (file >> pid) return pid;
+    if (std::chrono::steady_clock::now() >= deadline) return -1;
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+bool wait_until_dead(int pid, std::chrono::milliseconds timeout = 3s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (ddp::testing::process_alive(pid)) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment
+
+TEST(DdprunEnvironment, SecondNodeOfTwoGetsTorchrunVariables) {
+  const int port = ddp::testing::free_port();
+  ProcessResult result =
+      ddprun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
+              "127.0.0.1", "--master-port", std::to_string(port), probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+
+  auto env = env_by_rank(result.out);
+  ASSERT_EQ(env.size(), 2u) << result.describe();
+  for (int local_rank = 0; local_rank < 2; ++local_rank) {
+    const int rank = 2 + local_rank;
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    ASSERT_TRUE(env.count(rank)) << result.describe();
+    auto& vars = env[rank];
+    EXPECT_EQ(vars["RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(local_rank));
+    EXPECT_EQ(vars["WORLD_SIZE"], "4");
+    EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], "2");
+    EXPECT_EQ(vars["GROUP_RANK"], "1");
+    EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "2");
+    EXPECT_EQ(vars["ROLE_RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["ROLE_WORLD_SIZE"], "4");
+    EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(vars["MASTER_PORT"], std::to_string(port));
+    EXPECT_EQ(vars["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(vars["TORCHELASTIC_MAX_RESTARTS"], "0");
+    EXPECT_EQ(vars["TORCHELASTIC_RUN_ID"], "none");
+  }
+}
+
+TEST(DdprunEnvironment, DefaultsAreOneLocalWorkerOnPort29500) {
+  ProcessResult result = ddprun({probe(), "--print-env"}, run_options({}, {"OMP_NUM_THREADS"}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  ASSERT_EQ(env.size(), 1u) << result.describe();
+  auto& vars = env[0];
+  EXPECT_EQ(vars["RANK"], "0");
+  EXPECT_EQ(vars["LOCAL_RANK"], "0");
+  EXPECT_EQ(vars["WORLD_SIZE"], "1");
+  EXPECT_EQ(vars["GROUP_RANK"], "0");
+  EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+  EXPECT_EQ(vars["MASTER_PORT"], "29500");
+  // A single worker cannot oversubscribe the CPUs, so OMP_NUM_THREADS is not invented.
+  EXPECT_EQ(vars["OMP_NUM_THREADS"], "<unset>");
+  EXPECT_EQ(result.err.find("OMP_NUM_THREADS"), std::string::npos) << result.describe();
+}
+
+TEST(DdprunEnvironment, FlagSpellingsWithUnderscoresAndEqualsAreAccepted) {
+  ProcessResult result = ddprun({"--nproc_per_node=3", "--master_port=12345",
+                                 "--master-addr=10.1.2.3", "--nnodes=1", probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  ASSERT_EQ(env.size(), 3u) << result.describe();
+  EXPECT_EQ(env[2]["WORLD_SIZE"], "3");
+  EXPECT_EQ(env[2]["MASTER_PORT"], "12345");
+  EXPECT_EQ(env[2]["MASTER_ADDR"], "10.1.2.3");
+}
+
+TEST(DdprunEnvironment, NprocCpuStartsOneWorkerPerOnlineCpu) {
+  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  ProcessResult result = ddprun({"--nproc-per-node", "cpu", probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  EXPECT_EQ(static_cast<long>(env.size()), cpus) << result.describe();
+  EXPECT_EQ(env[0]["LOCAL_WORLD_SIZE"], std::to_string(cpus));
+}
+
+TEST(DdprunEnvironment, NprocAutoMeansOnePerCpuWithoutGpus) {
+  if (std::filesystem::exists("/proc/driver/nvidia/gpus")) {
+    GTEST_SKIP() << "this machine has NVIDIA GPUs; 'auto' counts them instead of CPUs";
+  }
+  const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  ProcessResult result = ddprun({"--nproc-per-node", "auto", probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(static_cast<long>(env_by_rank(result.out).size()), cpus) << result.describe();
+}
+
+TEST(DdprunEnvironment, StandaloneUsesLoopbackAndAFreshFreePort) {
+  for (int run = 0; run < 2; ++run) {
+    SCOPED_TRACE("standalone run " + std::to_string(run));
+    ProcessResult result = ddprun({"--standalone", "--master-addr", "10.9.8.7", "--master-port",
+                                   "1", "--nproc-per-node", "2", probe(), "--print-env"});
+    ASSERT_EQ(result.exit_code, 0) << result.describe();
+    auto env = env_by_rank(result.out);
+    ASSERT_EQ(env.size(), 2u) << result.describe();
+    EXPECT_EQ(env[0]["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(env[1]["MASTER_PORT"], env[0]["MASTER_PORT"]);
+    const int port = std::stoi(env[0]["MASTER_PORT"]);
+    EXPECT_GE(port, 1024) << "an ephemeral port, not the --master-port that was overridden";
+    EXPECT_LE(port, 65535);
+  }
+}
+
+TEST(DdprunEnvironment, OmpNumThreadsIsOneForSeveralWorkersWhenUnset) {
+  ProcessResult result = ddprun({"--nproc-per-node", "2", probe(), "--print-env"},
+                                run_options({}, {"OMP_NUM_THREADS"}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  ASSERT_EQ(env.size(), 2u) << result.describe();
+  EXPECT_EQ(env[0]["OMP_NUM_THREADS"], "1");
+  EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "1");
+  EXPECT_EQ(count_of(result.err, "ddprun: OMP_NUM_THREADS"), 1u)
+      << "one notice, " << result.describe();
+}
+
+TEST(DdprunEnvironment, OmpNumThreadsIsLeftAloneWhenSet) {
+  ProcessResult result = ddprun({"--nproc-per-node", "2", probe(), "--print-env"},
+                                run_options({{"OMP_NUM_THREADS", "7"}}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  ASSERT_EQ(env.size(), 2u) << result.describe();
+  EXPECT_EQ(env[0]["OMP_NUM_THREADS"], "7");
+  EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "7");
+  EXPECT_EQ(result.err.find("OMP_NUM_THREADS"), std::string::npos) << result.describe();
+}
+
+TEST(DdprunEnvironment, ProgramArgumentsPassThroughUntouched) {
+  ProcessResult result = ddprun({"--no-prefix", probe(), "--print-args", "--nproc-per-node", "5",
+                                 "--help", "--", "-h", "a b"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "arg: --nproc-per-node\narg: 5\narg: --help\narg: --\narg: -h\narg: a b\n")
+      << result.describe();
+
+  // "--" ends ddprun's options even when PROGRAM itself looks like one.
+  result = ddprun({"--no-prefix", "--", probe(), "--print-args", "--standalone"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "arg: --standalone\n") << result.describe();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+TEST(DdprunOutput, PrefixesStdoutAndStderrLinesWithTheGlobalRank) {
+  ProcessResult result = ddprun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
+                                 probe(), "--lines", "2", "--say", "bye"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  for (int rank : {2, 3}) {
+    const std::string prefix = "[rank" + std::to_string(rank) + "]: ";
+    const std::string r = std::to_string(rank);
+    EXPECT_NE(result.out.find(prefix + "rank " + r + " line 0 xxx"), std::string::npos)
+        << result.describe();
+    EXPECT_NE(result.out.find(prefix + "rank " + r + " line 1 xxx"), std::string::npos);
+    EXPECT_NE(result.out.find(prefix + "bye\n"), std::string::npos);
+    EXPECT_NE(result.err.find(prefix + "rank " + r + " stderr line\n"), std::string::npos)
+        << result.describe();
+    // stderr lines stay on stderr and stdout lines on stdout.
+    EXPECT_EQ(result.out.find("stderr line"), std::string::npos);
+    EXPECT_EQ(result.err.find(" line 0 "), std::string::npos);
+  }
+}
+
+TEST(DdprunOutput, LinesOfManyWorkersNeverInterleave) {
+  constexpr int kWorkers = 4;
+  constexpr int kLines = 2000;
+  ProcessResult result = ddprun(
+      {"--nproc-per-node", std::to_string(kWorkers), probe(), "--lines", std::to_string(kLines)});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+
+  static const std::regex kLine(R"(^\[rank(\d)\]: rank (\d) line (\d+) x{300}$)");
+  std::vector<int> next_line(kWorkers, 0);
+  int bad_lines = 0;
+  for (const std::string& line : lines_of(result.out)) {
+    std::smatch match;
+    if (!std::regex_match(line, match, kLine) || match[1] != match[2]) {
+      if (++bad_lines <= 3) ADD_FAILURE() << "mangled line: '" << line.substr(0, 200) << "'";
+      continue;
+    }
+    const int rank = std::stoi(match[1]);
+    // Each worker's lines arrive complete and in order.
+    EXPECT_EQ(std::stoi(match[3]), next_line[rank]) << "rank " << rank;
+    next_line[rank] = std::stoi(match[3]) + 1;
+  }
+  EXPECT_EQ(bad_lines, 0);
+  for (int rank = 0; rank < kWorkers; ++rank) EXPECT_EQ(next_line[rank], kLines) << "rank " << rank;
+}
+
+TEST(DdprunOutput, PartialLastLineIsFlushedWithANewline) {
+  ProcessResult result = ddprun({"--nproc-per-node", "2", probe(), "--partial-line"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.out.find("[rank0]: rank 0 partial line without newline\n"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.out.find("[rank1]: rank 1 partial line without newline\n"), std::string::npos)
+      << result.describe();
+}
+
+TEST(DdprunOutput, NoPrefixForwardsLinesUnchanged) {
+  ProcessResult result = ddprun({"--no-prefix", probe(), "--lines", "1", "--say", "plain"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "rank 0 line 0 " + std::string(300, 'x') + "\nplain\n")
+      << result.describe();
+  EXPECT_EQ(result.err, "rank 0 stderr line\n") << result.describe();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures
+
+TEST(DdprunFailure, FailingWorkerStopsTheOthersQuickly) {
+  TempDir pids;
+  ProcessResult result = ddprun({"--nproc-per-node", "2", probe(), "--pid-file", pids.path(),
+                                 "--barrier", "--exit-code-on-rank", "0", "3", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_LT(result.seconds, 10.0) << "rank 1 sleeps 60 s; it must have been stopped";
+
+  const int failed_pid = wait_for_pid_file(pids.file("pid.0"), 0ms);
+  const int sleeper_pid = wait_for_pid_file(pids.file("pid.1"), 0ms);
+  ASSERT_GT(failed_pid, 0);
+  ASSERT_GT(sleeper_pid, 0);
+  EXPECT_NE(result.err.find("rank 0 (local rank 0, pid " + std::to_string(failed_pid) +
+                            ") failed: exit code 3"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_NE(
+      result.err.find("stopped rank 1 (local rank 1, pid " + std::to_string(sleeper_pid) + ")"),
+      std::string::npos)
+      << result.describe();
+  EXPECT_TRUE(wait_until_dead(sleeper_pid)) << "rank 1 outlived ddprun";
+}
+
+TEST(DdprunFailure, WorkerKilledBySegfaultIsReportedByName) {
+  ProcessResult result = ddprun(
+      {"--nproc-per-node", "2", probe(), "--signal-on-rank", "1", "SIGSEGV", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_LT(result.seconds, 10.0);
+  EXPECT_NE(result.err.find("rank 1 (local rank 1, pid "), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("failed: killed by signal 11 (SIGSEGV)"), std::string::npos)
+      << result.describe();
+}
+
+TEST(DdprunFailure, WorkerKilledBySigkillIsReportedByName) {
+  ProcessResult result =
+      ddprun({"--nproc-per-node", "2", probe(), "--signal-on-rank", "0", "KILL", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_LT(result.seconds, 10.0);
+  EXPECT_NE(result.err.find("rank 0 (local rank 0, pid "), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("failed: killed by signal 9 (SIGKILL)"), std::string::npos)
+      << result.describe();
+}
+
+TEST(DdprunFailure, WorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  TempDir pids;
+  ProcessResult result =
+      ddprun({"--nproc-per-node", "2", "--grace-period", "1", probe(), "--pid-file", pids.path(),
+              "--barrier", "--ignore-term", "--exit-code-on-rank", "0", "5", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_GE(result.seconds, 1.0) << "SIGKILL came before the grace period was over";
+  EXPECT_LT(result.seconds, 8.0) << result.describe();
+  EXPECT_NE(result.err.find("failed: exit code 5"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("stopped rank 1"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("killed with SIGKILL"), std::string::npos) << result.describe();
+  const int stubborn_pid = wait_for_pid_file(pids.file("pid.1"), 0ms);
+  ASSERT_GT(stubborn_pid, 0);
+  EXPECT_TRUE(wait_until_dead(stubborn_pid));
+}
+
+TEST(DdprunFailure, EarlySuccessfulExitDoesNotStopTheOthers) {
+  ProcessResult result = ddprun({"--nproc-per-node", "2", probe(), "--exit-code-on-rank", "0", "0",
+                                 "--sleep", "0.5", "--say", "still here"});
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.out.find("[rank1]: still here\n"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.out.find("[rank0]: still here"), std::string::npos) << result.describe();
+}
+
+TEST(DdprunFailure, GrandchildrenAreKilledWhenTheJobFails) {
+  TempDir pids;
+  ProcessResult result =
+      ddprun({"--nproc-per-node", "2", probe(), "--spawn-grandchild", pids.path(), "--pid-file",
+              pids.path(), "--barrier", "--exit-code-on-rank", "0", "4", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_LT(result.seconds, 10.0) << result.describe();
+  for (int rank : {0, 1}) {
+    const int grandchild = wait_for_pid_file(pids.file("grandchild." + std::to_string(rank)), 0ms);
+    ASSERT_GT(grandchild, 0);
+    EXPECT_TRUE(wait_until_dead(grandchild)) << "grandchild of rank " << rank << " survived";
+  }
+}
+
+TEST(DdprunFailure, GrandchildrenDoNotOutliveASuccessfulJob) {
+  TempDir pids;
+  ProcessResult result = ddprun({probe(), "--spawn-grandchild", pids.path(), "--say", "done"});
+  // The grandchild holds the worker's stdout open; ddprun must not wait out its 300 s sleep.
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_LT(result.seconds, 10.0) << result.describe();
+  EXPECT_NE(result.out.find("[rank0]: done\n"), std::string::npos) << result.describe();
+  const int grandchild = wait_for_pid_file(pids.file("grandchild.0"), 0ms);
+  ASSERT_GT(grandchild, 0);
+  EXPECT_TRUE(wait_until_dead(grandchild));
+}
+
+TEST(DdprunFailure, MissingProgramIsReportedClearly) {
+  for (const std::string program : {"/nonexistent/ddp_program", "ddp_no_such_program_on_path"}) {
+    SCOPED_TRACE(program);
+    ProcessResult result = ddprun({"--nproc-per-node", "2", program, "--flag"});
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("cannot execute '" + program + "': No such file or directory"),
+              std::string::npos)
+        << result.describe();
+    EXPECT_NE(result.err.find("failed: exit code 127"), std::string::npos) << result.describe();
+    EXPECT_LT(result.seconds, 10.0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals sent to ddprun
+
+class DdprunSignals : public ::testing::Test {
+ protected:
+  // Starts ddprun in the background with two probes and waits until both are ready.
+  void start(std::vector<std::string> ddprun_flags, std::vector<std::string> probe_flags) {
+    std::vector<std::string> args = std::move(ddprun_flags);
+    args.insert(args.end(), {"--nproc-per-node", "2", probe(), "--pid-file", pids_.path()});
+    args.insert(args.end(), probe_flags.begin(), probe_flags.end());
+    launcher_ = ddp::testing::start_background(ddprun_argv(args), run_options());
+    for (int rank = 0; rank < 2; ++rank) {
+      worker_pids_.push_back(wait_for_pid_file(pids_.file("pid." + std::to_string(rank))));
+      if (worker_pids_.back() <= 0)
+        FAIL() << "rank " << rank << " never started: " << finish(1ms).describe();
+    }
+  }
+
+  void TearDown() override {
+    if (launcher_.pid > 0 && !finished_) ddp::testing::wait_background(launcher_, 1ms);
+    for (int pid : worker_pids_) {
+      if (pid > 0 && ddp::testing::process_alive(pid)) kill(pid, SIGKILL);
+    }
+  }
+
+  ProcessResult finish(std::chrono::milliseconds timeout = 15s) {
+    finished_ = true;
+    return ddp::testing::wait_background(launcher_, timeout);
+  }
+
+  void expect_workers_dead() {
+    for (int pid : worker_pids_)
+      EXPECT_TRUE(wait_until_dead(pid)) << "worker " << pid << " survived";
+  }
+
+  TempDir pids_;
+  BackgroundProcess launcher_;
+  std::vector<int> worker_pids_;
+  bool finished_ = false;
+};
+
+TEST_F(DdprunSignals, SigtermIsForwardedToTheWorkers) {
+  ASSERT_NO_FATAL_FAILURE(start({}, {"--trap-term", "--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGTERM), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.describe();
+  EXPECT_LT(result.seconds, 5.0) << result.describe();
+  EXPECT_NE(result.out.find("[rank0]: rank 0 got SIGTERM\n"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.out.find("[rank1]: rank 1 got SIGTERM\n"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("received SIGTERM"), std::string::npos) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, SigintIsForwardedToTheWorkers) {
+  ASSERT_NO_FATAL_FAILURE(start({}, {"--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGINT), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGINT) << result.describe();
+  EXPECT_LT(result.seconds, 5.0) << result.describe();
+  EXPECT_NE(result.err.find("received SIGINT"), std::string::npos) << result.describe();
+  EXPECT_EQ(count_of(result.err, "killed by signal 2 (SIGINT)"), 2u) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, SecondSignalKillsWithoutWaitingForTheGracePeriod) {
+  ASSERT_NO_FATAL_FAILURE(start({"--grace-period", "60"}, {"--ignore-term", "--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGTERM), 0);
+  std::this_thread::sleep_for(300ms);
+  ASSERT_EQ(kill(launcher_.pid, SIGTERM), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.describe();
+  EXPECT_LT(result.seconds, 5.0) << result.describe();
+  EXPECT_NE(result.err.find("killing them now"), std::string::npos) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, SighupIsForwardedToTheWorkers) {
+  ASSERT_NO_FATAL_FAILURE(start({}, {"--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGHUP), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGHUP) << result.describe();
+  EXPECT_EQ(count_of(result.err, "killed by signal 1 (SIGHUP)"), 2u) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, SigkilledLauncherTakesWorkersAndTheirChildrenAlong) {
+  ASSERT_NO_FATAL_FAILURE(start({}, {"--spawn-grandchild", pids_.path(), "--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGKILL), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.term_signal, SIGKILL) << result.describe();
+  // ddprun could not clean up: PR_SET_PDEATHSIG stops the workers, its watchdog their children.
+  expect_workers_dead();
+  for (int rank : {0, 1}) {
+    const int grandchild = wait_for_pid_file(pids_.file("grandchild." + std::to_string(rank)), 0ms);
+    ASSERT_GT(grandchild, 0);
+    EXPECT_TRUE(wait_until_dead(grandchild)) << "grandchild of rank " << rank << " survived";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+TEST(DdprunCommandLine, BadFlagsExitWithCodeTwoAndNameTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;  // must appear in the error message
+  };
+  const std::vector<Case> cases = {
+      {{"--nproc-per-node", "0", "true"}, "'0' for --nproc-per-node"},
+      {{"--nproc-per-node", "two", "true"}, "'two' for --nproc-per-node"},
+      {{"--nproc_per_node=-3", "true"}, "'-3' for --nproc_per_node"},
+      {{"--nnodes", "0", "true"}, "'0' for --nnodes"},
+      {{"--nnodes", "2", "--node-rank", "2", "true"}, "'2' for --node-rank"},
+      {{"--node-rank", "-1", "true"}, "'-1' for --node-rank"},
+      {{"--master-port", "70000", "true"}, "'70000' for --master-port"},
+      {{"--master-port", "0", "true"}, "'0' for --master-port"},
+      {{"--master-port", "12ab", "true"}, "'12ab' for --master-port"},
+      {{"--grace-period", "soon", "true"}, "'soon' for --grace-period"},
+      {{"--bogus", "true"}, "'--bogus'"},
+      {{"-x", "true"}, "'-x'"},
+      {{"--nnodes"}, "--nnodes needs a value"},
+      {{"--master-addr", "--standalone", "true"}, "--master-addr needs a value"},
+      {{"--standalone=yes", "true"}, "--standalone"},
+      {{"--standalone", "--nnodes", "2", "true"}, "--standalone"},
+      {{}, "PROGRAM"},
+      {{"--nproc-per-node", "2"}, "PROGRAM"},
+  };
+  for (const Case& c : cases) {
+    std::string joined;
+    for (const std::string& arg : c.args) joined += " " + arg;
+    SCOPED_TRACE("ddprun" + joined);
+    ProcessResult result = ddprun(c.args);
+    EXPECT_EQ(result.exit_code, 2) << result.describe();
+    EXPECT_NE(result.err.find(c.expected), std::string::npos) << result.describe();
+    EXPECT_NE(result.err.find("see ddprun --help"), std::string::npos) << result.describe();
+    EXPECT_EQ(lines_of(result.err).size(), 1u) << "a one-line error, " << result.describe();
+    EXPECT_EQ(result.out, "") << result.describe();
+  }
+}
+
+TEST(DdprunCommandLine, HelpListsEveryFlagWithItsDefault) {
+  for (const std::string flag : {"--help", "-h"}) {
+    SCOPED_TRACE(flag);
+    ProcessResult result = ddprun({flag});
+    ASSERT_EQ(result.exit_code, 0) << result.describe();
+    const std::string& help = result.out;
+    EXPECT_NE(help.find("Usage: ddprun [options] PROGRAM [ARGS...]"), std::string::npos) << help;
+    const std::vector<std::pair<std::string, std::string>> flags_and_defaults = {
+        {"--nproc-per-node", "(default: 1)"},  {"--nnodes", "(default: 1)"},
+        {"--node-rank", "(default: 0)"},       {"--master-addr", "(default: 127.0.0.1)"},
+        {"--master-port", "(default: 29500)"}, {"--standalone", "(default: off)"},
+        {"--grace-period", "(default: 5)"},    {"--no-prefix", "(default: prefix)"},
+    };
+    for (const auto& [name, default_text] : flags_and_defaults) {
+      const size_t at = help.find("  " + name + " ");
+      ASSERT_NE(at, std::string::npos) << name << " missing from\n" << help;
+      // The default follows the flag's description, before the next flag's entry.
+      const size_t next_flag = help.find("\n  -", at + 1);
+      EXPECT_LT(help.find(default_text, at), next_flag) << name << " lacks " << default_text;
+    }
+    EXPECT_NE(help.find("-h, --help"), std::string::npos);
+  }
+  // --help wins over the program that follows it; nothing is started.
+  ProcessResult result = ddprun({"--help", probe(), "--print-env"});
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.out.find("RANK="), std::string::npos) << result.describe();
+}
+
+}  // namespace

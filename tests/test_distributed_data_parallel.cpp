@@ -1,0 +1,99 @@
+// DistributedDataParallel across real processes launched by ddprun.
+
+#include <gtest/gtest.h>
+#include <support/launch.h>
+
+#include <regex>
+
+using namespace ddp::testing;
+
+namespace {
+
+double max_abs_diff(const std::string& out) {
+  std::smatch m;
+  std::regex pattern("max_abs_diff=([0-9.eE+-]+)");
+  if (!std::regex_search(out, m, pattern)) return 1e9;
+  return std::stod(m[1]);
+}
+
+TEST(DistributedDataParallel, TwoRanksMatchOneProcessWithDoubleBatch) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"equivalence", "--steps", "10", "--batch", "4"}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(count_of(r.out, "REPLICAS identical"), 2) << r.out;
+  EXPECT_LE(max_abs_diff(r.out), 1e-6) << r.out;
+  EXPECT_NE(r.out.find("BUCKETS 1"), std::string::npos) << r.out;
+}
+
+TEST(DistributedDataParallel, ManySmallBucketsGiveTheSameResult) {
+  // A cap of a few hundred bytes gives each layer its own bucket, so
+  // all-reduces start while backward still computes earlier layers.
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"equivalence", "--steps", "10", "--batch", "4",
+                                                      "--bucket-cap-mb", "0.0003"}),
+                       one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_LE(max_abs_diff(r.out), 1e-6) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("BUCKETS ([0-9]+)"))) << r.out;
+  EXPECT_EQ(std::stoi(m[1]), 3) << r.out;  // one per layer
+}
+
+TEST(DistributedDataParallel, ThreeRanksWithUnevenData) {
+  auto r = run_process(under_ddprun(3, "ddp_worker", {"equivalence", "--steps", "8", "--batch", "3",
+                                                      "--dataset", "50"}),
+                       one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(count_of(r.out, "REPLICAS identical"), 3) << r.out;
+  EXPECT_LE(max_abs_diff(r.out), 1e-6) << r.out;
+}
+
+TEST(DistributedDataParallel, MismatchedModelsFailOnEveryRank) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"mismatch"}), one_rank({{"DDP_TIMEOUT_SECONDS", "20"}}));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.out.find("NO ERROR"), std::string::npos) << r.describe();
+  // The first rank to fail is reported by ddprun; its message names the
+  // first differing parameter with both shapes.
+  EXPECT_NE(r.err.find("parameter 'fc3.weight' has shape [4, 32] on rank 0 but [5, 32] on rank 1"),
+            std::string::npos)
+      << r.describe();
+}
+
+TEST(DistributedDataParallel, BothRanksReportAMismatchWhenLaunchedByHand) {
+  std::string port = std::to_string(free_port());
+  std::vector<BackgroundProcess> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.push_back(start_background({bin_path("ddp_worker"), "mismatch"},
+                                     one_rank({{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+                                               {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
+                                               {"DDP_TIMEOUT_SECONDS", "20"}})));
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    auto r = wait_background(ranks[rank], std::chrono::seconds(60));
+    EXPECT_EQ(r.exit_code, 1) << r.describe();
+    EXPECT_NE(r.err.find("'fc3.weight'"), std::string::npos) << "rank " << rank << ": " << r.describe();
+  }
+}
+
+TEST(DistributedDataParallel, ARankThatThrowsEndsTheJobQuickly) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"throw", "--rank", "1"}),
+                       one_rank({}, std::chrono::seconds(60)));
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_LT(r.seconds, 30) << r.describe();
+  EXPECT_NE(r.err.find("deliberate failure on rank 1"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("rank 1"), std::string::npos) << r.describe();
+}
+
+TEST(DistributedDataParallel, UnusedParametersAreNamed) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"unused"}), one_rank({{"DDP_TIMEOUT_SECONDS", "20"}}));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_NE(r.err.find("'unused.weight'"), std::string::npos) << r.describe();
+}
+
+TEST(DistributedDataParallel, BuffersFollowRankZeroBeforeEachForward) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"buffers"}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(count_of(r.out, "BUFFERS synchronised"), 2) << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,167 @@
+// The Wine example end to end: training, checkpoints, Python interchange
+// and its error messages.
+
+#include <gtest/gtest.h>
+#include <support/launch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+namespace fs = std::filesystem;
+using namespace ddp::testing;
+
+namespace {
+
+std::string python_script() { return std::string(DDP_SOURCE_DIR) + "/tests/python/wine_checks.py"; }
+std::string shipped_csv() { return std::string(DDP_SOURCE_DIR) + "/examples/wine/data/wine_data.csv"; }
+
+double accuracy_of(const std::string& out) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex("Test accuracy: ([0-9.]+)"))) return -1;
+  return std::stod(m[1]);
+}
+
+std::vector<std::string> loss_lines(const std::string& out) {
+  std::vector<std::string> lines;
+  std::regex pattern("Epoch [0-9]+, Loss: [0-9.]+");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), pattern); it != std::sregex_iterator(); ++it) {
+    lines.push_back(it->str());
+  }
+  return lines;
+}
+
+TEST(Wine, TwoRanksTrainCheckpointAndReachTheAccuracy) {
+  auto dir = make_temp_dir();
+  auto r = run_process(under_ddprun(2, "wine_ddp", {"100", "50", "--checkpoint-dir", dir}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_GE(accuracy_of(r.out), 0.94) << r.out;
+  // Rank 0 alone logs: one loss line per epoch, all prefixed [rank0].
+  EXPECT_EQ(loss_lines(r.out).size(), 100u);
+  EXPECT_EQ(count_of(r.out, "[rank0]: Epoch 99, Loss: "), 1) << r.out;
+  EXPECT_EQ(count_of(r.out, "[rank1]: Epoch"), 0) << r.out;
+  for (const char* name : {"model_0.pt", "model_50.pt", "model_final.pt"}) {
+    EXPECT_TRUE(fs::exists(dir + "/" + name)) << name;
+  }
+  EXPECT_FALSE(fs::exists(dir + "/model_99.pt"));
+  auto py = run_process({DDP_PYTHON, python_script(), "load", dir + "/model_final.pt"});
+  ASSERT_EQ(py.exit_code, 0) << py.describe();
+  EXPECT_NE(py.out.find("fc1.weight [64, 13] torch.float32"), std::string::npos) << py.out;
+  EXPECT_NE(py.out.find("fc2.bias [3] torch.float32"), std::string::npos) << py.out;
+  fs::remove_all(dir);
+}
+
+TEST(Wine, OneRankDdpMatchesTheSingleProcessBaseline) {
+  auto dir = make_temp_dir();
+  auto single = run_process({bin_path("wine_single"), "20", "10", "--checkpoint-dir", dir}, one_rank({}));
+  auto alone = run_process({bin_path("wine_ddp"), "20", "10", "--checkpoint-dir", dir}, one_rank({}));
+  ASSERT_EQ(single.exit_code, 0) << single.describe();
+  ASSERT_EQ(alone.exit_code, 0) << alone.describe();
+  EXPECT_EQ(loss_lines(single.out), loss_lines(alone.out));
+  EXPECT_EQ(loss_lines(single.out).size(), 20u);
+  fs::remove_all(dir);
+}
+
+TEST(Wine, StartsFromAPythonStateDict) {
+  auto dir = make_temp_dir();
+  ASSERT_EQ(run_process({DDP_PYTHON, python_script(), "init", dir + "/init.pt"}).exit_code, 0);
+  auto with_init = run_process(under_ddprun(2, "wine_ddp", {"1", "1", "--init", dir + "/init.pt", "--checkpoint-dir", dir}),
+                               one_rank({}));
+  auto without = run_process(under_ddprun(2, "wine_ddp", {"1", "1", "--checkpoint-dir", dir}), one_rank({}));
+  ASSERT_EQ(with_init.exit_code, 0) << with_init.describe();
+  ASSERT_EQ(without.exit_code, 0) << without.describe();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(with_init.out, m, std::regex("Epoch 0, Loss: ([0-9.]+)"))) << with_init.out;
+  double loss_with_init = std::stod(m[1]);
+  ASSERT_TRUE(std::regex_search(without.out, m, std::regex("Epoch 0, Loss: ([0-9.]+)"))) << without.out;
+  // Weights of +-50 make the first epoch's loss huge; default init gives ~1.
+  EXPECT_GT(loss_with_init, 10.0) << with_init.out;
+  EXPECT_LT(std::stod(m[1]), 2.0) << without.out;
+
+  ASSERT_EQ(run_process({DDP_PYTHON, python_script(), "badinit", dir + "/bad.pt"}).exit_code, 0);
+  auto bad = run_process({bin_path("wine_ddp"), "1", "1", "--init", dir + "/bad.pt", "--checkpoint-dir", dir}, one_rank({}));
+  EXPECT_EQ(bad.exit_code, 1) << bad.describe();
+  EXPECT_NE(bad.err.find("fc1.bias"), std::string::npos) << bad.describe();
+  fs::remove_all(dir);
+}
+
+TEST(Wine, CustomCsvFilesWithHeaderAreUsed) {
+  auto dir = make_temp_dir();
+  std::ifstream in(shipped_csv());
+  std::string header, line;
+  std::getline(in, header);
+  std::ofstream train(dir + "/train.csv"), test(dir + "/test.csv");
+  train << "f1,f2,f3,f4,f5,f6,f7,f8,f9,f10,f11,f12,f13,label\n";
+  for (int i = 0; std::getline(in, line); ++i) (i % 5 == 0 ? test : train) << line << "\n";
+  train.close();
+  test.close();
+  auto r = run_process(under_ddprun(2, "wine_ddp", {"30", "100", "--train", dir + "/train.csv", "--test",
+                                                    dir + "/test.csv", "--checkpoint-dir", dir}),
+                       one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_GE(accuracy_of(r.out), 0.8) << r.out;
+  fs::remove_all(dir);
+}
+
+TEST(Wine, MalformedCsvNamesFileAndLine) {
+  auto dir = make_temp_dir();
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return dir + "/" + name;
+  };
+  std::string row = "1,2,3,4,5,6,7,8,9,10,11,12,13,0\n";
+  struct Case {
+    std::string file;
+    std::string expected;
+  };
+  std::vector<Case> cases = {
+      {write("columns.csv", row + "1,2,3\n"), "columns.csv:2: expected 14 columns"},
+      {write("text.csv", row + row + "1,2,x,4,5,6,7,8,9,10,11,12,13,0\n"), "text.csv:3: column 3 is not a number: 'x'"},
+      {write("empty.csv", ""), "empty.csv' holds no data rows"},
+      {write("label.csv", "1,2,3,4,5,6,7,8,9,10,11,12,13,7\n"), "label.csv:1: the label must be an integer"},
+      {dir + "/missing.csv", "cannot open data file '" + dir + "/missing.csv'"},
+  };
+  std::string good = write("good.csv", row + row);
+  for (const auto& c : cases) {
+    auto r = run_process({bin_path("wine_ddp"), "1", "1", "--train", c.file, "--test", good, "--checkpoint-dir", dir},
+                         one_rank({}, std::chrono::seconds(30)));
+    EXPECT_EQ(r.exit_code, 1) << r.describe();
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << r.describe();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Wine, UsageErrors) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  std::vector<Case> cases = {
+      {{"0", "1"}, "TOTAL_EPOCHS must be positive"},
+      {{"5", "-1"}, "SAVE_EVERY must be positive"},
+      {{"5", "1", "--batch-size", "0"}, "--batch-size must be positive"},
+      {{"5", "1", "--batch-size", "many"}, "--batch-size must be an integer"},
+      {{"5"}, "TOTAL_EPOCHS and SAVE_EVERY are required"},
+      {{"5", "1", "--train", "a.csv"}, "--train and --test must be given together"},
+      {{"5", "1", "--bogus"}, "unknown option --bogus"},
+  };
+  for (const char* program : {"wine_ddp", "wine_single"}) {
+    for (const auto& c : cases) {
+      std::vector<std::string> argv = {bin_path(program)};
+      argv.insert(argv.end(), c.args.begin(), c.args.end());
+      auto r = run_process(argv, one_rank({}, std::chrono::seconds(30)));
+      EXPECT_EQ(r.exit_code, 2) << program << ": " << r.describe();
+      EXPECT_NE(r.err.find(c.expected), std::string::npos) << program << ": " << r.describe();
+      EXPECT_NE(r.err.find("usage:"), std::string::npos) << r.describe();
+    }
+  }
+}
+
+TEST(Wine, CheckpointDirectoryMustExist) {
+  auto r = run_process({bin_path("wine_ddp"), "1", "1", "--checkpoint-dir", "/nonexistent/dir"}, one_rank({}));
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_NE(r.err.find("checkpoint directory '/nonexistent/dir' does not exist"), std::string::npos) << r.describe();
+  EXPECT_EQ(r.out.find("Epoch 0"), std::string::npos) << "must fail before training";
+}
+
+}  // namespace

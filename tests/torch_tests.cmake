@@ -1,0 +1,30 @@
+# Tests that need torch. Included from tests/CMakeLists.txt.
+
+add_executable(ddp_worker workers/ddp_worker.cpp)
+target_link_libraries(ddp_worker PRIVATE ddp::ddp)
+target_precompile_headers(ddp_worker REUSE_FROM ddp)
+
+# Pure functions and single-process behaviour.
+add_executable(ddp_unit_tests
+  test_env.cpp
+  test_sampler.cpp
+  test_bucket_assignment.cpp
+  test_checkpoint.cpp
+  test_gloo_headers.cpp)
+target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_unit_tests REUSE_FROM ddp)
+target_compile_definitions(ddp_unit_tests PRIVATE
+  DDP_LIBRARY_PATH="$<TARGET_FILE:ddp>"
+  DDP_TORCH_LIB_DIR="${DDP_TORCH_ROOT}/lib")
+gtest_discover_tests(ddp_unit_tests PROPERTIES LABELS "unit" TIMEOUT 120
+                     DISCOVERY_MODE PRE_TEST)
+
+# Real processes talking over real sockets, each run under a timeout.
+add_executable(ddp_process_tests
+  test_process_group.cpp
+  test_distributed_data_parallel.cpp
+  test_wine.cpp)
+target_link_libraries(ddp_process_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single)
+gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
+                     DISCOVERY_MODE PRE_TEST)

@@ -1,0 +1,236 @@
+// A worker for multi-process tests, launched through ddprun (or directly
+// with hand-set variables). The first argument picks the scenario; each one
+// prints a marker line the test looks for and exits 0 only on success.
+
+#include <ddp/checkpoint.h>
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/distributed_sampler.h>
+#include <ddp/process_group.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int64_t hidden_out = 4) {
+    fc1 = register_module("fc1", torch::nn::Linear(10, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 32));
+    fc3 = register_module("fc3", torch::nn::Linear(32, hidden_out));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return fc3(torch::nn::functional::relu(fc2(torch::nn::functional::relu(fc1(x)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (argv[i] == name) return argv[i + 1];
+  }
+  return fallback;
+}
+
+at::Tensor flatten_parameters(torch::nn::Module& module) {
+  std::vector<at::Tensor> flat;
+  for (auto& p : module.parameters()) flat.push_back(p.detach().reshape({-1}));
+  return at::cat(flat);
+}
+
+// N ranks with per-rank batch b against one process with batch N*b over the
+// same samples in the same order.
+int equivalence(int argc, char** argv) {
+  int64_t steps = std::stoll(flag(argc, argv, "--steps", "8"));
+  int64_t batch = std::stoll(flag(argc, argv, "--batch", "4"));
+  int64_t dataset_size = std::stoll(flag(argc, argv, "--dataset", "61"));
+  double cap_mb = std::stod(flag(argc, argv, "--bucket-cap-mb", "25"));
+  auto group = ddp::init_process_group();
+  const int world = group->size();
+
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(1234);
+  at::Tensor features = at::randn({dataset_size, 10}, generator);
+  at::Tensor labels = at::randint(0, 4, {dataset_size}, generator, at::kLong);
+
+  // Different initial weights per rank: DDP must replace them with rank 0's.
+  torch::manual_seed(100 + group->rank());
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(
+      model, group, ddp::DDPOptions().bucket_cap_mb(cap_mb).first_bucket_cap_mb(cap_mb));
+  at::Tensor initial = flatten_parameters(*model).clone();
+  torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3));
+
+  ddp::DistributedSampler sampler(dataset_size, ddp::SamplerOptions(world, group->rank()).seed(7));
+  int64_t done = 0;
+  for (int64_t epoch = 0; done < steps; ++epoch) {
+    sampler.set_epoch(epoch);
+    for (const auto& b : ddp::make_batches(sampler.indices(), batch)) {
+      if (done == steps) break;
+      at::Tensor idx = at::tensor(b, at::kLong);
+      optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(features.index_select(0, idx)),
+                                                       labels.index_select(0, idx));
+      loss.backward();
+      optimizer.step();
+      ++done;
+    }
+  }
+  std::printf("BUCKETS %zu\n", ddp_model.reducer().bucket_assignment().size());
+
+  // Every replica must hold exactly the same weights.
+  at::Tensor mine = flatten_parameters(*model);
+  auto all = group->all_gather(mine);
+  for (int r = 1; r < world; ++r) {
+    if (!at::equal(all[r], all[0])) {
+      std::printf("REPLICAS differ: rank %d vs rank 0\n", r);
+      return 3;
+    }
+  }
+  std::printf("REPLICAS identical\n");
+
+  if (group->rank() == 0) {
+    // The reference: one process, batches of world*b made of the ranks'
+    // batches side by side, from the same initial weights.
+    torch::manual_seed(100);
+    Mlp reference;
+    {
+      torch::NoGradGuard no_grad;
+      int64_t offset = 0;
+      for (auto& p : reference->parameters()) {
+        p.copy_(initial.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+      }
+    }
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-3));
+    int64_t reference_done = 0;
+    for (int64_t epoch = 0; reference_done < steps; ++epoch) {
+      std::vector<std::vector<std::vector<int64_t>>> per_rank;
+      for (int r = 0; r < world; ++r) {
+        per_rank.push_back(ddp::make_batches(
+            ddp::distributed_sampler_indices(dataset_size, ddp::SamplerOptions(world, r).seed(7), epoch), batch));
+      }
+      for (size_t k = 0; k < per_rank[0].size() && reference_done < steps; ++k) {
+        std::vector<int64_t> joint;
+        for (int r = 0; r < world; ++r) joint.insert(joint.end(), per_rank[r][k].begin(), per_rank[r][k].end());
+        at::Tensor idx = at::tensor(joint, at::kLong);
+        reference_optimizer.zero_grad();
+        auto loss = torch::nn::functional::cross_entropy(reference->forward(features.index_select(0, idx)),
+                                                         labels.index_select(0, idx));
+        loss.backward();
+        reference_optimizer.step();
+        ++reference_done;
+      }
+    }
+    double diff = (flatten_parameters(*reference) - mine).abs().max().item<double>();
+    double moved = (mine - initial).abs().max().item<double>();
+    std::printf("EQUIVALENCE max_abs_diff=%.3g moved=%.3g steps=%lld world=%d\n", diff, moved,
+                static_cast<long long>(steps), world);
+    if (!(diff <= 1e-6) || moved < 1e-4) return 4;
+  }
+  group->barrier();
+  return 0;
+}
+
+int ready(int, char**) {
+  auto group = ddp::init_process_group();
+  at::Tensor one = at::ones({1});
+  group->all_reduce(one);
+  std::printf("READY rank %d of %d sum %g\n", group->rank(), group->size(), one.item<double>());
+  group->barrier();
+  return 0;
+}
+
+int throw_on_rank(int argc, char** argv) {
+  int failing = std::stoi(flag(argc, argv, "--rank", "1"));
+  auto group = ddp::init_process_group();
+  if (group->rank() == failing) throw std::runtime_error("deliberate failure on rank " + std::to_string(failing));
+  // The others block in collectives that can never complete.
+  for (;;) {
+    at::Tensor t = at::ones({1});
+    group->all_reduce(t);
+  }
+}
+
+int mismatch(int, char**) {
+  auto group = ddp::init_process_group();
+  Mlp model(group->rank() == 1 ? 5 : 4);
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+  std::printf("NO ERROR\n");
+  return 0;
+}
+
+int unused_parameter(int, char**) {
+  auto group = ddp::init_process_group();
+  auto model = std::make_shared<torch::nn::Module>();
+  auto used = model->register_module("used", torch::nn::Linear(4, 2));
+  model->register_module("unused", torch::nn::Linear(4, 2));
+  ddp::DistributedDataParallel<std::shared_ptr<torch::nn::Module>> ddp_model(model, group);
+  auto out = used->forward(at::ones({3, 4})).sum();
+  out.backward();
+  std::printf("NO ERROR\n");
+  return 0;
+}
+
+struct WithBufferImpl : torch::nn::Module {
+  WithBufferImpl() {
+    fc = register_module("fc", torch::nn::Linear(2, 2));
+    counter = register_buffer("counter", at::zeros({3}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc(x) + counter.sum(); }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor counter;
+};
+TORCH_MODULE(WithBuffer);
+
+int buffers(int, char**) {
+  auto group = ddp::init_process_group();
+  WithBuffer model;
+  ddp::DistributedDataParallel<WithBuffer> ddp_model(model, group);
+  // Ranks drift apart (as BatchNorm statistics would); the next forward
+  // must bring rank 0's values everywhere.
+  model->counter.fill_(static_cast<float>(10 + group->rank()));
+  ddp_model.forward(at::ones({1, 2}));
+  auto all = group->all_gather(model->counter);
+  bool same = true;
+  for (auto& t : all) same = same && at::equal(t, at::full({3}, 10.0f));
+  std::printf("BUFFERS %s\n", same ? "synchronised" : "differ");
+  return same ? 0 : 5;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc < 2) {
+    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers [flags]\n";
+    return 2;
+  }
+  std::string mode = argv[1];
+  try {
+    if (mode == "equivalence") return equivalence(argc, argv);
+    if (mode == "ready") return ready(argc, argv);
+    if (mode == "throw") return throw_on_rank(argc, argv);
+    if (mode == "mismatch") return mismatch(argc, argv);
+    if (mode == "unused") return unused_parameter(argc, argv);
+    if (mode == "buffers") return buffers(argc, argv);
+    std::cerr << "unknown mode " << mode << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

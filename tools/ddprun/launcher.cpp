@@ -1,0 +1,543 @@
+#include "launcher.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "line_forwarder.h"
+#include "posix_util.h"
+#include "signal_pipe.h"
+#include "watchdog.h"
+
+extern char** environ;
+
+namespace ddprun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// After the final SIGKILL, how long we keep reading pipes that some process which left the
+// workers' process groups may still hold open. Their data is not worth hanging for.
+constexpr std::chrono::seconds kAbandonPipesAfterKill{2};
+
+std::string format_seconds(double seconds) {
+  std::ostringstream text;
+  text << seconds;
+  return text.str();
+}
+
+// KEY=VALUE strings as execve wants them; set() replaces an existing KEY.
+class Environment {
+ public:
+  static Environment inherited() {
+    Environment environment;
+    for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+      environment.entries_.emplace_back(*entry);
+    }
+    return environment;
+  }
+
+  void set(const std::string& key, const std::string& value) {
+    const std::string key_prefix = key + "=";
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                  [&](const std::string& entry) {
+                                    return entry.compare(0, key_prefix.size(), key_prefix) == 0;
+                                  }),
+                   entries_.end());
+    entries_.push_back(key_prefix + value);
+  }
+
+  const std::vector<std::string>& entries() const { return entries_; }
+
+ private:
+  std::vector<std::string> entries_;
+};
+
+// argv/envp view of strings; valid while `strings` lives.
+std::vector<char*> c_string_array(const std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  pointers.reserve(strings.size() + 1);
+  for (const std::string& s : strings) pointers.push_back(const_cast<char*>(s.c_str()));
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+struct Worker {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;                      // also the id of the worker's own process group
+  std::vector<LineForwarder> streams;  // its stdout and stderr
+  bool exited = false;  // observed exiting; the zombie is reaped only at the very end
+  int exit_code = -1;
+  int term_signal = 0;
+  bool exited_while_stopping = false;
+  bool sigkilled_by_launcher = false;
+
+  bool failed() const { return term_signal != 0 || exit_code != 0; }
+  std::string label() const {
+    return "rank " + std::to_string(global_rank) + " (local rank " + std::to_string(local_rank) +
+           ", pid " + std::to_string(pid) + ")";
+  }
+};
+
+// One run of the job: start the workers, watch them and their output, stop them.
+class Job {
+ public:
+  explicit Job(const LaunchOptions& options)
+      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {}
+
+  int run() {
+    try {
+      start_workers();
+      watch_until_done();
+    } catch (...) {
+      kill_all_groups();
+      reap_all();
+      watchdog_.dismiss();
+      throw;
+    }
+    // Grandchildren left in the workers' process groups (daemons, stray helpers) must not
+    // outlive the job. The zombie group leaders keep the group ids from being reused.
+    kill_all_groups();
+    reap_all();
+    watchdog_.dismiss();
+    return report_outcome();
+  }
+
+ private:
+  enum class Stage {
+    kRunning,   // workers are running normally
+    kStopping,  // workers were sent SIGTERM (or a forwarded signal); waiting for the grace period
+    kKilled,    // workers were sent SIGKILL
+  };
+
+  Environment base_environment() const {
+    Environment environment = Environment::inherited();
+    const int world_size = options_.nnodes * options_.nproc_per_node;
+    environment.set("WORLD_SIZE", std::to_string(world_size));
+    environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
+    environment.set("GROUP_RANK", std::to_string(options_.node_rank));
+    environment.set("GROUP_WORLD_SIZE", std::to_string(options_.nnodes));
+    environment.set("ROLE_NAME", "default");
+    environment.set("ROLE_WORLD_SIZE", std::to_string(world_size));
+    environment.set("MASTER_ADDR", options_.master_addr);
+    environment.set("MASTER_PORT", std::to_string(options_.master_port));
+    environment.set("TORCHELASTIC_RESTART_COUNT", "0");
+    environment.set("TORCHELASTIC_MAX_RESTARTS", "0");
+    environment.set("TORCHELASTIC_RUN_ID", "none");
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1) {
+      // Each worker's OpenMP pool would otherwise take every core, oversubscribing the node.
+      environment.set("OMP_NUM_THREADS", "1");
+      say("OMP_NUM_THREADS is not set; giving each of the " +
+          std::to_string(options_.nproc_per_node) +
+          " workers OMP_NUM_THREADS=1 so they do not oversubscribe the CPUs. Set it yourself to "
+          "tune performance.");
+    }
+    return environment;
+  }
+
+  void start_workers() {
+    const Environment shared = base_environment();
+    workers_.reserve(static_cast<size_t>(options_.nproc_per_node));
+    for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
+      Worker worker;
+      worker.local_rank = local_rank;
+      worker.global_rank = options_.node_rank * options_.nproc_per_node + local_rank;
+      Environment environment = shared;
+      environment.set("RANK", std::to_string(worker.global_rank));
+      environment.set("LOCAL_RANK", std::to_string(local_rank));
+      environment.set("ROLE_RANK", std::to_string(worker.global_rank));
+      workers_.push_back(std::move(worker));
+      spawn(workers_.back(), environment);
+    }
+  }
+
+  void spawn(Worker& worker, const Environment& environment) {
+    // Everything the child needs is built before fork, so the child only makes system calls.
+    std::vector<char*> argv = c_string_array(options_.command);
+    std::vector<char*> envp = c_string_array(environment.entries());
+    const std::string exec_failure = "ddprun: cannot execute '" + options_.command[0] + "': ";
+
+    int out_pipe[2];
+    int err_pipe[2];
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw_errno("pipe2");
+    if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      int saved = errno;
+      ::close(out_pipe[0]);
+      ::close(out_pipe[1]);
+      errno = saved;
+      throw_errno("pipe2");
+    }
+
+    const pid_t launcher_pid = ::getpid();
+    // Blocked across fork: a signal arriving before the child has reset its dispositions would
+    // otherwise run our handler in the child and write into the launcher's signal pipe.
+    sigset_t all_signals;
+    sigset_t previous_mask;
+    sigfillset(&all_signals);
+    ::sigprocmask(SIG_BLOCK, &all_signals, &previous_mask);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // Own process group, so that stopping a worker also reaches the processes it started.
+      ::setpgid(0, 0);
+      // Dies with the launcher even when the launcher is SIGKILLed and cannot clean up...
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      // ...unless the launcher died before prctl took effect.
+      if (::getppid() != launcher_pid) ::_exit(1);
+      signals_.reset_in_child();
+      ::signal(SIGPIPE, SIG_DFL);
+      // ensure_standard_fds_open() guarantees the pipe ends are not 1 or 2 themselves.
+      ::dup2(out_pipe[1], STDOUT_FILENO);
+      ::dup2(err_pipe[1], STDERR_FILENO);
+      sigset_t no_signals;
+      sigemptyset(&no_signals);
+      ::sigprocmask(SIG_SETMASK, &no_signals, nullptr);
+      ::execvpe(argv[0], argv.data(), envp.data());
+      const char* reason = std::strerror(errno);
+      write_all(STDERR_FILENO, exec_failure.data(), exec_failure.size());
+      write_all(STDERR_FILENO, reason, std::strlen(reason));
+      write_all(STDERR_FILENO, "\n", 1);
+      ::_exit(127);
+    }
+    const int fork_errno = errno;
+    ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    if (pid < 0) {
+      ::close(out_pipe[0]);
+      ::close(err_pipe[0]);
+      errno = fork_errno;
+      throw_errno("fork");
+    }
+    // Also done here so the group exists before we could signal it, whoever runs first.
+    ::setpgid(pid, pid);
+    worker.pid = pid;
+    watchdog_.watch(pid);
+
+    const std::string prefix =
+        options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
+    worker.streams.emplace_back(out_pipe[0], STDOUT_FILENO, prefix);
+    worker.streams.emplace_back(err_pipe[0], STDERR_FILENO, prefix);
+  }
+
+  void watch_until_done() {
+    while (true) {
+      handle_signals();
+      collect_exits();
+
+      const bool all_exited = std::all_of(workers_.begin(), workers_.end(),
+                                          [](const Worker& worker) { return worker.exited; });
+      if (all_exited && !any_stream_open()) return;
+
+      if (all_exited && stage_ == Stage::kRunning) {
+        // The workers are done but their output pipes are still open: a process they started
+        // is still running in one of their groups. Stop it like any worker.
+        stop_workers(SIGTERM);
+      }
+      const Clock::time_point now = Clock::now();
+      if (stage_ == Stage::kStopping && now >= kill_deadline_) kill_workers();
+      if (stage_ == Stage::kKilled && all_exited && now >= abandon_deadline_) {
+        // Only a process that left the workers' groups can still hold the pipes open.
+        for (Worker& worker : workers_) {
+          for (LineForwarder& stream : worker.streams) stream.close();
+        }
+        return;
+      }
+      wait_for_events();
+    }
+  }
+
+  bool any_stream_open() const {
+    for (const Worker& worker : workers_) {
+      for (const LineForwarder& stream : worker.streams) {
+        if (stream.is_open()) return true;
+      }
+    }
+    return false;
+  }
+
+  // Sleeps until a signal, worker output, or the current stage's deadline.
+  void wait_for_events() {
+    std::vector<pollfd> fds;
+    std::vector<LineForwarder*> fd_streams;
+    fds.push_back({signals_.read_fd(), POLLIN, 0});
+    for (Worker& worker : workers_) {
+      for (LineForwarder& stream : worker.streams) {
+        if (!stream.is_open()) continue;
+        fds.push_back({stream.fd(), POLLIN, 0});
+        fd_streams.push_back(&stream);
+      }
+    }
+
+    int timeout_ms = -1;  // SIGCHLD and the forwarded signals arrive through the signal pipe
+    if (stage_ != Stage::kRunning) {
+      const Clock::time_point deadline =
+          stage_ == Stage::kStopping ? kill_deadline_ : abandon_deadline_;
+      auto remaining =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      timeout_ms = static_cast<int>(std::clamp<long long>(remaining + 1, 0, 60 * 1000));
+    }
+
+    int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (ready < 0) {
+      if (errno == EINTR) return;
+      throw_errno("poll");
+    }
+    // One read per stream per round keeps a chatty worker from starving the others.
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) fd_streams[i - 1]->read_some();
+    }
+  }
+
+  void handle_signals() {
+    for (int signal_number : signals_.drain()) {
+      if (signal_number == SIGCHLD) continue;  // collect_exits() looks at every worker anyway
+      const std::string name = signal_name(signal_number);
+      if (stage_ == Stage::kRunning) {
+        received_signal_ = signal_number;
+        say("received " + name + ", forwarding it to the workers (SIGKILL follows after " +
+            format_seconds(options_.grace_period_seconds) + " s)");
+        stop_workers(signal_number);
+      } else if (stage_ == Stage::kStopping) {
+        // A second request to stop means the user does not want to wait for the grace period.
+        if (received_signal_ == 0) received_signal_ = signal_number;
+        say("received " + name + " while stopping the workers; killing them now");
+        kill_workers();
+      }
+    }
+  }
+
+  void collect_exits() {
+    std::vector<Worker*> newly_failed;
+    for (Worker& worker : workers_) {
+      if (worker.exited) continue;
+      siginfo_t info;
+      std::memset(&info, 0, sizeof info);
+      // WNOWAIT leaves the zombie in place: while it exists its pid (= its process group id)
+      // cannot be reused, so signalling the group later cannot hit an unrelated process.
+      if (::waitid(P_PID, static_cast<id_t>(worker.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+          info.si_pid == 0) {
+        continue;
+      }
+      worker.exited = true;
+      if (info.si_code == CLD_EXITED) {
+        worker.exit_code = info.si_status;
+      } else {
+        worker.term_signal = info.si_status;
+      }
+      if (stage_ != Stage::kRunning) {
+        worker.exited_while_stopping = true;
+      } else if (worker.failed()) {
+        newly_failed.push_back(&worker);
+      }
+    }
+    if (newly_failed.empty()) return;
+
+    for (Worker* worker : newly_failed) {
+      // Its last words (a stack trace, an error message) belong before our verdict.
+      for (LineForwarder& stream : worker->streams) stream.read_available();
+      std::string message =
+          worker->label() + " failed: " + describe_exit(worker->exit_code, worker->term_signal);
+      if (worker->term_signal == 0 && worker->exit_code == 127) {
+        message += " (127 usually means the program could not be executed)";
+      }
+      say(message);
+    }
+    worker_failed_ = true;
+    stop_workers(SIGTERM);
+  }
+
+  void stop_workers(int signal_number) {
+    stage_ = Stage::kStopping;
+    kill_deadline_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(options_.grace_period_seconds));
+    // Exited workers' groups too: their leaders are zombies, but their children may live on.
+    for (const Worker& worker : workers_) ::killpg(worker.pid, signal_number);
+  }
+
+  void kill_workers() {
+    for (Worker& worker : workers_) {
+      if (!worker.exited) worker.sigkilled_by_launcher = true;
+    }
+    kill_all_groups();
+    stage_ = Stage::kKilled;
+    abandon_deadline_ = Clock::now() + kAbandonPipesAfterKill;
+  }
+
+  void kill_all_groups() {
+    for (const Worker& worker : workers_) {
+      if (worker.pid > 0) ::killpg(worker.pid, SIGKILL);
+    }
+  }
+
+  void reap_all() {
+    for (Worker& worker : workers_) {
+      if (worker.pid <= 0) continue;
+      int status = 0;
+      while (::waitpid(worker.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+
+  int report_outcome() const {
+    if (received_signal_ == 0 && !worker_failed_) return 0;
+    for (const Worker& worker : workers_) {
+      if (!worker.exited_while_stopping) continue;
+      std::string how;
+      if (worker.sigkilled_by_launcher && worker.term_signal == SIGKILL) {
+        how = "still running after the " + format_seconds(options_.grace_period_seconds) +
+              " s grace period, killed with SIGKILL";
+      } else {
+        how = describe_exit(worker.exit_code, worker.term_signal);
+      }
+      say("stopped " + worker.label() + ": " + how);
+    }
+    if (received_signal_ != 0) {
+      say("received " + signal_name(received_signal_) + ", workers stopped");
+      return 128 + received_signal_;
+    }
+    return 1;
+  }
+
+  const LaunchOptions& options_;
+  // Forked first, before any handler or worker pipe exists that it should not inherit.
+  Watchdog watchdog_;
+  SignalPipe signals_;
+  std::vector<Worker> workers_;
+  Stage stage_ = Stage::kRunning;
+  Clock::time_point kill_deadline_;
+  Clock::time_point abandon_deadline_;
+  int received_signal_ = 0;
+  bool worker_failed_ = false;
+};
+
+// Restores SIGPIPE's disposition when the launcher returns.
+class IgnoreSigpipe {
+ public:
+  IgnoreSigpipe() {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGPIPE, &ignore, &previous_);
+  }
+  ~IgnoreSigpipe() { ::sigaction(SIGPIPE, &previous_, nullptr); }
+  IgnoreSigpipe(const IgnoreSigpipe&) = delete;
+  IgnoreSigpipe& operator=(const IgnoreSigpipe&) = delete;
+
+ private:
+  struct sigaction previous_ {};
+};
+
+}  // namespace
+
+void validate(const LaunchOptions& options) {
+  auto invalid = [](const std::string& flag, const std::string& value, const std::string& why) {
+    return std::invalid_argument("invalid value '" + value + "' for " + flag + ": " + why);
+  };
+  if (options.nproc_per_node < 1) {
+    throw invalid("--nproc-per-node", std::to_string(options.nproc_per_node), "must be at least 1");
+  }
+  if (options.nnodes < 1) {
+    throw invalid("--nnodes", std::to_string(options.nnodes), "must be at least 1");
+  }
+  if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
+    throw invalid("--node-rank", std::to_string(options.node_rank),
+                  "must be in [0, " + std::to_string(options.nnodes) + ") since --nnodes is " +
+                      std::to_string(options.nnodes));
+  }
+  if (options.master_addr.empty()) {
+    throw invalid("--master-addr", options.master_addr, "expected a host name or IP address");
+  }
+  if (options.master_port < 1 || options.master_port > 65535) {
+    throw invalid("--master-port", std::to_string(options.master_port),
+                  "expected a port in 1..65535");
+  }
+  if (!std::isfinite(options.grace_period_seconds) || options.grace_period_seconds < 0) {
+    throw invalid("--grace-period", format_seconds(options.grace_period_seconds),
+                  "expected a number of seconds >= 0");
+  }
+  if (options.standalone && options.nnodes != 1) {
+    throw std::invalid_argument("--standalone runs a single node, but --nnodes is " +
+                                std::to_string(options.nnodes) + "; drop one of them");
+  }
+  if (options.command.empty()) throw std::invalid_argument("missing PROGRAM to run");
+}
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;  // the kernel picks an unused port
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    int saved = errno;
+    ::close(fd);
+    errno = saved;
+    throw_errno("--standalone could not find a free port on 127.0.0.1");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+int count_visible_gpus() {
+  int installed = 0;
+  if (DIR* directory = ::opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* entry = ::readdir(directory)) {
+      if (entry->d_name[0] != '.') ++installed;
+    }
+    ::closedir(directory);
+  }
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (installed == 0 || visible == nullptr) return installed;
+  // CUDA stops at the first empty or negative entry ("-1" is the usual way to hide all GPUs).
+  int listed = 0;
+  std::stringstream entries(visible);
+  std::string entry;
+  while (std::getline(entries, entry, ',')) {
+    if (entry.empty() || entry[0] == '-') break;
+    ++listed;
+  }
+  return std::min(listed, installed);
+}
+
+int count_online_cpus() {
+  long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return cpus > 0 ? static_cast<int>(cpus) : 1;
+}
+
+Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
+
+int Launcher::run() {
+  validate(options_);
+  ensure_standard_fds_open();
+  LaunchOptions effective = options_;
+  if (effective.standalone) {
+    effective.master_addr = "127.0.0.1";
+    effective.master_port = pick_free_port();
+  }
+  IgnoreSigpipe ignore_sigpipe;  // a closed stdout must cost us output, not the job
+  Job job(effective);
+  return job.run();
+}
+
+}  // namespace ddprun

@@ -1,0 +1,41 @@
+// ddprun: torchrun for any program. See usage_text() or `ddprun --help`.
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "command_line.h"
+#include "launcher.h"
+#include "posix_util.h"
+
+namespace {
+
+constexpr int kExitJobFailed = 1;  // also what the launcher returns when a worker fails
+constexpr int kExitUsage = 2;
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  ddprun::CommandLine command_line;
+  try {
+    command_line = ddprun::parse_command_line(args);
+  } catch (const std::invalid_argument& error) {
+    ddprun::say(std::string(error.what()) + " (see ddprun --help)");
+    return kExitUsage;
+  }
+  if (command_line.show_help) {
+    std::cout << ddprun::usage_text();
+    return 0;
+  }
+
+  try {
+    return ddprun::Launcher(command_line.options).run();
+  } catch (const std::invalid_argument& error) {
+    ddprun::say(std::string(error.what()) + " (see ddprun --help)");
+    return kExitUsage;
+  } catch (const std::exception& error) {
+    ddprun::say("error: " + std::string(error.what()));
+    return kExitJobFailed;
+  }
+}

@@ -1,0 +1,134 @@
+#include "posix_util.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace ddprun {
+
+bool write_all(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    ssize_t written = ::write(fd, data, size);
+    if (written > 0) {
+      data += written;
+      size -= static_cast<size_t>(written);
+      continue;
+    }
+    if (written < 0 && errno == EINTR) continue;
+    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      // Someone sharing our stdout made it non-blocking; wait until it drains.
+      pollfd waiter{fd, POLLOUT, 0};
+      ::poll(&waiter, 1, 1000);
+      continue;
+    }
+    return false;
+  }
+  return true;
+}
+
+bool write_all(int fd, const std::string& data) { return write_all(fd, data.data(), data.size()); }
+
+void say(const std::string& message) { write_all(STDERR_FILENO, "ddprun: " + message + "\n"); }
+
+std::string signal_name(int signal_number) {
+  switch (signal_number) {
+    case SIGHUP:
+      return "SIGHUP";
+    case SIGINT:
+      return "SIGINT";
+    case SIGQUIT:
+      return "SIGQUIT";
+    case SIGILL:
+      return "SIGILL";
+    case SIGTRAP:
+      return "SIGTRAP";
+    case SIGABRT:
+      return "SIGABRT";
+    case SIGBUS:
+      return "SIGBUS";
+    case SIGFPE:
+      return "SIGFPE";
+    case SIGKILL:
+      return "SIGKILL";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGSEGV:
+      return "SIGSEGV";
+    case SIGUSR2:
+      return "SIGUSR2";
+    case SIGPIPE:
+      return "SIGPIPE";
+    case SIGALRM:
+      return "SIGALRM";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGCHLD:
+      return "SIGCHLD";
+    case SIGCONT:
+      return "SIGCONT";
+    case SIGSTOP:
+      return "SIGSTOP";
+    case SIGTSTP:
+      return "SIGTSTP";
+    case SIGTTIN:
+      return "SIGTTIN";
+    case SIGTTOU:
+      return "SIGTTOU";
+    case SIGURG:
+      return "SIGURG";
+    case SIGXCPU:
+      return "SIGXCPU";
+    case SIGXFSZ:
+      return "SIGXFSZ";
+    case SIGVTALRM:
+      return "SIGVTALRM";
+    case SIGPROF:
+      return "SIGPROF";
+    case SIGWINCH:
+      return "SIGWINCH";
+    case SIGIO:
+      return "SIGIO";
+    case SIGPWR:
+      return "SIGPWR";
+    case SIGSYS:
+      return "SIGSYS";
+    default:
+      return "signal " + std::to_string(signal_number);
+  }
+}
+
+std::string describe_exit(int exit_code, int term_signal) {
+  if (term_signal != 0) {
+    return "killed by signal " + std::to_string(term_signal) + " (" + signal_name(term_signal) +
+           ")";
+  }
+  return "exit code " + std::to_string(exit_code);
+}
+
+void set_nonblocking(int fd) {
+  int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw_errno("fcntl(O_NONBLOCK)");
+}
+
+void ensure_standard_fds_open() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+    // open() returns the lowest free descriptor, which is fd itself here.
+    int opened = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+    if (opened >= 0 && opened != fd) {
+      ::dup2(opened, fd);
+      ::close(opened);
+    }
+  }
+}
+
+void throw_errno(const std::string& what) {
+  throw std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+}  // namespace ddprun

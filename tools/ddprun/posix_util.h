@@ -1,0 +1,32 @@
+// Small POSIX helpers shared by ddprun's pieces.
+#pragma once
+
+#include <string>
+
+namespace ddprun {
+
+// Writes all of data to fd, retrying on EINTR/EAGAIN. Returns false if the reader is gone
+// (EPIPE) or the descriptor is broken; ddprun then drops the output rather than dying.
+bool write_all(int fd, const char* data, size_t size);
+bool write_all(int fd, const std::string& data);
+
+// Writes "ddprun: <message>\n" to stderr in a single write, so it never splits a worker line.
+void say(const std::string& message);
+
+// "SIGTERM" for 15; "signal 77" for numbers without a well-known name.
+std::string signal_name(int signal_number);
+
+// "exit code 3" or "killed by signal 11 (SIGSEGV)".
+std::string describe_exit(int exit_code, int term_signal);
+
+// Sets O_NONBLOCK on fd. Throws std::runtime_error.
+void set_nonblocking(int fd);
+
+// Makes sure descriptors 0, 1 and 2 are open (on /dev/null if they were closed), so pipes
+// created later never land on them and get clobbered by dup2 in a child.
+void ensure_standard_fds_open();
+
+// std::runtime_error with "<what>: <strerror(errno)>".
+[[noreturn]] void throw_errno(const std::string& what);
+
+}  // namespace ddprun

@@ -1,0 +1,94 @@
+#include "watchdog.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <vector>
+
+#include "posix_util.h"
+
+namespace ddprun {
+namespace {
+
+// Messages on the pipe are one pid_t each: a group to watch, or this value meaning "dismissed".
+constexpr pid_t kDismissed = 0;
+
+[[noreturn]] void run_watchdog(int read_fd) {
+  // Signals aimed at the launcher's process group or terminal session (Ctrl-C, a harness
+  // killing the group) must not take the watchdog down before it could act.
+  ::setsid();
+  for (int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE})
+    ::signal(signal_number, SIG_IGN);
+  // Holding the launcher's stdout/stderr open would delay EOF for whoever reads them.
+  int null_fd = ::open("/dev/null", O_RDWR);
+  if (null_fd >= 0) {
+    for (int fd = 0; fd <= 2; ++fd) ::dup2(null_fd, fd);
+    if (null_fd > 2) ::close(null_fd);
+  }
+
+  std::vector<pid_t> groups;
+  while (true) {
+    pid_t message = 0;
+    ssize_t n = ::read(read_fd, &message, sizeof message);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == static_cast<ssize_t>(sizeof message)) {
+      if (message == kDismissed) ::_exit(0);
+      groups.push_back(message);
+      continue;
+    }
+    break;  // end of file: the launcher is gone without dismissing us
+  }
+  for (pid_t group : groups) ::killpg(group, SIGKILL);
+  ::_exit(0);
+}
+
+}  // namespace
+
+Watchdog::Watchdog() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw_errno("pipe2 for the watchdog");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[1]);  // otherwise the launcher's death would never look like end of file
+    run_watchdog(fds[0]);
+  }
+  const int fork_errno = errno;
+  ::close(fds[0]);
+  if (pid < 0) {
+    ::close(fds[1]);
+    errno = fork_errno;
+    throw_errno("fork for the watchdog");
+  }
+  pid_ = pid;
+  write_fd_ = fds[1];
+}
+
+Watchdog::~Watchdog() {
+  if (write_fd_ >= 0) ::close(write_fd_);
+  if (pid_ > 0) {
+    while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
+}
+
+void Watchdog::watch(pid_t process_group) {
+  // Writes of at most PIPE_BUF bytes are atomic; an error means the watchdog is gone already,
+  // and the launcher's own cleanup still applies.
+  write_all(write_fd_, reinterpret_cast<const char*>(&process_group), sizeof process_group);
+}
+
+void Watchdog::dismiss() {
+  if (write_fd_ < 0) return;
+  const pid_t dismissed = kDismissed;
+  write_all(write_fd_, reinterpret_cast<const char*>(&dismissed), sizeof dismissed);
+  ::close(write_fd_);
+  write_fd_ = -1;
+  while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+  }
+  pid_ = -1;
+}
+
+}  // namespace ddprun
