@@ -1,5 +1,7 @@
 #include <ddp/bucket_assignment.h>
 
+#include <c10/util/Exception.h>
+
 #include <map>
 #include <set>
 #include <tuple>
@@ -9,6 +11,22 @@ namespace ddp {
 std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<BucketTensorInfo>& params,
                                                            size_t first_bucket_cap_bytes,
                                                            size_t bucket_cap_bytes) {
+  // Backward usually produces gradients in reverse registration order.
+  std::vector<size_t> reverse(params.size());
+  for (size_t k = 0; k < params.size(); ++k) reverse[k] = params.size() - 1 - k;
+  return compute_bucket_assignment(params, reverse, first_bucket_cap_bytes, bucket_cap_bytes);
+}
+
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<BucketTensorInfo>& params,
+                                                           const std::vector<size_t>& visit_order,
+                                                           size_t first_bucket_cap_bytes,
+                                                           size_t bucket_cap_bytes) {
+  std::vector<char> seen(params.size(), 0);
+  for (size_t k : visit_order) {
+    TORCH_CHECK(k < params.size() && !seen[k], "ddp: bucket visit order must list each parameter once");
+    seen[k] = 1;
+  }
+  TORCH_CHECK(visit_order.size() == params.size(), "ddp: bucket visit order must list every parameter");
   // One open bucket per (device type, device index, dtype).
   using Kind = std::tuple<int, int, int>;
   struct OpenBucket {
@@ -19,7 +37,7 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<Buc
   std::set<Kind> closed_a_bucket;
   std::vector<std::vector<size_t>> buckets;
 
-  for (size_t k = params.size(); k-- > 0;) {
+  for (size_t k : visit_order) {
     const BucketTensorInfo& info = params[k];
     Kind kind{static_cast<int>(info.device.type()), info.device.index(), static_cast<int>(info.dtype)};
     auto it = open.find(kind);

@@ -184,15 +184,18 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
     params.push_back(item.value());
     names.push_back(item.key());
   }
-  reducer_ = std::make_unique<GradientReducer>(
-      std::move(params), std::move(names), group_,
-      ReducerOptions().bucket_cap_mb(options_.bucket_cap_mb()).first_bucket_cap_mb(options_.first_bucket_cap_mb()));
+  reducer_ = std::make_unique<GradientReducer>(std::move(params), std::move(names), group_,
+                                               options_.reducer_options());
 }
 
 void DataParallelCore::before_forward() {
   if (options_.broadcast_buffers() && has_buffers_) {
     broadcast_module_state(*module_, *group_, /*parameters=*/false, /*buffers=*/true);
   }
+}
+
+void DataParallelCore::after_forward(const std::vector<at::Tensor>& outputs) {
+  reducer_->prepare_for_backward(outputs);
 }
 
 }  // namespace detail

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
+#include <unordered_set>
 
 namespace ddp {
 namespace {
@@ -30,46 +31,37 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
 
+bool is_view_of(const at::Tensor& grad, const at::Tensor& slot) {
+  return grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.sizes() == slot.sizes();
+}
+
+std::vector<BucketTensorInfo> infos_of(const std::vector<at::Tensor>& params) {
+  std::vector<BucketTensorInfo> infos;
+  for (const auto& p : params) infos.push_back({p.numel(), p.scalar_type(), p.device()});
+  return infos;
+}
+
 }  // namespace
 
 GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                                  std::shared_ptr<ProcessGroup> group, ReducerOptions options)
-    : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)) {
+    : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)), options_(options) {
   TORCH_CHECK(params_.size() == names_.size(), "ddp: GradientReducer needs one name per parameter");
-  TORCH_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0,
-              "ddp: bucket caps must be positive, got bucket_cap_mb=", options.bucket_cap_mb(),
-              " first_bucket_cap_mb=", options.first_bucket_cap_mb());
-
-  std::vector<BucketTensorInfo> infos;
+  TORCH_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
+              "ddp: bucket caps must be positive, got bucket_cap_mb=", options_.bucket_cap_mb(),
+              " first_bucket_cap_mb=", options_.first_bucket_cap_mb());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     TORCH_CHECK(p.requires_grad() && p.is_leaf(), "ddp: parameter '", names_[i],
                 "' must be a leaf tensor that requires grad");
     TORCH_CHECK(p.layout() == c10::kStrided, "ddp: parameter '", names_[i],
                 "' is not dense; sparse parameters are not supported");
-    infos.push_back({p.numel(), p.scalar_type(), p.device()});
   }
-  assignment_ = compute_bucket_assignment(infos, mib_to_bytes(options.first_bucket_cap_mb()),
-                                          mib_to_bytes(options.bucket_cap_mb()));
-
-  bucket_of_param_.assign(params_.size(), 0);
-  position_in_bucket_.assign(params_.size(), 0);
+  comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
   ready_.assign(params_.size(), 0);
-  for (size_t b = 0; b < assignment_.size(); ++b) {
-    Bucket bucket;
-    bucket.params = assignment_[b];
-    int64_t total = 0;
-    for (size_t j = 0; j < bucket.params.size(); ++j) {
-      size_t i = bucket.params[j];
-      bucket_of_param_[i] = b;
-      position_in_bucket_[i] = j;
-      bucket.offsets.push_back(total);
-      total += params_[i].numel();
-    }
-    const at::Tensor& first = params_[bucket.params.front()];
-    bucket.flat = at::zeros({total}, first.options().requires_grad(false));
-    buckets_.push_back(std::move(bucket));
-  }
+  used_locally_.assign(params_.size(), 0);
+  build_buckets(compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
+                                          mib_to_bytes(options_.bucket_cap_mb())));
 
   // One process has nothing to average: no hooks, no cost.
   if (group_->size() == 1) return;
@@ -86,34 +78,113 @@ GradientReducer::~GradientReducer() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
+void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
+  assignment_ = assignment;
+  buckets_.clear();
+  bucket_of_param_.assign(params_.size(), 0);
+  position_in_bucket_.assign(params_.size(), 0);
+  for (size_t b = 0; b < assignment_.size(); ++b) {
+    Bucket bucket;
+    bucket.params = assignment_[b];
+    int64_t total = 0;
+    for (size_t j = 0; j < bucket.params.size(); ++j) {
+      size_t i = bucket.params[j];
+      bucket_of_param_[i] = b;
+      position_in_bucket_[i] = j;
+      bucket.offsets.push_back(total);
+      total += params_[i].numel();
+    }
+    bucket.flat = at::zeros({total}, params_[bucket.params.front()].options().requires_grad(false));
+    buckets_.push_back(std::move(bucket));
+  }
+  if (options_.gradient_as_bucket_view()) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].grad().defined()) continue;
+      at::Tensor slot = slot_of(i);
+      slot.copy_(params_[i].grad());
+      params_[i].mutable_grad() = slot;
+    }
+  }
+}
+
+at::Tensor GradientReducer::slot_of(size_t param_index) {
+  const Bucket& bucket = buckets_[bucket_of_param_[param_index]];
+  const at::Tensor& param = params_[param_index];
+  return bucket.flat.narrow(0, bucket.offsets[position_in_bucket_[param_index]], param.numel())
+      .view(param.sizes());
+}
+
+void GradientReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  if (!options_.find_unused_parameters() || accumulators_.empty()) return;
+  // Every gradient accumulator reachable from the outputs will fire; the
+  // rest belong to parameters this forward did not use.
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    auto edge = torch::autograd::impl::gradient_edge(out);
+    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& next : node->next_edges()) {
+      if (next.function && seen.insert(next.function.get()).second) stack.push_back(next.function.get());
+    }
+  }
+  unused_after_forward_.clear();
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    if (!seen.count(accumulators_[i].get())) unused_after_forward_.push_back(i);
+  }
+}
+
 void GradientReducer::start_round() {
   round_active_ = true;
   next_bucket_to_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(used_locally_.begin(), used_locally_.end(), 0);
   for (Bucket& bucket : buckets_) {
     bucket.pending = bucket.params.size();
-    bucket.work.reset();
+    bucket.reduced.reset();
   }
   // Runs on the autograd engine once the whole backward pass is done.
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  auto unused = std::move(unused_after_forward_);
+  unused_after_forward_.clear();
+  for (size_t i : unused) mark_ready(i, /*has_gradient=*/false);
 }
 
 void GradientReducer::on_gradient_ready(size_t param_index) {
+  if (!require_sync_) return;  // no_sync(): gradients just accumulate locally
   if (!round_active_) start_round();
+  mark_ready(param_index, /*has_gradient=*/true);
+}
+
+void GradientReducer::mark_ready(size_t param_index, bool has_gradient) {
   TORCH_CHECK(!ready_[param_index], "ddp: the gradient of parameter '", names_[param_index],
               "' became ready twice in one backward pass; reentrant backward is not supported");
   ready_[param_index] = 1;
+  used_locally_[param_index] = has_gradient ? 1 : 0;
+  if (reduced_steps_ == 0) ready_order_.push_back(param_index);
 
-  Bucket& bucket = buckets_[bucket_of_param_[param_index]];
-  const at::Tensor& grad = params_[param_index].grad();
-  int64_t numel = params_[param_index].numel();
-  at::Tensor slot = bucket.flat.narrow(0, bucket.offsets[position_in_bucket_[param_index]], numel);
+  at::Tensor slot = slot_of(param_index);
+  at::Tensor& param = params_[param_index];
+  const at::Tensor& grad = param.grad();
   if (grad.defined()) {
-    slot.copy_(grad.reshape({numel}));
+    // A gradient from earlier no_sync() steps counts even if this forward
+    // did not use the parameter.
+    if (!is_view_of(grad, slot)) slot.copy_(grad);
   } else {
     slot.zero_();
   }
-  if (--bucket.pending == 0) launch_full_buckets_in_order();
+  if (options_.gradient_as_bucket_view() && has_gradient && !is_view_of(param.grad(), slot)) {
+    param.mutable_grad() = slot;
+  }
+
+  if (--buckets_[bucket_of_param_[param_index]].pending == 0 && options_.overlap_with_backward()) {
+    launch_full_buckets_in_order();
+  }
 }
 
 void GradientReducer::launch_full_buckets_in_order() {
@@ -121,40 +192,98 @@ void GradientReducer::launch_full_buckets_in_order() {
   // bucket waits for the buckets before it even if it filled up first.
   while (next_bucket_to_launch_ < buckets_.size() && buckets_[next_bucket_to_launch_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_to_launch_];
-    // Divide first, then sum: the average PyTorch's DDP computes.
-    bucket.flat.div_(group_->size());
-    bucket.work = group_->all_reduce_async(bucket.flat);
+    GradBucket view(next_bucket_to_launch_, bucket.flat, next_bucket_to_launch_ + 1 == buckets_.size());
+    bucket.reduced = comm_hook_->run(*group_, view);
     ++next_bucket_to_launch_;
   }
 }
 
 void GradientReducer::finish_backward() {
   round_active_ = false;
-  if (next_bucket_to_launch_ != buckets_.size()) {
-    std::ostringstream unused;
-    int listed = 0;
-    for (size_t i = 0; i < params_.size() && listed < 10; ++i) {
-      if (!ready_[i]) unused << (listed++ ? ", " : "") << "'" << names_[i] << "'";
+  if (next_bucket_to_launch_ != buckets_.size() || !options_.overlap_with_backward()) {
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) missing.push_back(i);
     }
-    TORCH_CHECK(false, "ddp: rank ", group_->rank(), " finished backward, but these parameters got ",
-                "no gradient: ", unused.str(), ". Every parameter must take part in computing the ",
-                "loss on every rank; freeze unused parameters (requires_grad false) before wrapping ",
-                "the model in DistributedDataParallel.");
+    if (!missing.empty() && !options_.find_unused_parameters()) {
+      std::ostringstream names;
+      for (size_t k = 0; k < missing.size() && k < 10; ++k) names << (k ? ", " : "") << "'" << names_[missing[k]] << "'";
+      if (missing.size() > 10) names << " and " << missing.size() - 10 << " more";
+      TORCH_CHECK(false, "ddp: rank ", group_->rank(), " finished backward, but these parameters got ",
+                  "no gradient: ", names.str(), ". Every parameter must take part in computing the ",
+                  "loss on every rank. Pass DDPOptions().find_unused_parameters(true) if some ",
+                  "parameters are legitimately unused, or freeze them (requires_grad false) before ",
+                  "wrapping the model.");
+    }
+    for (size_t i : missing) mark_ready(i, /*has_gradient=*/false);
+    launch_full_buckets_in_order();
   }
-  for (Bucket& bucket : buckets_) {
-    group_->wait(bucket.work, "gradient all_reduce");
-    for (size_t j = 0; j < bucket.params.size(); ++j) {
-      at::Tensor& param = params_[bucket.params[j]];
-      at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[j], param.numel()).view(param.sizes());
-      if (param.grad().defined()) {
-        param.mutable_grad().copy_(averaged);
+
+  // Which parameters got a gradient on any rank: one used nowhere keeps its
+  // .grad untouched, as in PyTorch.
+  at::Tensor used_anywhere;
+  if (options_.find_unused_parameters()) {
+    used_anywhere = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
+    int32_t* data = used_anywhere.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) data[i] = used_locally_[i];
+    group_->all_reduce(used_anywhere);
+  }
+
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    bucket.reduced->wait();
+    if (bucket.reduced->hasError()) {
+      TORCH_CHECK(false, "ddp: reducing gradient bucket ", b, " failed on rank ", group_->rank(), " of ",
+                  group_->size(), "; a peer may have died or stopped training. Cause: ",
+                  bucket.reduced->tryRetrieveErrorMessage());
+    }
+    const c10::IValue& value = bucket.reduced->value();
+    at::Tensor result = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+    if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.view_as(bucket.flat));
+    bucket.reduced.reset();
+
+    for (size_t i : bucket.params) {
+      if (used_anywhere.defined() && used_anywhere.data_ptr<int32_t>()[i] == 0) continue;
+      at::Tensor slot = slot_of(i);
+      at::Tensor& param = params_[i];
+      if (options_.gradient_as_bucket_view()) {
+        if (!is_view_of(param.grad(), slot)) param.mutable_grad() = slot;
+      } else if (param.grad().defined()) {
+        param.mutable_grad().copy_(slot);
       } else {
-        param.mutable_grad() = averaged.clone();
+        param.mutable_grad() = slot.clone();
       }
     }
-    bucket.work.reset();
   }
   ++reduced_steps_;
+  maybe_rebuild_buckets();
+}
+
+void GradientReducer::maybe_rebuild_buckets() {
+  if (buckets_rebuilt_ || !options_.rebuild_buckets()) return;
+  buckets_rebuilt_ = true;
+  // Rank 0's observed order, completed with any parameter it never saw, so
+  // every rank rebuilds the same buckets.
+  const int64_t n = static_cast<int64_t>(params_.size());
+  at::Tensor order = at::empty({n}, at::kLong);
+  if (group_->rank() == 0) {
+    std::vector<char> listed(params_.size(), 0);
+    std::vector<int64_t> full;
+    for (size_t i : ready_order_) {
+      if (!listed[i]) full.push_back(static_cast<int64_t>(i)), listed[i] = 1;
+    }
+    for (size_t k = params_.size(); k-- > 0;) {
+      if (!listed[k]) full.push_back(static_cast<int64_t>(k));
+    }
+    std::copy(full.begin(), full.end(), order.data_ptr<int64_t>());
+  }
+  group_->broadcast(order, 0);
+  std::vector<size_t> visit(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n);
+  auto rebuilt = compute_bucket_assignment(infos_of(params_), visit, mib_to_bytes(options_.first_bucket_cap_mb()),
+                                           mib_to_bytes(options_.bucket_cap_mb()));
+  ready_order_.clear();
+  ready_order_.shrink_to_fit();
+  if (rebuilt != assignment_) build_buckets(rebuilt);
 }
 
 }  // namespace ddp

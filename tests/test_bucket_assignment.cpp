@@ -1,5 +1,6 @@
 #include <ddp/bucket_assignment.h>
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 namespace {
@@ -65,6 +66,24 @@ TEST(BucketAssignment, EveryParameterExactlyOnce) {
   for (auto& bucket : buckets)
     for (size_t i : bucket) ++count[i];
   for (int c : count) EXPECT_EQ(c, 1);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(BucketAssignment, FollowsAGivenReadyOrder) {
+  std::vector<ddp::BucketTensorInfo> params(6, floats(1));
+  auto buckets = ddp::compute_bucket_assignment(params, {4, 5, 0, 1, 2, 3}, 8, 16);
+  ASSERT_EQ(buckets.size(), 2u);
+  EXPECT_EQ(buckets[0], (std::vector<size_t>{4, 5}));
+  EXPECT_EQ(buckets[1], (std::vector<size_t>{0, 1, 2, 3}));
+}
+
+TEST(BucketAssignment, RejectsAnOrderThatIsNotAPermutation) {
+  std::vector<ddp::BucketTensorInfo> params(3, floats(1));
+  EXPECT_THROW(ddp::compute_bucket_assignment(params, {0, 0, 1}, 8, 16), c10::Error);
+  EXPECT_THROW(ddp::compute_bucket_assignment(params, {0, 1}, 8, 16), c10::Error);
 }
 
 }  // namespace

@@ -97,3 +97,91 @@ TEST(DistributedDataParallel, BuffersFollowRankZeroBeforeEachForward) {
 }
 
 }  // namespace
+
+namespace {
+
+double number_after(const std::string& out, const std::string& key) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex(key + "([0-9.eE+-]+)"))) return 1e9;
+  return std::stod(m[1]);
+}
+
+struct OptionCase {
+  std::vector<std::string> flags;
+  std::string name;
+};
+
+TEST(DistributedDataParallel, EveryEngineOptionKeepsTheEquivalence) {
+  std::vector<OptionCase> cases = {
+      {{"--bucket-view"}, "gradient_as_bucket_view"},
+      {{"--bucket-view", "--bucket-cap-mb", "0.0003"}, "gradient_as_bucket_view, 3 buckets"},
+      {{"--find-unused"}, "find_unused_parameters with every parameter used"},
+      {{"--no-overlap"}, "all-reduce after backward"},
+      {{"--no-rebuild"}, "no bucket rebuild"},
+      {{"--bucket-cap-mb", "0.0003", "--no-rebuild"}, "3 buckets, no rebuild"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {"equivalence", "--steps", "8", "--batch", "4"};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    auto r = run_process(under_ddprun(2, "ddp_worker", args), one_rank({}));
+    ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.describe();
+    EXPECT_LE(max_abs_diff(r.out), 1e-6) << c.name << ": " << r.out;
+    EXPECT_EQ(count_of(r.out, "REPLICAS identical"), 2) << c.name << ": " << r.out;
+  }
+}
+
+TEST(DistributedDataParallel, BucketViewGradientsLiveInTheBuckets) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"equivalence", "--bucket-view", "--bucket-cap-mb", "0.0003"}),
+                       one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  // Six gradients, three buckets: each gradient is a view of its bucket.
+  EXPECT_EQ(count_of(r.out, "GRAD STORAGES 3"), 2) << r.out;
+}
+
+TEST(DistributedDataParallel, BucketsAreRebuiltOnceUnlessDisabled) {
+  auto rebuilt = run_process(under_ddprun(2, "ddp_worker", {"equivalence", "--steps", "2"}), one_rank({}));
+  ASSERT_EQ(rebuilt.exit_code, 0) << rebuilt.describe();
+  EXPECT_EQ(count_of(rebuilt.out, "REBUILT 1"), 2) << rebuilt.out;
+  auto kept = run_process(under_ddprun(2, "ddp_worker", {"equivalence", "--steps", "2", "--no-rebuild"}), one_rank({}));
+  ASSERT_EQ(kept.exit_code, 0) << kept.describe();
+  EXPECT_EQ(count_of(kept.out, "REBUILT 0"), 2) << kept.out;
+}
+
+TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenMatchesOneLargeBatch) {
+  for (std::vector<std::string> args : {std::vector<std::string>{"no_sync", "--micro", "3"},
+                                        std::vector<std::string>{"no_sync", "--micro", "2", "--bucket-view"}}) {
+    auto r = run_process(under_ddprun(2, "ddp_worker", args), one_rank({}));
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    EXPECT_EQ(count_of(r.out, "NO_SYNC local_grads_differ=1"), 2) << r.out;
+    EXPECT_LE(number_after(r.out, "NO_SYNC max_abs_diff="), 1e-6) << r.out;
+  }
+}
+
+TEST(DistributedDataParallel, FindUnusedParametersHandlesPerRankBranches) {
+  for (std::vector<std::string> args : {std::vector<std::string>{"find_unused"},
+                                        std::vector<std::string>{"find_unused", "--bucket-view"}}) {
+    auto r = run_process(under_ddprun(2, "ddp_worker", args), one_rank({{"DDP_TIMEOUT_SECONDS", "30"}}));
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    EXPECT_EQ(count_of(r.out, "FIND_UNUSED never_untouched=1 right_same=1 right_is_average=1"), 2) << r.out;
+  }
+}
+
+TEST(DistributedDataParallel, CommunicationHooks) {
+  auto exact = run_process(under_ddprun(2, "ddp_worker", {"hook_gradients"}), one_rank({}));
+  ASSERT_EQ(exact.exit_code, 0) << exact.describe();
+  EXPECT_LE(number_after(exact.out, "max_rel_err="), 1e-6) << exact.out;
+
+  auto fp16 = run_process(under_ddprun(2, "ddp_worker", {"hook_gradients", "--hook", "fp16", "--tolerance", "2e-3"}),
+                          one_rank({}));
+  ASSERT_EQ(fp16.exit_code, 0) << fp16.describe();
+  double fp16_error = number_after(fp16.out, "max_rel_err=");
+  EXPECT_GT(fp16_error, 0) << "fp16 rounding must show: " << fp16.out;
+
+  auto bf16 = run_process(under_ddprun(2, "ddp_worker", {"hook_gradients", "--hook", "bf16", "--tolerance", "2e-2"}),
+                          one_rank({}));
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.describe();
+  // bf16 keeps 8 mantissa bits to fp16's 11: a larger error than fp16's.
+  EXPECT_GT(number_after(bf16.out, "max_rel_err="), fp16_error) << bf16.out;
+}
+
+}  // namespace

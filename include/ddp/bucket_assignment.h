@@ -31,4 +31,12 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<Buc
                                                            size_t first_bucket_cap_bytes,
                                                            size_t bucket_cap_bytes);
 
+/// The same rules, visiting parameters in `visit_order` (indices into
+/// `params`, each exactly once): the order gradients were observed to become
+/// ready, when buckets are rebuilt after the first iteration.
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<BucketTensorInfo>& params,
+                                                           const std::vector<size_t>& visit_order,
+                                                           size_t first_bucket_cap_bytes,
+                                                           size_t bucket_cap_bytes);
+
 }  // namespace ddp

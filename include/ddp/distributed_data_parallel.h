@@ -21,13 +21,15 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 namespace ddp {
 
 /// Options for DistributedDataParallel; the defaults are PyTorch's.
 ///
-///   ddp::DDPOptions().bucket_cap_mb(50).broadcast_buffers(false)
+///   ddp::DDPOptions().bucket_cap_mb(50).find_unused_parameters(true)
 struct DDPOptions {
   /// Cap of every gradient bucket after the first, in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
@@ -36,6 +38,54 @@ struct DDPOptions {
   /// Copy rank 0's buffers (BatchNorm statistics, say) to every rank before
   /// each forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Allow parameters that take no part in some forward passes.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Make each .grad a view into its communication bucket (less memory, no
+  /// copies).
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Regroup buckets once, after the first iteration, in the order gradients
+  /// became ready.
+  TORCH_ARG(bool, rebuild_buckets) = true;
+  /// Reduce buckets while backward runs; off only to measure the benefit.
+  TORCH_ARG(bool, overlap_with_backward) = true;
+  /// How buckets are reduced: allreduce_hook() (null), fp16_compress_hook(),
+  /// bf16_compress_hook() or your own CommHook.
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+
+ public:
+  ReducerOptions reducer_options() const {
+    return ReducerOptions()
+        .bucket_cap_mb(bucket_cap_mb_)
+        .first_bucket_cap_mb(first_bucket_cap_mb_)
+        .find_unused_parameters(find_unused_parameters_)
+        .gradient_as_bucket_view(gradient_as_bucket_view_)
+        .rebuild_buckets(rebuild_buckets_)
+        .overlap_with_backward(overlap_with_backward_)
+        .comm_hook(comm_hook_);
+  }
+};
+
+/// While alive, backward passes only accumulate gradients locally; the next
+/// backward outside it all-reduces the accumulated sum (gradient
+/// accumulation without communicating every micro-batch).
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(GradientReducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
+    reducer_->set_require_sync(false);
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_), previous_(other.previous_) {
+    other.reducer_ = nullptr;
+  }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ~NoSyncGuard() {
+    if (reducer_) reducer_->set_require_sync(previous_);
+  }
+
+ private:
+  GradientReducer* reducer_;
+  bool previous_;
 };
 
 namespace detail {
@@ -48,6 +98,25 @@ void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group)
 /// Copies rank 0's parameters and/or buffers to every rank.
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
                             bool buffers);
+
+// The tensors of a forward's result, for finding unused parameters. Results
+// of other types yield none; unused parameters are then found at the end of
+// backward instead.
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, t);
+}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<at::Tensor>&) {}
 
 inline std::shared_ptr<torch::nn::Module> as_module_ptr(std::shared_ptr<torch::nn::Module> module) {
   return module;
@@ -64,6 +133,9 @@ class DataParallelCore {
   DataParallelCore(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
                    DDPOptions options);
   void before_forward();
+  void after_forward(const std::vector<at::Tensor>& outputs);
+  bool wants_outputs() const { return options_.find_unused_parameters(); }
+  GradientReducer& reducer() { return *reducer_; }
   const GradientReducer& reducer() const { return *reducer_; }
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
@@ -91,9 +163,15 @@ class DistributedDataParallel {
   /// Runs the wrapped module's forward. Call this rather than the module's
   /// own forward, so buffers are synchronised first.
   template <typename... Args>
-  decltype(auto) forward(Args&&... args) {
+  auto forward(Args&&... args) {
     core_.before_forward();
-    return module_->forward(std::forward<Args>(args)...);
+    auto result = module_->forward(std::forward<Args>(args)...);
+    if (core_.wants_outputs()) {
+      std::vector<at::Tensor> outputs;
+      detail::collect_tensors(result, outputs);
+      core_.after_forward(outputs);
+    }
+    return result;
   }
 
   template <typename... Args>
@@ -107,6 +185,12 @@ class DistributedDataParallel {
   const ModuleType& module() const { return module_; }
   auto operator->() { return &*module_; }
   auto operator->() const { return &*module_; }
+
+  /// Skip gradient synchronisation inside a scope:
+  ///
+  ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
+  ///   loss_of(micro_batch_2).backward();  // all-reduces the sum of both
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(core_.reducer()); }
 
   const GradientReducer& reducer() const { return core_.reducer(); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return core_.group(); }

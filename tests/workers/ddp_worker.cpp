@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -43,6 +44,29 @@ std::string flag(int argc, char** argv, const std::string& name, const std::stri
   return fallback;
 }
 
+bool has_flag(int argc, char** argv, const std::string& name) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i] == name) return true;
+  }
+  return false;
+}
+
+// DDP options from the command line, so one scenario covers every option.
+ddp::DDPOptions options_from(int argc, char** argv) {
+  double cap_mb = std::stod(flag(argc, argv, "--bucket-cap-mb", "25"));
+  auto options = ddp::DDPOptions()
+                     .bucket_cap_mb(cap_mb)
+                     .first_bucket_cap_mb(std::min(cap_mb, 1.0))
+                     .gradient_as_bucket_view(has_flag(argc, argv, "--bucket-view"))
+                     .find_unused_parameters(has_flag(argc, argv, "--find-unused"))
+                     .overlap_with_backward(!has_flag(argc, argv, "--no-overlap"))
+                     .rebuild_buckets(!has_flag(argc, argv, "--no-rebuild"));
+  std::string hook = flag(argc, argv, "--hook", "allreduce");
+  if (hook == "fp16") options.comm_hook(ddp::fp16_compress_hook());
+  if (hook == "bf16") options.comm_hook(ddp::bf16_compress_hook());
+  return options;
+}
+
 at::Tensor flatten_parameters(torch::nn::Module& module) {
   std::vector<at::Tensor> flat;
   for (auto& p : module.parameters()) flat.push_back(p.detach().reshape({-1}));
@@ -55,7 +79,7 @@ int equivalence(int argc, char** argv) {
   int64_t steps = std::stoll(flag(argc, argv, "--steps", "8"));
   int64_t batch = std::stoll(flag(argc, argv, "--batch", "4"));
   int64_t dataset_size = std::stoll(flag(argc, argv, "--dataset", "61"));
-  double cap_mb = std::stod(flag(argc, argv, "--bucket-cap-mb", "25"));
+  double tolerance = std::stod(flag(argc, argv, "--tolerance", "1e-6"));
   auto group = ddp::init_process_group();
   const int world = group->size();
 
@@ -66,8 +90,7 @@ int equivalence(int argc, char** argv) {
   // Different initial weights per rank: DDP must replace them with rank 0's.
   torch::manual_seed(100 + group->rank());
   Mlp model;
-  ddp::DistributedDataParallel<Mlp> ddp_model(
-      model, group, ddp::DDPOptions().bucket_cap_mb(cap_mb).first_bucket_cap_mb(cap_mb));
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group, options_from(argc, argv));
   at::Tensor initial = flatten_parameters(*model).clone();
   torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3));
 
@@ -78,7 +101,13 @@ int equivalence(int argc, char** argv) {
     for (const auto& b : ddp::make_batches(sampler.indices(), batch)) {
       if (done == steps) break;
       at::Tensor idx = at::tensor(b, at::kLong);
-      optimizer.zero_grad();
+      if (has_flag(argc, argv, "--bucket-view")) {
+        // The optimizer's zero_grad() detaches gradients in place, which views
+        // cannot be; the module's zeroes them and keeps them in the bucket.
+        ddp_model->zero_grad(/*set_to_none=*/false);
+      } else {
+        optimizer.zero_grad();
+      }
       auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(features.index_select(0, idx)),
                                                        labels.index_select(0, idx));
       loss.backward();
@@ -86,7 +115,14 @@ int equivalence(int argc, char** argv) {
       ++done;
     }
   }
-  std::printf("BUCKETS %zu\n", ddp_model.reducer().bucket_assignment().size());
+  std::printf("BUCKETS %zu REBUILT %d\n", ddp_model.reducer().bucket_assignment().size(),
+              ddp_model.reducer().buckets_rebuilt() ? 1 : 0);
+  if (has_flag(argc, argv, "--bucket-view")) {
+    // All gradients live in bucket memory: one storage per bucket.
+    std::set<const void*> storages;
+    for (auto& p : model->parameters()) storages.insert(p.grad().storage().data());
+    std::printf("GRAD STORAGES %zu\n", storages.size());
+  }
 
   // Every replica must hold exactly the same weights.
   at::Tensor mine = flatten_parameters(*model);
@@ -136,10 +172,140 @@ int equivalence(int argc, char** argv) {
     double moved = (mine - initial).abs().max().item<double>();
     std::printf("EQUIVALENCE max_abs_diff=%.3g moved=%.3g steps=%lld world=%d\n", diff, moved,
                 static_cast<long long>(steps), world);
-    if (!(diff <= 1e-6) || moved < 1e-4) return 4;
+    if (!(diff <= tolerance) || moved < 1e-4) return 4;
   }
   group->barrier();
   return 0;
+}
+
+// k micro-batches under no_sync() plus one synced backward must give the
+// gradient of one batch k+1 times larger (times k+1, as losses are means).
+int no_sync(int argc, char** argv) {
+  int64_t micro = std::stoll(flag(argc, argv, "--micro", "3"));
+  int64_t batch = 4;
+  auto group = ddp::init_process_group();
+  const int world = group->size();
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(99);
+  int64_t per_step = (micro + 1) * batch * world;
+  at::Tensor features = at::randn({per_step, 10}, generator);
+  at::Tensor labels = at::randint(0, 4, {per_step}, generator, at::kLong);
+  torch::manual_seed(5);
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group, options_from(argc, argv));
+  // Micro-batch m of rank r: rows [(m*world + r)*batch, +batch).
+  auto rows = [&](int64_t m, int r) { return at::arange((m * world + r) * batch, (m * world + r + 1) * batch); };
+  {
+    auto guard = ddp_model.no_sync();
+    for (int64_t m = 0; m < micro; ++m) {
+      auto idx = rows(m, group->rank());
+      torch::nn::functional::cross_entropy(ddp_model.forward(features.index_select(0, idx)),
+                                           labels.index_select(0, idx)).backward();
+    }
+  }
+  // Nothing was communicated yet: local gradients still differ.
+  auto local = group->all_gather(model->fc1->weight.grad());
+  bool differ = world > 1 && !at::equal(local[0], local[1]);
+  auto idx = rows(micro, group->rank());
+  torch::nn::functional::cross_entropy(ddp_model.forward(features.index_select(0, idx)),
+                                       labels.index_select(0, idx)).backward();
+  std::printf("NO_SYNC local_grads_differ=%d\n", differ ? 1 : 0);
+
+  // Reference: one process, one batch of every sample, mean loss.
+  torch::manual_seed(5);
+  Mlp reference;
+  {
+    torch::NoGradGuard no_grad;
+    auto src = model->parameters();
+    auto dst = reference->parameters();
+    for (size_t k = 0; k < src.size(); ++k) dst[k].copy_(src[k]);
+  }
+  torch::nn::functional::cross_entropy(reference->forward(features), labels).backward();
+  double diff = 0;
+  auto got = model->parameters();
+  auto want = reference->parameters();
+  for (size_t k = 0; k < got.size(); ++k) {
+    diff = std::max(diff, (got[k].grad() / static_cast<double>(micro + 1) - want[k].grad()).abs().max().item<double>());
+  }
+  std::printf("NO_SYNC max_abs_diff=%.3g\n", diff);
+  return (differ && diff <= 1e-6) ? 0 : 6;
+}
+
+// Parameters used on some ranks only, and one used nowhere.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(4, 4));
+    left = register_module("left", torch::nn::Linear(4, 2));
+    right = register_module("right", torch::nn::Linear(4, 2));
+    never = register_module("never", torch::nn::Linear(4, 2));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_right) {
+    auto h = trunk(x);
+    return use_right ? left(h) + right(h) : left(h);
+  }
+  torch::nn::Linear trunk{nullptr}, left{nullptr}, right{nullptr}, never{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+int find_unused(int argc, char** argv) {
+  auto group = ddp::init_process_group();
+  torch::manual_seed(3);
+  Branchy model;
+  ddp::DistributedDataParallel<Branchy> ddp_model(model, group, options_from(argc, argv).find_unused_parameters(true));
+  at::Tensor x = at::full({2, 4}, 1.0 + group->rank());
+  // Only rank 0 uses `right`; nobody uses `never`.
+  ddp_model.forward(x, group->rank() == 0).sum().backward();
+  bool never_untouched = !model->never->weight.grad().defined();
+  auto right_grads = group->all_gather(model->right->weight.grad());
+  bool right_same = at::equal(right_grads[0], right_grads[1]);
+  // Rank 0's local gradient of `right`, halved, is the average.
+  bool right_is_average = true;
+  if (group->rank() == 0) {
+    torch::manual_seed(3);
+    Branchy copy;
+    {
+      torch::NoGradGuard no_grad;
+      auto src = model->parameters();
+      auto dst = copy->parameters();
+      for (size_t k = 0; k < src.size(); ++k) dst[k].copy_(src[k]);
+    }
+    copy->forward(x, true).sum().backward();
+    right_is_average = at::allclose(model->right->weight.grad(), copy->right->weight.grad() / group->size());
+  }
+  // A second iteration where every rank uses `right`.
+  ddp_model.forward(x, true).sum().backward();
+  std::printf("FIND_UNUSED never_untouched=%d right_same=%d right_is_average=%d\n", never_untouched, right_same,
+              right_is_average);
+  return (never_untouched && right_same && right_is_average) ? 0 : 7;
+}
+
+// One backward through a communication hook against the exact average of
+// the ranks' local gradients, gathered separately.
+int hook_gradients(int argc, char** argv) {
+  double tolerance = std::stod(flag(argc, argv, "--tolerance", "1e-6"));
+  auto group = ddp::init_process_group();
+  torch::manual_seed(11);
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group, options_from(argc, argv));
+  torch::manual_seed(11);
+  Mlp local;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(17 + group->rank());
+  at::Tensor x = at::randn({8, 10}, generator);
+  at::Tensor y = at::randint(0, 4, {8}, generator, at::kLong);
+  torch::nn::functional::cross_entropy(ddp_model.forward(x), y).backward();
+  torch::nn::functional::cross_entropy(local->forward(x), y).backward();
+  double worst = 0;
+  auto got = model->parameters();
+  auto mine = local->parameters();
+  for (size_t k = 0; k < got.size(); ++k) {
+    at::Tensor exact = at::zeros_like(mine[k]);
+    for (auto& g : group->all_gather(mine[k].grad())) exact += g;
+    exact /= group->size();
+    double scale = exact.abs().max().item<double>();
+    worst = std::max(worst, (got[k].grad() - exact).abs().max().item<double>() / std::max(scale, 1e-12));
+  }
+  std::printf("HOOK max_rel_err=%.3g\n", worst);
+  group->barrier();
+  return worst <= tolerance ? 0 : 8;
 }
 
 int ready(int, char**) {
@@ -213,7 +379,7 @@ int buffers(int, char**) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers [flags]\n";
+    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients [flags]\n";
     return 2;
   }
   std::string mode = argv[1];
@@ -224,6 +390,9 @@ int main(int argc, char** argv) {
     if (mode == "mismatch") return mismatch(argc, argv);
     if (mode == "unused") return unused_parameter(argc, argv);
     if (mode == "buffers") return buffers(argc, argv);
+    if (mode == "no_sync") return no_sync(argc, argv);
+    if (mode == "hook_gradients") return hook_gradients(argc, argv);
+    if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";
     return 2;
   } catch (const c10::Error& e) {
