@@ -36,3 +36,7 @@ test: build
 
 clean:
 	rm -rf $(BUILD_DIR)
+
+# Side-by-side benchmark against PyTorch's Python DDP; writes bench/RESULTS.md.
+bench: build
+	$$(cat $(VENV_FILE))/bin/python bench/run_bench.py --build-dir $(BUILD_DIR)

@@ -165,3 +165,39 @@ TEST(Wine, CheckpointDirectoryMustExist) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Wine, TrajectoryMatchesPythonDdpFromTheSameWeights) {
+  // PyTorch's own DDP (torchrun, gloo, 2 ranks) trains the same recipe and
+  // saves its initial weights; wine_ddp starts from them. Same sampler
+  // shards, same batches, same Adam: the losses and weights must agree.
+  auto py_dir = make_temp_dir("py_wine");
+  auto cc_dir = make_temp_dir("cc_wine");
+  auto python = run_process({DDP_PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             std::string(DDP_SOURCE_DIR) + "/bench/wine_tutorial.py", "20", "10", "--data",
+                             shipped_csv(), "--checkpoint-dir", py_dir, "--init-out", py_dir + "/init.pt"},
+                            one_rank({{"OMP_NUM_THREADS", "1"}}, std::chrono::seconds(120)));
+  ASSERT_EQ(python.exit_code, 0) << python.describe();
+  auto cpp = run_process(under_ddprun(2, "wine_ddp", {"20", "10", "--init", py_dir + "/init.pt", "--checkpoint-dir", cc_dir}),
+                         one_rank({}));
+  ASSERT_EQ(cpp.exit_code, 0) << cpp.describe();
+  auto python_losses = loss_lines(python.out);
+  ASSERT_EQ(python_losses.size(), 20u) << python.out;
+  EXPECT_EQ(loss_lines(cpp.out), python_losses);
+
+  auto compare = run_process({DDP_PYTHON, "-c",
+                              "import sys, torch\n"
+                              "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
+                              "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
+                              "print('max_weight_diff=%g' % max((a[k] - b[k]).abs().max().item() for k in a))\n",
+                              py_dir + "/model_final.pt", cc_dir + "/model_final.pt"});
+  ASSERT_EQ(compare.exit_code, 0) << compare.describe();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(compare.out, m, std::regex("max_weight_diff=([0-9.eE+-]+)"))) << compare.out;
+  EXPECT_LE(std::stod(m[1]), 1e-5) << compare.out;
+  fs::remove_all(py_dir);
+  fs::remove_all(cc_dir);
+}
+
+}  // namespace

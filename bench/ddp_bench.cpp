@@ -1,0 +1,202 @@
+// Step-time benchmark of ddp's DistributedDataParallel; the Python side is
+// bench/python_ddp_bench.py, the driver bench/run_bench.py.
+//
+//   ddprun --standalone --nproc-per-node 2 ddp_bench --model mlp2m --mode ddp
+//   ddp_bench --model mlp2m --mode local          # no process group at all
+//
+// Prints one JSON line (rank 0): per-step times in ms after warm-up.
+
+#include "bench_models.h"
+
+#include <ddp/bucket_assignment.h>
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/process_group.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+namespace {
+
+struct Config {
+  std::string model = "mlp2m";
+  std::string mode = "ddp";  // ddp | no-overlap | no-rebuild | local | allreduce
+  int64_t steps = 20;
+  int64_t warmup = 5;
+  int64_t batch = 0;  // per rank; 0 = the model's default
+};
+
+Config parse(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--model") c.model = v;
+    else if (k == "--mode") c.mode = v;
+    else if (k == "--steps") c.steps = std::stoll(v);
+    else if (k == "--warmup") c.warmup = std::stoll(v);
+    else if (k == "--batch") c.batch = std::stoll(v);
+    else throw std::invalid_argument("unknown flag " + k);
+  }
+  return c;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string json_list(const std::vector<double>& v) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  out << "]";
+  return out.str();
+}
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// Times optimizer steps of `forward_loss` (which runs forward and returns the
+// loss) over `parameters`.
+template <typename ForwardLoss>
+std::vector<double> time_steps(const Config& c, std::vector<at::Tensor> parameters, ForwardLoss forward_loss) {
+  torch::optim::Adam optimizer(parameters, torch::optim::AdamOptions(1e-3));
+  std::vector<double> times;
+  for (int64_t s = 0; s < c.warmup + c.steps; ++s) {
+    auto start = Clock::now();
+    optimizer.zero_grad();
+    at::Tensor loss = forward_loss();
+    loss.backward();
+    optimizer.step();
+    double ms = ms_since(start);
+    if (s >= c.warmup) times.push_back(ms);
+  }
+  return times;
+}
+
+template <typename Model, typename MakeLoss>
+int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
+  int64_t numel = 0, tensors = 0;
+  for (auto& p : model->parameters()) numel += p.numel(), ++tensors;
+
+  std::shared_ptr<ddp::ProcessGroup> group;
+  std::vector<double> times;
+  std::string extra;
+  if (c.mode == "local") {
+    times = time_steps(c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); });
+  } else {
+    group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kGloo));
+    if (c.mode == "allreduce") {
+      // The bucketed path's communication alone against one all-reduce of
+      // the same bytes: what the engine costs over the transport.
+      std::vector<ddp::BucketTensorInfo> infos;
+      for (auto& p : model->parameters()) infos.push_back({p.numel(), p.scalar_type(), p.device()});
+      auto buckets = ddp::compute_bucket_assignment(infos, 1 << 20, 25 << 20);
+      std::vector<int64_t> sizes;
+      auto params = model->parameters();
+      for (auto& b : buckets) {
+        int64_t n = 0;
+        for (size_t i : b) n += params[i].numel();
+        sizes.push_back(n);
+      }
+      std::vector<double> raw, bucketed;
+      at::Tensor flat = at::ones({numel});
+      for (int64_t s = 0; s < c.warmup + c.steps; ++s) {
+        group->barrier();
+        auto start = Clock::now();
+        group->all_reduce(flat);
+        double raw_ms = ms_since(start);
+        std::vector<at::Tensor> bufs;
+        for (int64_t n : sizes) bufs.push_back(at::ones({n}));
+        group->barrier();
+        start = Clock::now();
+        std::vector<c10::intrusive_ptr<c10d::Work>> works;
+        for (auto& b : bufs) {
+          b.div_(group->size());
+          works.push_back(group->all_reduce_async(b));
+        }
+        for (auto& w : works) group->wait(w, "all_reduce");
+        double bucketed_ms = ms_since(start);
+        if (s >= c.warmup) raw.push_back(raw_ms), bucketed.push_back(bucketed_ms);
+      }
+      times = bucketed;
+      std::ostringstream e;
+      e << ",\"raw_allreduce_ms_median\":" << median(raw) << ",\"bucketed_ms_median\":" << median(bucketed)
+        << ",\"buckets\":" << buckets.size() << ",\"raw_ms\":" << json_list(raw);
+      extra = e.str();
+    } else {
+      auto options = ddp::DDPOptions()
+                         .overlap_with_backward(c.mode != "no-overlap")
+                         .rebuild_buckets(c.mode != "no-rebuild");
+      ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
+      times = time_steps(c, ddp_model->parameters(),
+                         [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); });
+      std::ostringstream e;
+      e << ",\"buckets\":" << ddp_model.reducer().bucket_assignment().size();
+      extra = e.str();
+    }
+  }
+  int world = group ? group->size() : 1;
+  if (!group || group->rank() == 0) {
+    double med = median(times);
+    std::printf(
+        "{\"impl\":\"cpp\",\"model\":\"%s\",\"mode\":\"%s\",\"world\":%d,\"batch_per_rank\":%lld,"
+        "\"parameters\":%lld,\"tensors\":%lld,\"threads\":%d,\"step_ms_median\":%.4f,"
+        "\"samples_per_s\":%.2f,\"step_ms\":%s%s}\n",
+        c.model.c_str(), c.mode.c_str(), world, static_cast<long long>(batch), static_cast<long long>(numel),
+        static_cast<long long>(tensors), at::get_num_threads(), med, 1000.0 * world * batch / med,
+        json_list(times).c_str(), extra.c_str());
+    std::fflush(stdout);
+  }
+  if (group) group->barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Config c = parse(argc, argv);
+    at::set_num_threads(1);  // one intra-op thread per rank, as on the Python side
+    torch::manual_seed(0);
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(1);
+    if (c.model == "wine" || c.model == "mlp2m") {
+      bool wine = c.model == "wine";
+      int64_t batch = c.batch ? c.batch : (wine ? 32 : 64);
+      std::vector<int64_t> widths = wine ? std::vector<int64_t>{13, 64, 3} : std::vector<int64_t>{512, 1024, 1024, 512, 10};
+      at::Tensor x = at::randn({batch, widths.front()}, generator);
+      at::Tensor y = at::randint(0, widths.back(), {batch}, generator, at::kLong);
+      return run(c, bench::Mlp(widths), batch, [&](auto forward) {
+        return torch::nn::functional::cross_entropy(forward(x), y);
+      });
+    }
+    if (c.model == "transformer") {
+      int64_t batch = c.batch ? c.batch : 8;
+      const int64_t vocab = 2048, context = 32;
+      at::Tensor tokens = at::randint(0, vocab, {batch, context}, generator, at::kLong);
+      at::Tensor targets = at::randint(0, vocab, {batch * context}, generator, at::kLong);
+      return run(c, bench::Transformer(vocab, context, 256, 4, 12), batch, [&](auto forward) {
+        return torch::nn::functional::cross_entropy(forward(tokens).view({-1, vocab}), targets);
+      });
+    }
+    throw std::invalid_argument("unknown model " + c.model + " (wine, mlp2m, transformer)");
+  } catch (const c10::Error& e) {
+    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
