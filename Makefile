@@ -26,8 +26,10 @@ build: setup
 	fi
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
+# A fresh run each time: wine_ddp would otherwise resume from the last one's
+# snapshots and have nothing left to train.
 run: build
-	@mkdir -p runs/wine
+	@rm -rf runs/wine && mkdir -p runs/wine
 	$(BUILD_DIR)/bin/ddprun --standalone --nproc-per-node 2 \
 	  $(BUILD_DIR)/bin/wine_ddp 100 50 --checkpoint-dir runs/wine
 

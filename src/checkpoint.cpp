@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <unordered_map>
 
 namespace ddp {
@@ -416,7 +417,7 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   }
 }
 
-void save_value(const c10::IValue& value, const std::string& path) {
+std::vector<char> serialize_value(const c10::IValue& value) {
   std::vector<char> pickle;
   // Untagged aggregates: tagged ones name torch.jit globals that Python's
   // weights_only loader rejects.
@@ -436,31 +437,53 @@ void save_value(const c10::IValue& value, const std::string& path) {
   });
   torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
   writer.writeEndOfFile();
-  write_file_atomically(path, archive);
+  return archive;
 }
+
+void save_value(const c10::IValue& value, const std::string& path) {
+  write_file_atomically(path, serialize_value(value));
+}
+
+namespace {
+
+c10::IValue load_archive(caffe2::serialize::PyTorchStreamReader& archive, const std::string& name) {
+  if (archive.hasRecord("byteorder")) {
+    auto [data, size] = archive.getRecord("byteorder");
+    std::string order(static_cast<const char*>(data.get()), size);
+    TORCH_CHECK(order == "little", "ddp: cannot load '", name, "': it was written on a ", order,
+                "-endian machine");
+  }
+  TORCH_CHECK(archive.hasRecord("data.pkl"), "ddp: cannot load '", name,
+              "': it has no data.pkl record; it is not a torch.save file (TorchScript archives ",
+              "from torch::save(module) are not state dicts)");
+  auto [data, size] = archive.getRecord("data.pkl");
+  WeightsOnlyUnpickler unpickler(name, archive, static_cast<const char*>(data.get()), size);
+  return to_ivalue(unpickler.run(), name);
+}
+
+template <typename Source>
+std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source source, const std::string& name) {
+  try {
+    return std::make_unique<caffe2::serialize::PyTorchStreamReader>(source);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ddp: cannot load '", name, "': it is not a complete torch.save file (",
+                e.what_without_backtrace(), ")");
+  }
+}
+
+}  // namespace
 
 c10::IValue load_value(const std::string& path) {
   struct stat info {};
   TORCH_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
-  try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ddp: cannot load '", path, "': it is not a complete torch.save file (",
-                e.what_without_backtrace(), ")");
-  }
-  if (archive->hasRecord("byteorder")) {
-    auto [data, size] = archive->getRecord("byteorder");
-    std::string order(static_cast<const char*>(data.get()), size);
-    TORCH_CHECK(order == "little", "ddp: cannot load '", path, "': it was written on a ", order,
-                "-endian machine");
-  }
-  TORCH_CHECK(archive->hasRecord("data.pkl"), "ddp: cannot load '", path,
-              "': it has no data.pkl record; it is not a torch.save file (TorchScript archives ",
-              "from torch::save(module) are not state dicts)");
-  auto [data, size] = archive->getRecord("data.pkl");
-  WeightsOnlyUnpickler unpickler(path, *archive, static_cast<const char*>(data.get()), size);
-  return to_ivalue(unpickler.run(), path);
+  auto archive = open_archive(path, path);
+  return load_archive(*archive, path);
+}
+
+c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name) {
+  std::istringstream in(std::string(bytes.begin(), bytes.end()));
+  auto archive = open_archive(static_cast<std::istream*>(&in), name);
+  return load_archive(*archive, name);
 }
 
 void save_state_dict(const StateDict& state, const std::string& path) {

@@ -8,9 +8,6 @@ namespace {
 class AllreduceHook : public CommHook {
  public:
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
-    // Divide before summing, as PyTorch's DDP does: the sum of averages
-    // cannot overflow where the sum of gradients might.
-    bucket.buffer().div_(group.size());
     return group.all_reduce_async(bucket.buffer())->getFuture();
   }
 };
@@ -20,7 +17,7 @@ class CompressHook : public CommHook {
   explicit CompressHook(at::ScalarType wire_dtype) : wire_dtype_(wire_dtype) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
-    at::Tensor compressed = bucket.buffer().div(group.size()).to(wire_dtype_);
+    at::Tensor compressed = bucket.buffer().to(wire_dtype_);
     at::Tensor buffer = bucket.buffer();
     auto future = group.all_reduce_async(compressed)->getFuture();
     return future->then(

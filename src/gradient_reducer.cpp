@@ -31,8 +31,16 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
 
-bool is_view_of(const at::Tensor& grad, const at::Tensor& slot) {
+bool is_alias_of(const at::Tensor& grad, const at::Tensor& slot) {
   return grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.sizes() == slot.sizes();
+}
+
+// A tensor over a slot's memory that is not an autograd view of the bucket:
+// optimizers may detach_() it or reset it like any gradient, which they
+// cannot do to a view. It keeps the bucket's storage alive.
+at::Tensor gradient_alias(const at::Tensor& slot, const at::Tensor& flat) {
+  at::Tensor keep_alive = flat;
+  return at::from_blob(slot.data_ptr(), slot.sizes(), [keep_alive](void*) {}, slot.options());
 }
 
 std::vector<BucketTensorInfo> infos_of(const std::vector<at::Tensor>& params) {
@@ -58,6 +66,7 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std
                 "' is not dense; sparse parameters are not supported");
   }
   comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
+  world_size_ = at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble);
   ready_.assign(params_.size(), 0);
   used_locally_.assign(params_.size(), 0);
   build_buckets(compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
@@ -103,7 +112,7 @@ void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assi
       if (!params_[i].grad().defined()) continue;
       at::Tensor slot = slot_of(i);
       slot.copy_(params_[i].grad());
-      params_[i].mutable_grad() = slot;
+      params_[i].mutable_grad() = gradient_alias(slot, buckets_[bucket_of_param_[i]].flat);
     }
   }
 }
@@ -171,15 +180,20 @@ void GradientReducer::mark_ready(size_t param_index, bool has_gradient) {
   at::Tensor slot = slot_of(param_index);
   at::Tensor& param = params_[param_index];
   const at::Tensor& grad = param.grad();
+  // Into the bucket, divided by the world size on the way: hooks then only
+  // sum. A gradient from earlier no_sync() steps counts even if this forward
+  // did not use the parameter.
   if (grad.defined()) {
-    // A gradient from earlier no_sync() steps counts even if this forward
-    // did not use the parameter.
-    if (!is_view_of(grad, slot)) slot.copy_(grad);
+    if (is_alias_of(grad, slot)) {
+      slot.div_(world_size_);
+    } else {
+      at::div_out(slot, grad, world_size_);
+    }
   } else {
     slot.zero_();
   }
-  if (options_.gradient_as_bucket_view() && has_gradient && !is_view_of(param.grad(), slot)) {
-    param.mutable_grad() = slot;
+  if (options_.gradient_as_bucket_view() && has_gradient && !is_alias_of(param.grad(), slot)) {
+    param.mutable_grad() = gradient_alias(slot, buckets_[bucket_of_param_[param_index]].flat);
   }
 
   if (--buckets_[bucket_of_param_[param_index]].pending == 0 && options_.overlap_with_backward()) {
@@ -247,7 +261,7 @@ void GradientReducer::finish_backward() {
       at::Tensor slot = slot_of(i);
       at::Tensor& param = params_[i];
       if (options_.gradient_as_bucket_view()) {
-        if (!is_view_of(param.grad(), slot)) param.mutable_grad() = slot;
+        if (!is_alias_of(param.grad(), slot)) param.mutable_grad() = gradient_alias(slot, bucket.flat);
       } else if (param.grad().defined()) {
         param.mutable_grad().copy_(slot);
       } else {

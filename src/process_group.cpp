@@ -93,7 +93,33 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, std::chrono::mill
   }
 }
 
+// Rank 0 publishes the job's run id; every other rank must carry the same
+// one. A process of another job that reaches this master (same port, say)
+// fails here instead of joining the wrong job.
+void check_run_id(c10d::Store& store, const World& world, const std::string& run_id) {
+  const std::string key = "ddp/run_id";
+  if (world.rank == 0) {
+    store.set(key, std::vector<uint8_t>(run_id.begin(), run_id.end()));
+    return;
+  }
+  auto bytes = store.get(key);
+  std::string master_run_id(bytes.begin(), bytes.end());
+  TORCH_CHECK(master_run_id == run_id, "ddp: rank ", world.rank, " belongs to run '", run_id,
+              "' but the master at ", world.master_addr, ":", world.master_port, " runs '", master_run_id,
+              "'. Another job is using this MASTER_PORT; give each job its own port and run id ",
+              "(ddprun --rdzv-id, or DDP_RUN_ID).");
+}
+
 }  // namespace
+
+std::string default_run_id() {
+  for (const char* name : {"DDP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
+    if (const char* id = std::getenv(name)) {
+      if (*id) return id;
+    }
+  }
+  return "none";
+}
 
 BackendKind parse_backend(const std::string& name) {
   if (name == "auto") return BackendKind::kAuto;
@@ -138,7 +164,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
     // (the backend runs them over a group of one), so code paths match.
     group->store_ = c10::make_intrusive<c10d::HashStore>();
   } else {
-    group->store_ = rendezvous(world, options.timeout());
+    auto shared = rendezvous(world, options.timeout());
+    check_run_id(*shared, world, options.run_id());
+    // Every key of this job lives under its run id, so even a foreign
+    // process that got past the check could not touch them.
+    group->store_ = c10::make_intrusive<c10d::PrefixStore>("run/" + options.run_id(), shared);
   }
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
   group->backend_ = kind == BackendKind::kNccl

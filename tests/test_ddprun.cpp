@@ -1,6 +1,9 @@
 // Tests of the ddprun launcher, run as a real program against the launcher_probe worker.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -71,6 +74,43 @@ std::map<int, std::map<std::string, std::string>> env_by_rank(const std::string&
     }
   }
   return result;
+}
+
+// Every --print-env line in order of appearance (ranks repeat when workers are restarted).
+std::vector<std::map<std::string, std::string>> env_lines(const std::string& out) {
+  static const std::regex kEnvLine(R"(^(?:\[rank\d+\]: )?(RANK=.*)$)");
+  std::vector<std::map<std::string, std::string>> result;
+  for (const std::string& line : lines_of(out)) {
+    std::smatch match;
+    if (!std::regex_match(line, match, kEnvLine)) continue;
+    auto& variables = result.emplace_back();
+    std::istringstream words(match[1].str());
+    for (std::string word; words >> word;) {
+      size_t equals = word.find('=');
+      variables[word.substr(0, equals)] = word.substr(equals + 1);
+    }
+  }
+  return result;
+}
+
+// How many workers printed their environment on each attempt: attempt -> count.
+std::map<int, int> workers_per_attempt(const std::string& out) {
+  std::map<int, int> counts;
+  for (auto& vars : env_lines(out)) ++counts[std::stoi(vars["TORCHELASTIC_RESTART_COUNT"])];
+  return counts;
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  return contents.str();
+}
+
+std::string hostname() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return name;
 }
 
 size_t count_of(const std::string& text, const std::string& needle) {
@@ -421,6 +461,229 @@ TEST(DdprunFailure, MissingProgramIsReportedClearly) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Restarts
+
+TEST(DdprunRestart, FailureOnTheFirstAttemptIsRestartedAndTheJobSucceeds) {
+  TempDir sync;
+  ProcessResult result = ddprun({"--standalone", "--max-restarts", "2", "--nproc-per-node", "2",
+                                 probe(), "--print-env", "--sync-after-output", sync.path(),
+                                 "--on-attempt", "0", "--exit-code-on-rank", "1", "3"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.err.find("ddprun: rank 1 failed (exit code 3); restarting all workers "
+                            "(restart 1 of 2)\n"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_EQ(result.err.find("root cause"), std::string::npos) << result.describe();
+
+  auto lines = env_lines(result.out);
+  ASSERT_EQ(lines.size(), 4u) << "two ranks, two attempts: " << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out), (std::map<int, int>{{0, 2}, {1, 2}}))
+      << result.describe();
+  for (auto& vars : lines) {
+    EXPECT_EQ(vars["TORCHELASTIC_MAX_RESTARTS"], "2");
+    // Nothing else took the port, so the restarted workers meet where the first ones did.
+    EXPECT_EQ(vars["MASTER_PORT"], lines.front()["MASTER_PORT"]) << result.describe();
+  }
+}
+
+TEST(DdprunRestart, SuccessfulJobIsNotRestarted) {
+  ProcessResult result = ddprun({"--max-restarts", "2", probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out), (std::map<int, int>{{0, 1}})) << result.describe();
+  EXPECT_EQ(result.err.find("restart"), std::string::npos) << result.describe();
+}
+
+TEST(DdprunRestart, SigkilledWorkerIsRestarted) {
+  ProcessResult result =
+      ddprun({"--max-restarts", "1", "--nproc-per-node", "2", probe(), "--print-env",
+              "--on-attempt", "0", "--signal-on-rank", "0", "KILL", "--sleep", "0.2"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.err.find("ddprun: rank 0 failed (killed by signal 9 (SIGKILL)); restarting all "
+                            "workers (restart 1 of 1)\n"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out)[1], 2) << result.describe();
+}
+
+TEST(DdprunRestart, ExhaustedRestartsEndWithARootCauseSummary) {
+  TempDir sync;
+  ProcessResult result = ddprun(
+      {"--max-restarts", "2", "--nproc-per-node", "2", probe(), "--print-env",
+       "--sync-after-output", sync.path(), "--err", "an earlier stderr line", "--err",
+       "error: deliberate failure on rank 1", "--out", "a later stdout line",
+       "--exit-code-on-rank", "1", "3", "--sleep", "60"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_LT(result.seconds, 10.0) << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out), (std::map<int, int>{{0, 2}, {1, 2}, {2, 2}}))
+      << "exactly three attempts: " << result.describe();
+  EXPECT_EQ(count_of(result.err, "restarting all workers"), 2u) << result.describe();
+  EXPECT_NE(result.err.find("(restart 2 of 2)"), std::string::npos) << result.describe();
+
+  // The block is the last thing ddprun says; pid is that of rank 1 in the last attempt.
+  static const std::regex kSummary(
+      "ddprun: job failed after 2 restart\\(s\\)\n"
+      "ddprun: root cause \\(first failure of the last attempt\\):\n"
+      "ddprun:   rank: 1 \\(local rank 1\\), host: (.+), pid: (\\d+)\n"
+      "ddprun:   exit: exit code 3\n"
+      "ddprun:   last error line: error: deliberate failure on rank 1\n$");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(result.err, match, kSummary)) << result.describe();
+  EXPECT_EQ(match[1].str(), hostname());
+  const std::string pid = match[2].str();
+  const size_t last_failure = result.err.rfind("ddprun: rank 1 (local rank 1, pid ");
+  ASSERT_NE(last_failure, std::string::npos);
+  EXPECT_EQ(result.err.compare(last_failure, 34 + pid.size() + 1,
+                               "ddprun: rank 1 (local rank 1, pid " + pid + ")"),
+            0)
+      << result.describe();
+}
+
+TEST(DdprunRestart, SummaryFallsBackToStdoutThenToNoOutput) {
+  ProcessResult result = ddprun({probe(), "--out", "only stdout here", "--exit-code-on-rank", "0", "4"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("ddprun: job failed after 0 restart(s)\n"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   last error line: only stdout here\n"), std::string::npos)
+      << result.describe();
+
+  result = ddprun({probe(), "--signal-on-rank", "0", "SEGV"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   exit: killed by signal 11 (SIGSEGV)\n"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   last error line: (no output)\n"), std::string::npos)
+      << result.describe();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Log directory
+
+TEST(DdprunLogDir, EachWorkerWritesItsOwnUnprefixedLogAndTheConsoleIsQuiet) {
+  TempDir logs;
+  const std::string dir = logs.file("run/logs");  // created with its parents
+  ProcessResult result = ddprun({"--log-dir", dir, "--nproc-per-node", "2", probe(), "--lines",
+                                 "3", "--err", "to stderr"},
+                                run_options({{"OMP_NUM_THREADS", "1"}}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "") << result.describe();
+  EXPECT_EQ(result.err, "") << result.describe();
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const std::string r = std::to_string(rank);
+    const std::string log = read_text_file(dir + "/attempt_0/rank_" + r + ".log");
+    // Lines of one stream keep their order; the two streams' lines interleave as they came.
+    std::vector<std::string> stdout_lines, stderr_lines;
+    for (const std::string& line : lines_of(log)) {
+      (line.find(" line ") != std::string::npos && line.find("stderr") == std::string::npos
+           ? stdout_lines
+           : stderr_lines)
+          .push_back(line);
+    }
+    const std::string xs(300, 'x');
+    EXPECT_EQ(stdout_lines, (std::vector<std::string>{"rank " + r + " line 0 " + xs,
+                                                      "rank " + r + " line 1 " + xs,
+                                                      "rank " + r + " line 2 " + xs}))
+        << log;
+    EXPECT_EQ(stderr_lines, (std::vector<std::string>{"rank " + r + " stderr line", "to stderr"}))
+        << log;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/attempt_1"));
+}
+
+TEST(DdprunLogDir, TeeAlsoShowsPrefixedLinesOnTheConsole) {
+  TempDir logs;
+  ProcessResult result = ddprun({"--log-dir", logs.path(), "--tee", probe(), "--out", "hello out",
+                                 "--err", "hello err"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "[rank0]: hello out\n") << result.describe();
+  EXPECT_EQ(result.err, "[rank0]: hello err\n") << result.describe();
+  const std::string log = read_text_file(logs.file("attempt_0/rank_0.log"));
+  EXPECT_NE(log.find("hello out\n"), std::string::npos) << log;
+  EXPECT_NE(log.find("hello err\n"), std::string::npos) << log;
+  EXPECT_EQ(log.find("[rank"), std::string::npos) << log;
+
+  // torchrun's numbered form: 2 tees stderr only.
+  result = ddprun({"--log-dir", logs.path(), "--tee", "2", probe(), "--out", "hello out", "--err",
+                   "hello err"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.out, "") << result.describe();
+  EXPECT_EQ(result.err, "[rank0]: hello err\n") << result.describe();
+}
+
+TEST(DdprunLogDir, RestartedAttemptsLogIntoTheirOwnDirectory) {
+  TempDir logs;
+  ProcessResult result =
+      ddprun({"--log-dir", logs.path(), "--max-restarts", "1", "--nproc-per-node", "2", probe(),
+              "--print-env", "--err", "error: rank failed", "--sync-after-output",
+              logs.path(), "--on-attempt", "0", "--exit-code-on-rank", "1", "3"},
+             run_options({{"OMP_NUM_THREADS", "1"}}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  // ddprun's own messages still reach the console, the workers' lines do not.
+  EXPECT_NE(result.err.find("restarting all workers (restart 1 of 1)"), std::string::npos)
+      << result.describe();
+  EXPECT_EQ(result.out, "") << result.describe();
+  EXPECT_EQ(result.err.find("[rank"), std::string::npos) << result.describe();
+  for (int attempt : {0, 1}) {
+    for (int rank : {0, 1}) {
+      const std::string path = logs.file("attempt_" + std::to_string(attempt) + "/rank_" +
+                                         std::to_string(rank) + ".log");
+      SCOPED_TRACE(path);
+      const std::string log = read_text_file(path);
+      auto env = env_lines(log);
+      ASSERT_EQ(env.size(), 1u) << log;
+      EXPECT_EQ(env[0]["RANK"], std::to_string(rank));
+      EXPECT_EQ(env[0]["TORCHELASTIC_RESTART_COUNT"], std::to_string(attempt));
+      EXPECT_NE(log.find("error: rank failed\n"), std::string::npos) << log;
+    }
+  }
+}
+
+TEST(DdprunLogDir, FinalFailureNamesTheLogFile) {
+  TempDir logs;
+  ProcessResult result = ddprun({"--log-dir", logs.path(), "--nproc-per-node", "2", probe(),
+                                 "--err", "error: oops", "--exit-code-on-rank", "0", "5"},
+                                run_options({{"OMP_NUM_THREADS", "1"}}));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   last error line: error: oops\n"
+                            "ddprun:   log: " +
+                            logs.file("attempt_0/rank_0.log") + "\n"),
+            std::string::npos)
+      << result.describe();
+}
+
+TEST(DdprunLogDir, UnusableLogDirIsAnErrorBeforeAnyWorkerStarts) {
+  TempDir scratch;
+  std::ofstream(scratch.file("a_file")) << "not a directory\n";
+  const std::string bad = scratch.file("a_file/logs");
+  ProcessResult result =
+      ddprun({"--log-dir", bad, probe(), "--pid-file", scratch.path(), "--print-env"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("cannot create log directory '" + bad + "'"), std::string::npos)
+      << result.describe();
+  EXPECT_EQ(lines_of(result.err).size(), 1u) << result.describe();
+  EXPECT_FALSE(std::filesystem::exists(scratch.file("pid.0"))) << "a worker was started";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run id
+
+TEST(DdprunRunId, RdzvIdReachesTheWorkersUnderBothNames) {
+  for (const std::vector<std::string>& flag : std::vector<std::vector<std::string>>{
+           {"--rdzv-id", "job-42"}, {"--rdzv_id=job-42"}, {"--run-id", "job-42"}}) {
+    SCOPED_TRACE(flag.front());
+    std::vector<std::string> args = flag;
+    args.insert(args.end(), {probe(), "--print-env"});
+    ProcessResult result = ddprun(args);
+    ASSERT_EQ(result.exit_code, 0) << result.describe();
+    auto env = env_by_rank(result.out);
+    EXPECT_EQ(env[0]["TORCHELASTIC_RUN_ID"], "job-42") << result.describe();
+    EXPECT_EQ(env[0]["DDP_RUN_ID"], "job-42") << result.describe();
+  }
+  ProcessResult result = ddprun({probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(env_by_rank(result.out)[0]["DDP_RUN_ID"], "none") << result.describe();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Signals sent to ddprun
 
 class DdprunSignals : public ::testing::Test {
@@ -448,6 +711,16 @@ class DdprunSignals : public ::testing::Test {
   ProcessResult finish(std::chrono::milliseconds timeout = 15s) {
     finished_ = true;
     return ddp::testing::wait_background(launcher_, timeout);
+  }
+
+  // Waits until ddprun's stderr (a file while it runs in the background) contains text.
+  bool wait_for_stderr(const std::string& text, std::chrono::milliseconds timeout = 10s) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (read_text_file(launcher_.err_path).find(text) == std::string::npos) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+    return true;
   }
 
   void expect_workers_dead() {
@@ -521,6 +794,80 @@ TEST_F(DdprunSignals, SigkilledLauncherTakesWorkersAndTheirChildrenAlong) {
   }
 }
 
+TEST_F(DdprunSignals, SignalDuringARunWithRestartsLeftDoesNotRestart) {
+  ASSERT_NO_FATAL_FAILURE(start({"--max-restarts", "3"}, {"--print-env", "--sleep", "60"}));
+  ASSERT_EQ(kill(launcher_.pid, SIGTERM), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.describe();
+  EXPECT_LT(result.seconds, 5.0) << result.describe();
+  EXPECT_EQ(result.err.find("restart"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("root cause"), std::string::npos) << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out).count(1), 0u) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, SignalWhileStoppingAfterAFailureDoesNotRestart) {
+  // Rank 0 fails; rank 1 ignores SIGTERM, so ddprun sits in its 60 s grace period when the
+  // signal comes. The signal must end the job at once instead of leading to a restart.
+  ASSERT_NO_FATAL_FAILURE(start({"--max-restarts", "3", "--grace-period", "60"},
+                                {"--barrier", "--ignore-term", "--print-env", "--on-attempt", "0",
+                                 "--exit-code-on-rank", "0", "3", "--sleep", "60"}));
+  ASSERT_TRUE(wait_for_stderr("failed: exit code 3")) << finish(1ms).describe();
+  ASSERT_EQ(kill(launcher_.pid, SIGINT), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.exit_code, 128 + SIGINT) << result.describe();
+  EXPECT_LT(result.seconds, 5.0) << result.describe();
+  EXPECT_EQ(result.err.find("restarting"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("killed with SIGKILL"), std::string::npos) << result.describe();
+  EXPECT_EQ(workers_per_attempt(result.out).count(1), 0u) << result.describe();
+  expect_workers_dead();
+}
+
+TEST_F(DdprunSignals, StandaloneRestartMovesToANewPortWhenTheOldOneIsTaken) {
+  // Attempt 0 prints its port and fails only once the test has taken that port over.
+  const std::string go = pids_.file("go");
+  ASSERT_NO_FATAL_FAILURE(start({"--standalone", "--max-restarts", "1"},
+                                {"--print-env", "--sync-after-output", pids_.path(),
+                                 "--wait-for-file", go, "--on-attempt", "0",
+                                 "--exit-code-on-rank", "1", "3"}));
+  int port = -1;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (port < 0 && std::chrono::steady_clock::now() < deadline) {
+    auto lines = env_lines(read_text_file(launcher_.out_path));
+    if (!lines.empty()) port = std::stoi(lines.front()["MASTER_PORT"]);
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(port, 0) << finish(1ms).describe();
+
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool taken = bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+                     listen(listener, 1) == 0;
+  std::ofstream(go).put('\n');
+  ProcessResult result = finish();
+  close(listener);
+  ASSERT_TRUE(taken) << "could not take port " << port << " for the test";
+
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  auto lines = env_lines(result.out);
+  ASSERT_EQ(lines.size(), 4u) << result.describe();
+  for (auto& vars : lines) {
+    const bool restarted = vars["TORCHELASTIC_RESTART_COUNT"] == "1";
+    if (restarted) {
+      EXPECT_NE(vars["MASTER_PORT"], std::to_string(port)) << result.describe();
+    } else {
+      EXPECT_EQ(vars["MASTER_PORT"], std::to_string(port)) << result.describe();
+    }
+  }
+  EXPECT_NE(result.err.find("port " + std::to_string(port) + " on 127.0.0.1 is taken now"),
+            std::string::npos)
+      << result.describe();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Command line
 
@@ -546,6 +893,13 @@ TEST(DdprunCommandLine, BadFlagsExitWithCodeTwoAndNameTheFlag) {
       {{"--master-addr", "--standalone", "true"}, "--master-addr needs a value"},
       {{"--standalone=yes", "true"}, "--standalone"},
       {{"--standalone", "--nnodes", "2", "true"}, "--standalone"},
+      {{"--max-restarts", "-1", "true"}, "'-1' for --max-restarts"},
+      {{"--max-restarts", "many", "true"}, "'many' for --max-restarts"},
+      {{"--max_restarts=2.5", "true"}, "'2.5' for --max_restarts"},
+      {{"--max-restarts"}, "--max-restarts needs a value"},
+      {{"--tee=4", "true"}, "'4' for --tee"},
+      {{"--log-dir=", "true"}, "'' for --log-dir"},
+      {{"--rdzv-id=", "true"}, "'' for --rdzv-id"},
       {{}, "PROGRAM"},
       {{"--nproc-per-node", "2"}, "PROGRAM"},
   };
@@ -574,6 +928,8 @@ TEST(DdprunCommandLine, HelpListsEveryFlagWithItsDefault) {
         {"--node-rank", "(default: 0)"},       {"--master-addr", "(default: 127.0.0.1)"},
         {"--master-port", "(default: 29500)"}, {"--standalone", "(default: off)"},
         {"--grace-period", "(default: 5)"},    {"--no-prefix", "(default: prefix)"},
+        {"--max-restarts", "(default: 0)"},    {"--log-dir", "(default: none"},
+        {"--tee", "(default: off)"},           {"--rdzv-id", "(default: none)"},
     };
     for (const auto& [name, default_text] : flags_and_defaults) {
       const size_t at = help.find("  " + name + " ");

@@ -67,7 +67,7 @@ TEST(Wine, StartsFromAPythonStateDict) {
   ASSERT_EQ(run_process({DDP_PYTHON, python_script(), "init", dir + "/init.pt"}).exit_code, 0);
   auto with_init = run_process(under_ddprun(2, "wine_ddp", {"1", "1", "--init", dir + "/init.pt", "--checkpoint-dir", dir}),
                                one_rank({}));
-  auto without = run_process(under_ddprun(2, "wine_ddp", {"1", "1", "--checkpoint-dir", dir}), one_rank({}));
+  auto without = run_process(under_ddprun(2, "wine_ddp", {"1", "1", "--no-resume", "--checkpoint-dir", dir}), one_rank({}));
   ASSERT_EQ(with_init.exit_code, 0) << with_init.describe();
   ASSERT_EQ(without.exit_code, 0) << without.describe();
   std::smatch m;
@@ -198,6 +198,47 @@ TEST(Wine, TrajectoryMatchesPythonDdpFromTheSameWeights) {
   EXPECT_LE(std::stod(m[1]), 1e-5) << compare.out;
   fs::remove_all(py_dir);
   fs::remove_all(cc_dir);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Wine, ResumesFromTheNewestSnapshotBitIdentically) {
+  auto straight = make_temp_dir("wine_straight");
+  auto resumed = make_temp_dir("wine_resumed");
+  auto full = run_process(under_ddprun(2, "wine_ddp", {"100", "10", "--checkpoint-dir", straight}), one_rank({}));
+  ASSERT_EQ(full.exit_code, 0) << full.describe();
+  // Stop after 60 epochs, then ask for 100 again in the same directory.
+  auto part = run_process(under_ddprun(2, "wine_ddp", {"60", "10", "--checkpoint-dir", resumed}), one_rank({}));
+  ASSERT_EQ(part.exit_code, 0) << part.describe();
+  auto rest = run_process(under_ddprun(2, "wine_ddp", {"100", "10", "--checkpoint-dir", resumed}), one_rank({}));
+  ASSERT_EQ(rest.exit_code, 0) << rest.describe();
+  EXPECT_NE(rest.out.find("Resuming after epoch 59"), std::string::npos) << rest.out;
+  EXPECT_EQ(count_of(rest.out, "Epoch 59, Loss"), 0) << rest.out;
+  EXPECT_EQ(loss_lines(rest.out).size(), 40u);
+  std::ifstream a(straight + "/model_final.pt", std::ios::binary), b(resumed + "/model_final.pt", std::ios::binary);
+  std::string bytes_a((std::istreambuf_iterator<char>(a)), {}), bytes_b((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_FALSE(bytes_a.empty());
+  EXPECT_EQ(bytes_a, bytes_b) << "final weights differ after resuming";
+  // Only the two newest snapshots are kept.
+  EXPECT_TRUE(fs::exists(resumed + "/snapshot_99.pt"));
+  EXPECT_TRUE(fs::exists(resumed + "/snapshot_90.pt"));
+  EXPECT_FALSE(fs::exists(resumed + "/snapshot_80.pt"));
+  fs::remove_all(straight);
+  fs::remove_all(resumed);
+}
+
+TEST(Wine, CorruptNewestSnapshotIsSkippedWithAWarning) {
+  auto dir = make_temp_dir("wine_corrupt");
+  ASSERT_EQ(run_process(under_ddprun(2, "wine_ddp", {"30", "10", "--checkpoint-dir", dir}), one_rank({})).exit_code, 0);
+  fs::resize_file(dir + "/snapshot_29.pt", 200);
+  auto r = run_process(under_ddprun(2, "wine_ddp", {"40", "10", "--checkpoint-dir", dir}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_NE(r.err.find("skipping a snapshot"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("snapshot_29.pt"), std::string::npos) << r.describe();
+  EXPECT_NE(r.out.find("Resuming after epoch 20"), std::string::npos) << r.out;
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@ add_executable(ddp_unit_tests
   test_sampler.cpp
   test_bucket_assignment.cpp
   test_checkpoint.cpp
+  test_snapshot.cpp
   test_gloo_headers.cpp)
 target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_unit_tests REUSE_FROM ddp)

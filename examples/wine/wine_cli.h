@@ -21,6 +21,7 @@ struct Args {
   std::string test_csv;
   std::string init_state;
   std::string checkpoint_dir = ".";
+  bool resume = true;  // continue from the newest snapshot in checkpoint_dir
 };
 
 struct UsageError : std::runtime_error {
@@ -36,7 +37,8 @@ inline void print_usage(const char* program) {
             << "  --train CSV --test CSV use these files instead of the shipped split\n"
             << "                         (rows: 13 features, then an integer label)\n"
             << "  --init FILE            start from a state dict saved by Python's torch.save\n"
-            << "  --checkpoint-dir DIR   where checkpoints go (default .)\n"
+            << "  --checkpoint-dir DIR   where checkpoints and snapshots go (default .)\n"
+            << "  --no-resume            ignore snapshots in DIR (default: resume from the newest)\n"
             << "  -h, --help             show this help\n";
 }
 
@@ -75,6 +77,8 @@ inline Args parse_args(int argc, char** argv) {
       args.init_state = value();
     } else if (arg == "--checkpoint-dir") {
       args.checkpoint_dir = value();
+    } else if (arg == "--no-resume") {
+      args.resume = false;
     } else if (arg.size() > 1 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1]))) {
       throw UsageError("unknown option " + arg);
     } else if (positional == 0) {

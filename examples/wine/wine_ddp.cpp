@@ -14,6 +14,7 @@
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
 #include <ddp/process_group.h>
+#include <ddp/snapshot.h>
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -62,7 +63,26 @@ int main(int argc, char** argv) {
     ddp::DistributedSampler sampler(
         data.train.size(), ddp::SamplerOptions(group->size(), group->rank()).seed(args.seed));
 
-    for (int64_t epoch = 0; epoch < args.total_epochs; ++epoch) {
+    // After a crash or a restart by ddprun, carry on from the newest valid
+    // snapshot: weights, Adam's moments and step counts, epoch.
+    int64_t first_epoch = 0;
+    int64_t step = 0;
+    if (args.resume) {
+      std::vector<std::string> skipped;
+      auto snapshot = ddp::load_newest_snapshot(args.checkpoint_dir, *group, &skipped);
+      for (const auto& why : skipped) {
+        if (is_master) std::fprintf(stderr, "warning: skipping a snapshot: %s\n", why.c_str());
+      }
+      if (snapshot) {
+        ddp::restore_snapshot(*snapshot, *model, optimizer);
+        first_epoch = snapshot->epoch + 1;
+        step = snapshot->step;
+        if (is_master) std::printf("Resuming after epoch %lld from %s\n", static_cast<long long>(snapshot->epoch),
+                                   args.checkpoint_dir.c_str());
+      }
+    }
+
+    for (int64_t epoch = first_epoch; epoch < args.total_epochs; ++epoch) {
       sampler.set_epoch(epoch);  // a new shuffle each epoch, the same on all ranks
       double total_loss = 0;
       int64_t batches = 0;
@@ -73,6 +93,7 @@ int main(int argc, char** argv) {
             ddp_model.forward(data.train.features.index_select(0, idx)), data.train.labels.index_select(0, idx));
         loss.backward();  // returns with gradients averaged across ranks
         optimizer.step();
+        ++step;
         total_loss += loss.item<double>();
         ++batches;
       }
@@ -83,10 +104,14 @@ int main(int argc, char** argv) {
 
       if (is_master) {
         std::printf("Epoch %lld, Loss: %.4f\n", static_cast<long long>(epoch), epoch_loss);
+        bool last = epoch + 1 == args.total_epochs;
         if (epoch % args.save_every == 0) {
           std::string path = args.checkpoint_dir + "/model_" + std::to_string(epoch) + ".pt";
           ddp::save_state_dict(ddp::state_dict(*model), path);
           std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
+        }
+        if (epoch % args.save_every == 0 || last) {
+          ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
         }
         std::fflush(stdout);
       }

@@ -49,6 +49,11 @@ void save_value(const c10::IValue& value, const std::string& path);
 /// keyed by strings or ints; Python's OrderedDict becomes a plain dict.
 c10::IValue load_value(const std::string& path);
 
+/// save_value's file contents, in memory.
+std::vector<char> serialize_value(const c10::IValue& value);
+/// load_value from memory; `name` labels errors.
+c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name);
+
 /// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync
 /// of the directory).
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes);

@@ -1,8 +1,11 @@
 #pragma once
 
 // Communication hooks decide how one bucket of gradients is reduced across
-// ranks. The engine hands each full bucket to the hook and later waits on the
-// future it returns; the future's value is the bucket's averaged gradients.
+// ranks. The engine hands each full bucket to the hook, already divided by
+// the world size (PyTorch divides before summing too: a sum of averages
+// cannot overflow where a sum of gradients might), and later waits on the
+// future the hook returns; its value is the sum over ranks, i.e. the average
+// gradient.
 //
 //   ddp::DDPOptions().comm_hook(ddp::fp16_compress_hook())
 
@@ -23,7 +26,8 @@ class GradBucket {
       : index_(index), buffer_(std::move(buffer)), is_last_(is_last) {}
   /// Position of the bucket in launch order.
   size_t index() const { return index_; }
-  /// The flattened local gradients; a hook may reduce it in place.
+  /// This rank's gradients, flattened and divided by the world size; a hook
+  /// may reduce it in place.
   at::Tensor& buffer() { return buffer_; }
   /// Whether this is the last bucket of the backward pass.
   bool is_last() const { return is_last_; }
@@ -40,11 +44,11 @@ class CommHook {
  public:
   virtual ~CommHook() = default;
   /// Starts reducing `bucket` and returns a future whose value is a tensor
-  /// of the buffer's shape and dtype holding the average over all ranks.
+  /// of the buffer's shape and dtype holding the sum over all ranks.
   virtual c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) = 0;
 };
 
-/// The default: divide by the world size, then all-reduce (sum) in place.
+/// The default: all-reduce (sum) in place.
 std::shared_ptr<CommHook> allreduce_hook();
 /// Casts the bucket to float16 for the all-reduce, halving the bytes sent,
 /// and back to the gradients' dtype afterwards.

@@ -34,8 +34,9 @@ struct ReducerOptions {
   /// Allow parameters that take no part in a forward: they count as ready
   /// with a zero gradient. Off, such a parameter is an error naming it.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Make each .grad a view into its bucket, saving a copy each way and
-  /// the memory of a second gradient copy.
+  /// Make each .grad share memory with its bucket, saving the copy back
+  /// after the all-reduce and the memory of a second gradient copy. The
+  /// gradients are plain tensors (not views), so optimizer.zero_grad() works.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// After the first iteration, regroup buckets in the order gradients
   /// actually became ready (rank 0's order, so all ranks agree).
@@ -71,6 +72,8 @@ class GradientReducer {
   int64_t reduced_steps() const { return reduced_steps_; }
   /// Whether the buckets were regrouped after the first iteration.
   bool buckets_rebuilt() const { return buckets_rebuilt_; }
+  /// The flat gradient buffer of bucket `index` (for inspection and tests).
+  const at::Tensor& bucket_buffer(size_t index) const { return buckets_.at(index).flat; }
 
  private:
   struct Bucket {
@@ -107,6 +110,7 @@ class GradientReducer {
   // our hooks attached for as long as the reducer lives.
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
+  at::Tensor world_size_;  // 0-dim, the divisor of every gradient
   bool require_sync_ = true;
   bool round_active_ = false;
   bool buckets_rebuilt_ = false;

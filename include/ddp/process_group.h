@@ -35,6 +35,10 @@ std::string to_string(BackendKind backend);
 /// environment if set, else 30 minutes (PyTorch's default for Gloo).
 std::chrono::milliseconds default_timeout();
 
+/// The job's run id: DDP_RUN_ID, else TORCHELASTIC_RUN_ID (set by ddprun
+/// --rdzv-id and torchrun), else "none".
+std::string default_run_id();
+
 /// Options for init_process_group.
 ///
 ///   auto pg = ddp::init_process_group(
@@ -47,6 +51,8 @@ struct ProcessGroupOptions {
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
   /// How long rendezvous and each collective may take before they fail.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
+  /// Identifies the job: ranks whose run ids differ refuse to form a group.
+  TORCH_ARG(std::string, run_id) = default_run_id();
 };
 
 /// A process group: the ranks of one job and the collectives between them.

@@ -101,13 +101,7 @@ int equivalence(int argc, char** argv) {
     for (const auto& b : ddp::make_batches(sampler.indices(), batch)) {
       if (done == steps) break;
       at::Tensor idx = at::tensor(b, at::kLong);
-      if (has_flag(argc, argv, "--bucket-view")) {
-        // The optimizer's zero_grad() detaches gradients in place, which views
-        // cannot be; the module's zeroes them and keeps them in the bucket.
-        ddp_model->zero_grad(/*set_to_none=*/false);
-      } else {
-        optimizer.zero_grad();
-      }
+      optimizer.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(features.index_select(0, idx)),
                                                        labels.index_select(0, idx));
       loss.backward();
@@ -118,10 +112,18 @@ int equivalence(int argc, char** argv) {
   std::printf("BUCKETS %zu REBUILT %d\n", ddp_model.reducer().bucket_assignment().size(),
               ddp_model.reducer().buckets_rebuilt() ? 1 : 0);
   if (has_flag(argc, argv, "--bucket-view")) {
-    // All gradients live in bucket memory: one storage per bucket.
-    std::set<const void*> storages;
-    for (auto& p : model->parameters()) storages.insert(p.grad().storage().data());
-    std::printf("GRAD STORAGES %zu\n", storages.size());
+    // Every gradient lives inside its bucket's memory.
+    const auto& reducer = ddp_model.reducer();
+    int inside = 0;
+    for (auto& p : model->parameters()) {
+      auto* data = static_cast<const char*>(p.grad().data_ptr());
+      for (size_t b = 0; b < reducer.bucket_assignment().size(); ++b) {
+        const at::Tensor& flat = reducer.bucket_buffer(b);
+        auto* begin = static_cast<const char*>(flat.data_ptr());
+        if (data >= begin && data < begin + flat.nbytes()) ++inside;
+      }
+    }
+    std::printf("GRADS IN BUCKETS %d of %zu\n", inside, model->parameters().size());
   }
 
   // Every replica must hold exactly the same weights.

@@ -10,8 +10,16 @@
 //   output:  --print-env         one line: RANK=.. LOCAL_RANK=.. ... ("<unset>" if unset)
 //            --print-args ARGS.. print each remaining argument as "arg: <ARG>" and exit 0
 //            --lines N           N long numbered lines on stdout, then one line on stderr
+//            --err TEXT          print TEXT on stderr (repeatable; before the --out lines)
+//            --out TEXT          print TEXT on stdout (repeatable; before the exit actions)
+//            --sync-after-output DIR  then wait (up to 10 s) until every local rank of this
+//                                node got here on this attempt, so that no rank fails before
+//                                the others have printed (marker files DIR/printed.<A>.<rank>)
 //   exit:    --exit-code-on-rank R CODE   exit with CODE if our rank is R
 //            --signal-on-rank R SIG       raise SIG (number or name, e.g. SIGSEGV) if rank is R
+//            --on-attempt A      do the two above only if $TORCHELASTIC_RESTART_COUNT is A
+//                                (default: on every attempt)
+//            --wait-for-file PATH  before the two above, wait (up to 10 s) until PATH exists
 //   then:    --sleep SECONDS, --say TEXT (print TEXT), --partial-line (print text without '\n')
 // The rank comes from $RANK (0 if unset).
 #include <signal.h>
@@ -41,6 +49,11 @@ struct ProbeOptions {
   int signal_number = 0;
   double sleep_seconds = 0;
   std::vector<std::string> say;
+  std::vector<std::string> err_lines;
+  std::vector<std::string> out_lines;
+  int only_on_attempt = -1;
+  std::string wait_for_file;
+  std::string sync_dir;
   std::string pid_dir;
   std::string grandchild_dir;
   bool trap_term = false;
@@ -99,6 +112,16 @@ ProbeOptions parse(int argc, char** argv) {
       options.signal_number = to_signal(value("SIG"));
     } else if (flag == "--sleep") {
       options.sleep_seconds = std::atof(value("SECONDS").c_str());
+    } else if (flag == "--err") {
+      options.err_lines.push_back(value("TEXT"));
+    } else if (flag == "--out") {
+      options.out_lines.push_back(value("TEXT"));
+    } else if (flag == "--sync-after-output") {
+      options.sync_dir = value("DIR");
+    } else if (flag == "--wait-for-file") {
+      options.wait_for_file = value("PATH");
+    } else if (flag == "--on-attempt") {
+      options.only_on_attempt = to_int(value("A"));
     } else if (flag == "--say") {
       options.say.push_back(value("TEXT"));
     } else if (flag == "--pid-file") {
@@ -138,19 +161,21 @@ void write_pid_file(const std::string& dir, const std::string& name, pid_t pid) 
 
 bool file_exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
-void wait_for_local_ranks(const std::string& dir, int rank) {
+// Waits until <dir>/<name_prefix><r> exists for every local rank r of this node.
+void wait_for_local_ranks(const std::string& dir, const std::string& name_prefix, int rank,
+                          const std::string& flag) {
   const int first_rank = rank - int_from_env("LOCAL_RANK", 0);
   const int local_ranks = int_from_env("LOCAL_WORLD_SIZE", 1);
   const timespec step{0, 5 * 1000 * 1000};
   for (int waited = 0; waited < 2000; ++waited) {
     bool all_ready = true;
     for (int r = first_rank; r < first_rank + local_ranks; ++r) {
-      all_ready = all_ready && file_exists(dir + "/pid." + std::to_string(r));
+      all_ready = all_ready && file_exists(dir + "/" + name_prefix + std::to_string(r));
     }
     if (all_ready) return;
     nanosleep(&step, nullptr);
   }
-  usage_error("--barrier: the other local ranks did not write their pid files within 10 s");
+  usage_error(flag + ": the other local ranks did not get there within 10 s");
 }
 
 void sleep_for(double seconds) {
@@ -184,7 +209,8 @@ void print_env_line() {
                          "OMP_NUM_THREADS",
                          "TORCHELASTIC_RESTART_COUNT",
                          "TORCHELASTIC_MAX_RESTARTS",
-                         "TORCHELASTIC_RUN_ID"};
+                         "TORCHELASTIC_RUN_ID",
+                         "DDP_RUN_ID"};
   std::string line;
   for (const char* name : names) {
     const char* value = std::getenv(name);
@@ -219,7 +245,7 @@ int main(int argc, char** argv) {
   }
   if (!options.pid_dir.empty()) {
     write_pid_file(options.pid_dir, "pid." + std::to_string(rank), getpid());
-    if (options.barrier) wait_for_local_ranks(options.pid_dir, rank);
+    if (options.barrier) wait_for_local_ranks(options.pid_dir, "pid.", rank, "--barrier");
   }
 
   if (options.print_env) print_env_line();
@@ -232,10 +258,27 @@ int main(int argc, char** argv) {
     std::printf("rank %d line %d %s\n", rank, line, std::string(300, 'x').c_str());
   }
   if (options.lines > 0) std::fprintf(stderr, "rank %d stderr line\n", rank);
+  for (const std::string& text : options.err_lines) std::fprintf(stderr, "%s\n", text.c_str());
+  for (const std::string& text : options.out_lines) std::printf("%s\n", text.c_str());
   std::fflush(nullptr);
 
-  if (options.exit_code_rank == rank) return options.exit_code;
-  if (options.signal_rank == rank) {
+  if (!options.sync_dir.empty()) {
+    const std::string prefix =
+        "printed." + std::to_string(int_from_env("TORCHELASTIC_RESTART_COUNT", 0)) + ".";
+    write_pid_file(options.sync_dir, prefix + std::to_string(rank), getpid());
+    wait_for_local_ranks(options.sync_dir, prefix, rank, "--sync-after-output");
+  }
+  if (!options.wait_for_file.empty()) {
+    const timespec step{0, 5 * 1000 * 1000};
+    for (int waited = 0; !file_exists(options.wait_for_file); ++waited) {
+      if (waited == 2000) usage_error("--wait-for-file: " + options.wait_for_file + " not there");
+      nanosleep(&step, nullptr);
+    }
+  }
+  const bool this_attempt = options.only_on_attempt < 0 ||
+                            int_from_env("TORCHELASTIC_RESTART_COUNT", 0) == options.only_on_attempt;
+  if (this_attempt && options.exit_code_rank == rank) return options.exit_code;
+  if (this_attempt && options.signal_rank == rank) {
     rlimit no_core{0, 0};
     setrlimit(RLIMIT_CORE, &no_core);  // a test's crash should not litter the disk
     signal(options.signal_number, SIG_DFL);

@@ -9,7 +9,9 @@
 namespace ddprun {
 namespace {
 
-enum class FlagKind { kValue, kSwitch };
+// kOptionalValue: a switch that may take a value, either as "--flag=VALUE" or as the next word
+// when that word is one the flag accepts (see takes_as_value()).
+enum class FlagKind { kValue, kSwitch, kOptionalValue };
 
 struct FlagSpec {
   const char* name;  // canonical spelling, without the leading "--"
@@ -21,8 +23,17 @@ constexpr FlagSpec kFlags[] = {
     {"node-rank", FlagKind::kValue},      {"master-addr", FlagKind::kValue},
     {"master-port", FlagKind::kValue},    {"grace-period", FlagKind::kValue},
     {"standalone", FlagKind::kSwitch},    {"no-prefix", FlagKind::kSwitch},
-    {"help", FlagKind::kSwitch},
+    {"max-restarts", FlagKind::kValue},   {"log-dir", FlagKind::kValue},
+    {"tee", FlagKind::kOptionalValue},    {"rdzv-id", FlagKind::kValue},
+    {"run-id", FlagKind::kValue},         {"help", FlagKind::kSwitch},
 };
+
+// torchrun's --tee takes 0..3; a bare --tee means both streams. Only those digits are taken
+// from the next word, so "--tee PROGRAM" still starts PROGRAM.
+constexpr const char* kTeeBare = "3";
+bool takes_as_value(const std::string& canonical_name, const std::string& word) {
+  return canonical_name == "tee" && word.size() == 1 && word[0] >= '0' && word[0] <= '3';
+}
 
 const FlagSpec* find_flag(const std::string& canonical_name) {
   for (const FlagSpec& flag : kFlags) {
@@ -125,6 +136,8 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
     std::string value;
     if (equals != std::string::npos) {
       value = arg.substr(equals + 1);
+    } else if (flag->kind == FlagKind::kOptionalValue) {
+      value = i < args.size() && takes_as_value(canonical, args[i]) ? args[i++] : kTeeBare;
     } else {
       // A following "--something" is the next option, not this one's value.
       if (i >= args.size() || args[i].compare(0, 2, "--") == 0) {
@@ -148,6 +161,18 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       options.master_port = parse_int(spelled, value, 1, 65535, "expected a port in 1..65535");
     } else if (canonical == "grace-period") {
       options.grace_period_seconds = parse_seconds(spelled, value);
+    } else if (canonical == "max-restarts") {
+      options.max_restarts = parse_int(spelled, value, 0, std::numeric_limits<int>::max(),
+                                       "expected an integer >= 0");
+    } else if (canonical == "log-dir") {
+      if (value.empty()) bad_value(spelled, value, "expected a directory");
+      options.log_dir = value;
+    } else if (canonical == "tee") {
+      options.tee = parse_int(spelled, value, 0, kTeeStdout | kTeeStderr,
+                              "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)");
+    } else if (canonical == "rdzv-id" || canonical == "run-id") {
+      if (value.empty()) bad_value(spelled, value, "expected a non-empty id");
+      options.run_id = value;
     }
   }
 
@@ -169,7 +194,8 @@ std::string usage_text() {
        << "(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, "
           "ROLE_WORLD_SIZE,\n"
        << "MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), forwards their output line by line and\n"
-       << "stops every worker as soon as one of them fails.\n"
+       << "stops every worker as soon as one of them fails; with --max-restarts it then starts\n"
+       << "them all again.\n"
        << "\n"
        << "Options (write '_' or '-' inside names; give values as '--flag VALUE' or "
           "'--flag=VALUE'):\n"
@@ -189,14 +215,31 @@ std::string usage_text() {
        << "  --grace-period SEC   seconds between SIGTERM and SIGKILL when stopping workers\n"
        << "                       (default: " << defaults.grace_period_seconds << ")\n"
        << "  --no-prefix          do not prefix output lines with '[rankR]: ' (default: prefix)\n"
+       << "  --max-restarts K     when a worker fails, stop all workers and start them again, at\n"
+       << "                       most K times; workers see TORCHELASTIC_RESTART_COUNT (0 on the\n"
+       << "                       first attempt) and TORCHELASTIC_MAX_RESTARTS=K (default: "
+       << defaults.max_restarts << ")\n"
+       << "  --log-dir DIR        write each worker's stdout and stderr, unprefixed, to\n"
+       << "                       DIR/attempt_A/rank_R.log (A: restart count, R: global rank)\n"
+       << "                       instead of the console (default: none, output goes to the "
+          "console)\n"
+       << "  --tee [N]            with --log-dir, show the workers' output on the console too;\n"
+       << "                       N as in torchrun: 1 stdout, 2 stderr, 3 both; a bare --tee "
+          "is 3\n"
+       << "                       (default: off)\n"
+       << "  --rdzv-id ID         job id, given to workers as TORCHELASTIC_RUN_ID and DDP_RUN_ID;\n"
+       << "                       --run-id is the same flag (default: " << defaults.run_id
+       << ")\n"
        << "  -h, --help           print this help and exit\n"
        << "  --                   end of options; the next word is PROGRAM\n"
        << "\n"
        << "Everything from PROGRAM on is passed to PROGRAM untouched. If OMP_NUM_THREADS is unset\n"
        << "and there is more than one worker, workers get OMP_NUM_THREADS=1.\n"
        << "\n"
-       << "Exit status: 0 if every worker exits 0, 1 if a worker fails, 128+N if ddprun receives\n"
-       << "signal N (SIGINT, SIGTERM and SIGHUP are forwarded to the workers), 2 for bad usage.\n";
+       << "Exit status: 0 if every worker of an attempt exits 0, 1 if a worker fails and no restart\n"
+       << "is left (a root-cause summary goes to stderr), 128+N if ddprun receives signal N\n"
+       << "(SIGINT, SIGTERM and SIGHUP are forwarded to the workers and never cause a restart),\n"
+       << "2 for bad usage.\n";
   return text.str();
 }
 

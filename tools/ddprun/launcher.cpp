@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <stdexcept>
 
@@ -82,7 +83,9 @@ struct Worker {
   int local_rank = 0;
   int global_rank = 0;
   pid_t pid = -1;                      // also the id of the worker's own process group
-  std::vector<LineForwarder> streams;  // its stdout and stderr
+  FileDescriptor log_file;             // with --log-dir: where both streams go
+  std::string log_path;
+  std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
   bool exited = false;  // observed exiting; the zombie is reaped only at the very end
   int exit_code = -1;
   int term_signal = 0;
@@ -94,29 +97,72 @@ struct Worker {
     return "rank " + std::to_string(global_rank) + " (local rank " + std::to_string(local_rank) +
            ", pid " + std::to_string(pid) + ")";
   }
+  // What the worker said last: its last stderr line, else its last stdout line.
+  std::string last_words() const {
+    for (size_t i = streams.size(); i-- > 0;) {
+      if (!streams[i].last_line().empty()) return streams[i].last_line();
+    }
+    return "(no output)";
+  }
 };
 
-// One run of the job: start the workers, watch them and their output, stop them.
+// The worker whose failure ended an attempt, as the final report describes it.
+struct FailedWorker {
+  int global_rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  int exit_code = -1;
+  int term_signal = 0;
+  std::string last_line;
+  std::string log_path;  // empty without --log-dir
+};
+
+struct AttemptOutcome {
+  int received_signal = 0;  // ddprun was asked to stop: never restart
+  bool worker_failed = false;
+  FailedWorker first_failure;  // when worker_failed
+};
+
+std::string attempt_log_dir(const std::string& log_dir, int attempt) {
+  return log_dir + "/attempt_" + std::to_string(attempt);
+}
+
+// mkdir -p, with an error that names the directory.
+void create_directories(const std::string& path) {
+  std::error_code error;
+  std::filesystem::create_directories(path, error);
+  if (error) {
+    throw std::runtime_error("cannot create log directory '" + path + "': " + error.message());
+  }
+}
+
+// One attempt of the job: start the workers, watch them and their output, stop them.
 class Job {
  public:
-  explicit Job(const LaunchOptions& options)
-      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {}
+  // The Job borrows everything; all of it must outlive the Job.
+  Job(const LaunchOptions& options, int attempt, const std::string& master_addr, int master_port,
+      const Environment& shared_environment, Watchdog& watchdog, SignalPipe& signals)
+      : options_(options),
+        attempt_(attempt),
+        master_addr_(master_addr),
+        master_port_(master_port),
+        shared_environment_(shared_environment),
+        watchdog_(watchdog),
+        signals_(signals) {}
 
-  int run() {
+  AttemptOutcome run() {
     try {
       start_workers();
       watch_until_done();
     } catch (...) {
       kill_all_groups();
       reap_all();
-      watchdog_.dismiss();
       throw;
     }
     // Grandchildren left in the workers' process groups (daemons, stray helpers) must not
-    // outlive the job. The zombie group leaders keep the group ids from being reused.
+    // outlive the attempt. The zombie group leaders keep the group ids from being reused.
     kill_all_groups();
     reap_all();
-    watchdog_.dismiss();
     return report_outcome();
   }
 
@@ -127,45 +173,51 @@ class Job {
     kKilled,    // workers were sent SIGKILL
   };
 
-  Environment base_environment() const {
-    Environment environment = Environment::inherited();
-    const int world_size = options_.nnodes * options_.nproc_per_node;
-    environment.set("WORLD_SIZE", std::to_string(world_size));
-    environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
-    environment.set("GROUP_RANK", std::to_string(options_.node_rank));
-    environment.set("GROUP_WORLD_SIZE", std::to_string(options_.nnodes));
-    environment.set("ROLE_NAME", "default");
-    environment.set("ROLE_WORLD_SIZE", std::to_string(world_size));
-    environment.set("MASTER_ADDR", options_.master_addr);
-    environment.set("MASTER_PORT", std::to_string(options_.master_port));
-    environment.set("TORCHELASTIC_RESTART_COUNT", "0");
-    environment.set("TORCHELASTIC_MAX_RESTARTS", "0");
-    environment.set("TORCHELASTIC_RUN_ID", "none");
-    if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1) {
-      // Each worker's OpenMP pool would otherwise take every core, oversubscribing the node.
-      environment.set("OMP_NUM_THREADS", "1");
-      say("OMP_NUM_THREADS is not set; giving each of the " +
-          std::to_string(options_.nproc_per_node) +
-          " workers OMP_NUM_THREADS=1 so they do not oversubscribe the CPUs. Set it yourself to "
-          "tune performance.");
-    }
-    return environment;
-  }
-
   void start_workers() {
-    const Environment shared = base_environment();
+    Environment shared = shared_environment_;
+    shared.set("MASTER_ADDR", master_addr_);
+    shared.set("MASTER_PORT", std::to_string(master_port_));
+    shared.set("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt_));
+
     workers_.reserve(static_cast<size_t>(options_.nproc_per_node));
     for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
       Worker worker;
       worker.local_rank = local_rank;
       worker.global_rank = options_.node_rank * options_.nproc_per_node + local_rank;
+      workers_.push_back(std::move(worker));
+    }
+    // Every log file exists before the first worker starts, so a log directory we cannot write
+    // stops the attempt before any work is done.
+    if (!options_.log_dir.empty()) open_log_files();
+    for (Worker& worker : workers_) {
       Environment environment = shared;
       environment.set("RANK", std::to_string(worker.global_rank));
-      environment.set("LOCAL_RANK", std::to_string(local_rank));
+      environment.set("LOCAL_RANK", std::to_string(worker.local_rank));
       environment.set("ROLE_RANK", std::to_string(worker.global_rank));
-      workers_.push_back(std::move(worker));
-      spawn(workers_.back(), environment);
+      spawn(worker, environment);
     }
+  }
+
+  void open_log_files() {
+    const std::string directory = attempt_log_dir(options_.log_dir, attempt_);
+    create_directories(directory);
+    for (Worker& worker : workers_) {
+      worker.log_path = directory + "/rank_" + std::to_string(worker.global_rank) + ".log";
+      int fd = ::open(worker.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC,
+                      0644);
+      if (fd < 0) throw_errno("cannot create log file '" + worker.log_path + "'");
+      worker.log_file = FileDescriptor(fd);
+    }
+  }
+
+  // Where the lines of one of the worker's streams go.
+  std::vector<LineSink> sinks_for(const Worker& worker, int console_fd, int tee_bit) const {
+    const std::string prefix =
+        options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
+    if (options_.log_dir.empty()) return {LineSink{console_fd, prefix}};
+    std::vector<LineSink> sinks{LineSink{worker.log_file.get(), ""}};
+    if ((options_.tee & tee_bit) != 0) sinks.push_back(LineSink{console_fd, prefix});
+    return sinks;
   }
 
   void spawn(Worker& worker, const Environment& environment) {
@@ -173,6 +225,8 @@ class Job {
     std::vector<char*> argv = c_string_array(options_.command);
     std::vector<char*> envp = c_string_array(environment.entries());
     const std::string exec_failure = "ddprun: cannot execute '" + options_.command[0] + "': ";
+    std::vector<LineSink> out_sinks = sinks_for(worker, STDOUT_FILENO, kTeeStdout);
+    std::vector<LineSink> err_sinks = sinks_for(worker, STDERR_FILENO, kTeeStderr);
 
     int out_pipe[2];
     int err_pipe[2];
@@ -230,10 +284,8 @@ class Job {
     worker.pid = pid;
     watchdog_.watch(pid);
 
-    const std::string prefix =
-        options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
-    worker.streams.emplace_back(out_pipe[0], STDOUT_FILENO, prefix);
-    worker.streams.emplace_back(err_pipe[0], STDERR_FILENO, prefix);
+    worker.streams.emplace_back(out_pipe[0], std::move(out_sinks));
+    worker.streams.emplace_back(err_pipe[0], std::move(err_sinks));
   }
 
   void watch_until_done() {
@@ -251,7 +303,7 @@ class Job {
         stop_workers(SIGTERM);
       }
       const Clock::time_point now = Clock::now();
-      if (stage_ == Stage::kStopping && now >= kill_deadline_) kill_workers();
+      if (stage_ == Stage::kStopping && now >= kill_deadline_) kill_workers(/*early=*/false);
       if (stage_ == Stage::kKilled && all_exited && now >= abandon_deadline_) {
         // Only a process that left the workers' groups can still hold the pipes open.
         for (Worker& worker : workers_) {
@@ -314,11 +366,14 @@ class Job {
         say("received " + name + ", forwarding it to the workers (SIGKILL follows after " +
             format_seconds(options_.grace_period_seconds) + " s)");
         stop_workers(signal_number);
-      } else if (stage_ == Stage::kStopping) {
-        // A second request to stop means the user does not want to wait for the grace period.
+      } else {
+        // Also while stopping after a failure: a request to stop rules out a restart.
         if (received_signal_ == 0) received_signal_ = signal_number;
-        say("received " + name + " while stopping the workers; killing them now");
-        kill_workers();
+        if (stage_ == Stage::kStopping) {
+          // A second request to stop means the user does not want to wait for the grace period.
+          say("received " + name + " while stopping the workers; killing them now");
+          kill_workers(/*early=*/true);
+        }
       }
     }
   }
@@ -349,6 +404,7 @@ class Job {
     }
     if (newly_failed.empty()) return;
 
+    if (first_failed_ == nullptr) first_failed_ = newly_failed.front();
     for (Worker* worker : newly_failed) {
       // Its last words (a stack trace, an error message) belong before our verdict.
       for (LineForwarder& stream : worker->streams) stream.read_available();
@@ -359,7 +415,6 @@ class Job {
       }
       say(message);
     }
-    worker_failed_ = true;
     stop_workers(SIGTERM);
   }
 
@@ -372,7 +427,9 @@ class Job {
     for (const Worker& worker : workers_) ::killpg(worker.pid, signal_number);
   }
 
-  void kill_workers() {
+  // early: because ddprun was asked to stop, before the grace period was over.
+  void kill_workers(bool early) {
+    killed_early_ = early;
     for (Worker& worker : workers_) {
       if (!worker.exited) worker.sigkilled_by_launcher = true;
     }
@@ -390,42 +447,184 @@ class Job {
   void reap_all() {
     for (Worker& worker : workers_) {
       if (worker.pid <= 0) continue;
+      // Before the reap frees the id: the watchdog must never kill a group of that id again.
+      watchdog_.forget(worker.pid);
       int status = 0;
       while (::waitpid(worker.pid, &status, 0) < 0 && errno == EINTR) {
       }
     }
   }
 
-  int report_outcome() const {
-    if (received_signal_ == 0 && !worker_failed_) return 0;
+  AttemptOutcome report_outcome() const {
+    AttemptOutcome outcome;
+    outcome.received_signal = received_signal_;
+    outcome.worker_failed = first_failed_ != nullptr;
+    if (outcome.received_signal == 0 && !outcome.worker_failed) return outcome;
     for (const Worker& worker : workers_) {
       if (!worker.exited_while_stopping) continue;
       std::string how;
       if (worker.sigkilled_by_launcher && worker.term_signal == SIGKILL) {
-        how = "still running after the " + format_seconds(options_.grace_period_seconds) +
-              " s grace period, killed with SIGKILL";
+        how = killed_early_ ? "still running when ddprun was asked to stop, killed with SIGKILL"
+                            : "still running after the " +
+                                  format_seconds(options_.grace_period_seconds) +
+                                  " s grace period, killed with SIGKILL";
       } else {
         how = describe_exit(worker.exit_code, worker.term_signal);
       }
       say("stopped " + worker.label() + ": " + how);
     }
-    if (received_signal_ != 0) {
-      say("received " + signal_name(received_signal_) + ", workers stopped");
-      return 128 + received_signal_;
+    if (received_signal_ != 0) say("received " + signal_name(received_signal_) + ", workers stopped");
+    if (first_failed_ != nullptr) {
+      FailedWorker& failure = outcome.first_failure;
+      failure.global_rank = first_failed_->global_rank;
+      failure.local_rank = first_failed_->local_rank;
+      failure.pid = first_failed_->pid;
+      failure.exit_code = first_failed_->exit_code;
+      failure.term_signal = first_failed_->term_signal;
+      failure.last_line = first_failed_->last_words();
+      failure.log_path = first_failed_->log_path;
     }
-    return 1;
+    return outcome;
+  }
+
+  const LaunchOptions& options_;
+  const int attempt_;
+  const std::string& master_addr_;
+  const int master_port_;
+  const Environment& shared_environment_;
+  Watchdog& watchdog_;
+  SignalPipe& signals_;
+  std::vector<Worker> workers_;
+  Stage stage_ = Stage::kRunning;
+  Clock::time_point kill_deadline_;
+  Clock::time_point abandon_deadline_;
+  int received_signal_ = 0;
+  bool killed_early_ = false;
+  const Worker* first_failed_ = nullptr;  // the first worker that failed while running
+};
+
+// Whether a server could listen on 127.0.0.1:port now. SO_REUSEADDR like c10d's TCPStore, so
+// the previous attempt's connections lingering in TIME_WAIT do not count as a user of the port.
+bool loopback_port_is_free(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  ::close(fd);
+  return bound;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "(unknown host)";
+  return name;
+}
+
+// The whole run: the attempts, and what lives across them.
+class Session {
+ public:
+  explicit Session(const LaunchOptions& options)
+      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {}
+
+  int run() {
+    const Environment shared = shared_environment();
+    const std::string master_addr = options_.standalone ? "127.0.0.1" : options_.master_addr;
+    int master_port = options_.standalone ? pick_free_port() : options_.master_port;
+
+    for (int attempt = 0;; ++attempt) {
+      AttemptOutcome outcome =
+          Job(options_, attempt, master_addr, master_port, shared, watchdog_, signals_).run();
+      if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
+      if (!outcome.worker_failed) return finish(0);
+      if (attempt >= options_.max_restarts) {
+        report_root_cause(attempt, outcome.first_failure);
+        return finish(1);
+      }
+      // A stop request that arrived once the attempt was over still rules out a restart.
+      if (const int stop_signal = pending_stop_signal()) {
+        say("received " + signal_name(stop_signal) + "; not restarting the workers");
+        return finish(128 + stop_signal);
+      }
+      const FailedWorker& failure = outcome.first_failure;
+      say("rank " + std::to_string(failure.global_rank) + " failed (" +
+          describe_exit(failure.exit_code, failure.term_signal) +
+          "); restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
+          std::to_string(options_.max_restarts) + ")");
+      if (options_.standalone && !loopback_port_is_free(master_port)) {
+        const int previous_port = master_port;
+        master_port = pick_free_port();
+        say("port " + std::to_string(previous_port) +
+            " on 127.0.0.1 is taken now; the restarted workers use port " +
+            std::to_string(master_port));
+      }
+    }
+  }
+
+ private:
+  // The environment every worker of every attempt shares.
+  Environment shared_environment() const {
+    Environment environment = Environment::inherited();
+    const int world_size = options_.nnodes * options_.nproc_per_node;
+    environment.set("WORLD_SIZE", std::to_string(world_size));
+    environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
+    environment.set("GROUP_RANK", std::to_string(options_.node_rank));
+    environment.set("GROUP_WORLD_SIZE", std::to_string(options_.nnodes));
+    environment.set("ROLE_NAME", "default");
+    environment.set("ROLE_WORLD_SIZE", std::to_string(world_size));
+    environment.set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+    environment.set("TORCHELASTIC_RUN_ID", options_.run_id);
+    environment.set("DDP_RUN_ID", options_.run_id);
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1) {
+      // Each worker's OpenMP pool would otherwise take every core, oversubscribing the node.
+      environment.set("OMP_NUM_THREADS", "1");
+      say("OMP_NUM_THREADS is not set; giving each of the " +
+          std::to_string(options_.nproc_per_node) +
+          " workers OMP_NUM_THREADS=1 so they do not oversubscribe the CPUs. Set it yourself to "
+          "tune performance.");
+    }
+    return environment;
+  }
+
+  // SIGINT, SIGTERM or SIGHUP delivered since the last attempt looked; 0 if none.
+  int pending_stop_signal() {
+    int stop_signal = 0;
+    for (int signal_number : signals_.drain()) {
+      if (signal_number != SIGCHLD && stop_signal == 0) stop_signal = signal_number;
+    }
+    return stop_signal;
+  }
+
+  void report_root_cause(int restarts_used, const FailedWorker& failure) const {
+    std::vector<std::string> lines = {
+        "job failed after " + std::to_string(restarts_used) + " restart(s)",
+        "root cause (first failure of the last attempt):",
+        "  rank: " + std::to_string(failure.global_rank) + " (local rank " +
+            std::to_string(failure.local_rank) + "), host: " + host_name() +
+            ", pid: " + std::to_string(failure.pid),
+        "  exit: " + describe_exit(failure.exit_code, failure.term_signal),
+        "  last error line: " + failure.last_line,
+    };
+    if (!failure.log_path.empty()) lines.push_back("  log: " + failure.log_path);
+    std::string block;
+    for (const std::string& line : lines) block += "ddprun: " + line + "\n";
+    write_all(STDERR_FILENO, block);  // one write: the block stays together
+  }
+
+  int finish(int exit_code) {
+    // Every worker was reaped and forgotten; the watchdog may go.
+    watchdog_.dismiss();
+    return exit_code;
   }
 
   const LaunchOptions& options_;
   // Forked first, before any handler or worker pipe exists that it should not inherit.
   Watchdog watchdog_;
   SignalPipe signals_;
-  std::vector<Worker> workers_;
-  Stage stage_ = Stage::kRunning;
-  Clock::time_point kill_deadline_;
-  Clock::time_point abandon_deadline_;
-  int received_signal_ = 0;
-  bool worker_failed_ = false;
 };
 
 // Restores SIGPIPE's disposition when the launcher returns.
@@ -472,6 +671,15 @@ void validate(const LaunchOptions& options) {
   if (!std::isfinite(options.grace_period_seconds) || options.grace_period_seconds < 0) {
     throw invalid("--grace-period", format_seconds(options.grace_period_seconds),
                   "expected a number of seconds >= 0");
+  }
+  if (options.max_restarts < 0) {
+    throw invalid("--max-restarts", std::to_string(options.max_restarts), "expected an integer >= 0");
+  }
+  if (options.tee < 0 || options.tee > (kTeeStdout | kTeeStderr)) {
+    throw invalid("--tee", std::to_string(options.tee), "expected 0, 1, 2 or 3");
+  }
+  if (options.run_id.empty()) {
+    throw invalid("--rdzv-id", options.run_id, "expected a non-empty id");
   }
   if (options.standalone && options.nnodes != 1) {
     throw std::invalid_argument("--standalone runs a single node, but --nnodes is " +
@@ -530,14 +738,15 @@ Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
 int Launcher::run() {
   validate(options_);
   ensure_standard_fds_open();
-  LaunchOptions effective = options_;
-  if (effective.standalone) {
-    effective.master_addr = "127.0.0.1";
-    effective.master_port = pick_free_port();
+  if (!options_.log_dir.empty()) {
+    // A log directory we cannot use is reported before any worker starts.
+    create_directories(options_.log_dir);
+    if (::access(options_.log_dir.c_str(), W_OK | X_OK) != 0) {
+      throw_errno("cannot write to log directory '" + options_.log_dir + "'");
+    }
   }
   IgnoreSigpipe ignore_sigpipe;  // a closed stdout must cost us output, not the job
-  Job job(effective);
-  return job.run();
+  return Session(options_).run();
 }
 
 }  // namespace ddprun

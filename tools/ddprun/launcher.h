@@ -1,12 +1,17 @@
 // ddprun's launcher: starts one worker process per local rank with torchrun's environment,
-// forwards their output line by line, and tears every worker down as soon as one fails or
-// ddprun itself is asked to stop.
+// forwards their output line by line (or into per-worker log files), and tears every worker
+// down as soon as one fails or ddprun itself is asked to stop. After a failure it can start the
+// whole group again, up to max_restarts times.
 #pragma once
 
 #include <string>
 #include <vector>
 
 namespace ddprun {
+
+// Bits of LaunchOptions::tee, as torchrun's --tee numbers them.
+constexpr int kTeeStdout = 1;
+constexpr int kTeeStderr = 2;
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -20,6 +25,15 @@ struct LaunchOptions {
   double grace_period_seconds = 5.0;
   // Prefix each forwarded output line with "[rankR]: ".
   bool prefix_output = true;
+  // How many times the workers are all started again after one of them fails.
+  int max_restarts = 0;
+  // If not empty, each worker's stdout and stderr go to <log_dir>/attempt_<A>/rank_<R>.log
+  // instead of the console.
+  std::string log_dir;
+  // With log_dir: the streams that are shown on the console as well (kTeeStdout, kTeeStderr).
+  int tee = 0;
+  // Identifies the job; workers get it as TORCHELASTIC_RUN_ID and DDP_RUN_ID.
+  std::string run_id = "none";
   // PROGRAM followed by its arguments, passed to execvp untouched.
   std::vector<std::string> command;
 };
@@ -41,9 +55,10 @@ class Launcher {
  public:
   explicit Launcher(LaunchOptions options);
 
-  // Runs the job to completion and returns ddprun's exit code: 0 if every worker exited 0,
-  // 1 if a worker failed, 128+N if ddprun received signal N. Throws std::runtime_error if
-  // the workers cannot be started (after stopping any that were).
+  // Runs the job to completion, restarting it after failures as options allow, and returns
+  // ddprun's exit code: 0 if every worker of an attempt exited 0, 1 if a worker failed and no
+  // restart was left, 128+N if ddprun received signal N. Throws std::runtime_error if the log
+  // directory or the workers cannot be set up (after stopping any workers that were started).
   int run();
 
  private:

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <utility>
+#include <vector>
 
 #include "posix_util.h"
 
@@ -13,11 +15,15 @@ constexpr size_t kReadChunk = 64 * 1024;
 // A worker printing megabytes without a newline (a progress bar using '\r', binary junk) must
 // not grow our memory forever; past this size the partial line is forwarded as a line.
 constexpr size_t kMaxLineBytes = 1024 * 1024;
+// The remembered last line goes into a one-line report; a huge line is cut to this size.
+constexpr size_t kMaxRememberedBytes = 1000;
+
+bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f'; }
 
 }  // namespace
 
-LineForwarder::LineForwarder(int source_fd, int destination_fd, std::string prefix)
-    : source_fd_(source_fd), destination_fd_(destination_fd), prefix_(std::move(prefix)) {
+LineForwarder::LineForwarder(int source_fd, std::vector<LineSink> sinks)
+    : source_fd_(source_fd), sinks_(std::move(sinks)) {
   set_nonblocking(source_fd_);
 }
 
@@ -27,9 +33,9 @@ LineForwarder::~LineForwarder() {
 
 LineForwarder::LineForwarder(LineForwarder&& other) noexcept
     : source_fd_(other.source_fd_),
-      destination_fd_(other.destination_fd_),
-      prefix_(std::move(other.prefix_)),
-      pending_(std::move(other.pending_)) {
+      sinks_(std::move(other.sinks_)),
+      pending_(std::move(other.pending_)),
+      last_line_(std::move(other.last_line_)) {
   other.source_fd_ = -1;
 }
 
@@ -61,25 +67,51 @@ void LineForwarder::close() {
   forward_lines(/*flush_partial=*/true);
 }
 
+bool LineForwarder::remember_if_not_blank(const std::string& text, size_t start, size_t end) {
+  while (end > start && is_blank(text[end - 1])) --end;
+  size_t first_visible = start;
+  while (first_visible < end && is_blank(text[first_visible])) ++first_visible;
+  if (first_visible == end) return false;
+  if (end - start <= kMaxRememberedBytes) {
+    last_line_.assign(text, start, end - start);
+  } else {
+    last_line_.assign(text, start, kMaxRememberedBytes);
+    last_line_ += " [...]";
+  }
+  return true;
+}
+
 void LineForwarder::forward_lines(bool flush_partial) {
   size_t end = flush_partial ? pending_.size() : pending_.rfind('\n') + 1;  // npos + 1 == 0
   if (end == 0) return;
 
-  std::string out;
-  out.reserve(end + prefix_.size() * 8 + 1);
+  // Where each line starts and ends inside pending_.
+  std::vector<std::pair<size_t, size_t>> lines;
   size_t start = 0;
   while (start < end) {
     size_t newline = pending_.find('\n', start);
     size_t line_end = (newline == std::string::npos || newline >= end) ? end : newline;
-    out += prefix_;
-    out.append(pending_, start, line_end - start);
-    out += '\n';
+    lines.emplace_back(start, line_end);
     start = line_end + 1;
   }
+  // The batch's latest line with text replaces the remembered one; earlier ones cannot.
+  for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
+    if (remember_if_not_blank(pending_, it->first, it->second)) break;
+  }
+
+  for (const LineSink& sink : sinks_) {
+    std::string out;
+    out.reserve(end + sink.prefix.size() * lines.size() + 1);
+    for (const auto& [line_start, line_end] : lines) {
+      out += sink.prefix;
+      out.append(pending_, line_start, line_end - line_start);
+      out += '\n';
+    }
+    // ddprun is single-threaded and writes only whole lines, so lines of different workers
+    // cannot interleave in its output.
+    write_all(sink.fd, out);
+  }
   pending_.erase(0, end);
-  // ddprun is single-threaded and writes only whole lines, so lines of different workers
-  // cannot interleave in its output.
-  write_all(destination_fd_, out);
 }
 
 }  // namespace ddprun

@@ -1,15 +1,24 @@
-// Forwards one worker stream (the read end of a pipe) to one of ddprun's own streams, whole
-// lines at a time, so that lines of different workers never mix.
+// Forwards one worker stream (the read end of a pipe) to one or more destinations (ddprun's own
+// stdout/stderr, a log file), whole lines at a time, so that lines of different workers never
+// mix. It also remembers the stream's last non-empty line for failure reports.
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace ddprun {
 
+// One destination of a stream's lines: a descriptor the forwarder does not own, and the text
+// put before every line written there.
+struct LineSink {
+  int fd = -1;
+  std::string prefix;
+};
+
 class LineForwarder {
  public:
-  // Takes ownership of source_fd (made non-blocking). prefix goes before every line.
-  LineForwarder(int source_fd, int destination_fd, std::string prefix);
+  // Takes ownership of source_fd (made non-blocking).
+  LineForwarder(int source_fd, std::vector<LineSink> sinks);
   ~LineForwarder();
   LineForwarder(LineForwarder&& other) noexcept;
   LineForwarder& operator=(LineForwarder&&) = delete;
@@ -30,14 +39,20 @@ class LineForwarder {
   // Gives up on the stream (its writer escaped our control), flushing what was read.
   void close();
 
+  // The last forwarded line with visible text, trailing white space removed and very long
+  // lines shortened; empty if there was none.
+  const std::string& last_line() const { return last_line_; }
+
  private:
   // Emits the complete lines in pending_; with flush_partial also what follows the last newline.
   void forward_lines(bool flush_partial);
+  // Remembers text[start, end) as the last line unless it is blank; returns whether it did.
+  bool remember_if_not_blank(const std::string& text, size_t start, size_t end);
 
   int source_fd_ = -1;
-  int destination_fd_ = -1;
-  std::string prefix_;
+  std::vector<LineSink> sinks_;
   std::string pending_;
+  std::string last_line_;
 };
 
 }  // namespace ddprun

@@ -26,6 +26,24 @@ void set_nonblocking(int fd);
 // created later never land on them and get clobbered by dup2 in a child.
 void ensure_standard_fds_open();
 
+// Owns a file descriptor and closes it when destroyed; movable, not copyable.
+class FileDescriptor {
+ public:
+  FileDescriptor() = default;
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() { reset(); }
+  FileDescriptor(FileDescriptor&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  FileDescriptor& operator=(FileDescriptor&& other) noexcept;
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+
+  int get() const { return fd_; }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
 // std::runtime_error with "<what>: <strerror(errno)>".
 [[noreturn]] void throw_errno(const std::string& what);
 

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <vector>
 
@@ -13,7 +14,8 @@
 namespace ddprun {
 namespace {
 
-// Messages on the pipe are one pid_t each: a group to watch, or this value meaning "dismissed".
+// Messages on the pipe are one pid_t each: a group to watch (> 0), a group to forget (its id
+// negated), or this value meaning "dismissed".
 constexpr pid_t kDismissed = 0;
 
 [[noreturn]] void run_watchdog(int read_fd) {
@@ -36,7 +38,11 @@ constexpr pid_t kDismissed = 0;
     if (n < 0 && errno == EINTR) continue;
     if (n == static_cast<ssize_t>(sizeof message)) {
       if (message == kDismissed) ::_exit(0);
-      groups.push_back(message);
+      if (message > 0) {
+        groups.push_back(message);
+      } else {
+        groups.erase(std::remove(groups.begin(), groups.end(), -message), groups.end());
+      }
       continue;
     }
     break;  // end of file: the launcher is gone without dismissing us
@@ -75,9 +81,16 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::watch(pid_t process_group) {
+  if (write_fd_ < 0) return;
   // Writes of at most PIPE_BUF bytes are atomic; an error means the watchdog is gone already,
   // and the launcher's own cleanup still applies.
   write_all(write_fd_, reinterpret_cast<const char*>(&process_group), sizeof process_group);
+}
+
+void Watchdog::forget(pid_t process_group) {
+  if (write_fd_ < 0 || process_group <= 0) return;
+  const pid_t message = -process_group;
+  write_all(write_fd_, reinterpret_cast<const char*>(&message), sizeof message);
 }
 
 void Watchdog::dismiss() {

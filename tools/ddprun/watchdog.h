@@ -20,6 +20,10 @@ class Watchdog {
   // Adds a worker's process group to those killed if the launcher dies.
   void watch(pid_t process_group);
 
+  // Removes a group again. Call it before reaping the group's leader: once reaped, the id may
+  // be reused by an unrelated process that the watchdog must not kill.
+  void forget(pid_t process_group);
+
   // The launcher has stopped and reaped every worker itself: the watchdog exits without killing
   // anything (the group ids may already belong to other processes). Waits for it to exit.
   void dismiss();

@@ -1,0 +1,76 @@
+#pragma once
+
+// Snapshots: everything needed to resume training exactly where it stopped,
+// the model, the optimizer's state (Adam moments and step counts included),
+// the epoch and step, and the RNG state. Rank 0 writes them atomically; on a
+// restart every rank resumes from the newest valid one.
+//
+//   if (auto snapshot = ddp::load_newest_snapshot(dir, *group)) {
+//     ddp::restore_snapshot(*snapshot, *model, optimizer);
+//     first_epoch = snapshot->epoch + 1;
+//   }
+//   ...
+//   if (group->rank() == 0) ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+
+#include <ddp/checkpoint.h>
+#include <ddp/process_group.h>
+
+#include <ATen/core/ivalue.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace ddp {
+
+/// The file format's version; loading refuses any other.
+constexpr int64_t kSnapshotVersion = 1;
+
+struct Snapshot {
+  int64_t epoch = -1;       ///< the last completed epoch
+  int64_t step = 0;         ///< optimizer steps taken so far
+  StateDict model;          ///< parameters and buffers
+  c10::IValue optimizer;    ///< optimizer_state_dict(): Python's layout
+  at::Tensor rng_state;     ///< the default CPU generator's state
+  c10::IValue extra;        ///< anything else the program wants back (None if unused)
+};
+
+/// The optimizer's state in the layout of Python's optimizer.state_dict():
+/// {"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}.
+/// Supports Adam, AdamW and SGD.
+c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
+/// Restores what optimizer_state_dict returned. Parameters are matched by
+/// position; counts and shapes must agree.
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
+
+Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
+                          int64_t step);
+/// Loads the model, the optimizer and the RNG state.
+void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+
+/// Writes `snapshot` to `path` atomically, with a format version and a
+/// checksum of its contents.
+void save_snapshot(const Snapshot& snapshot, const std::string& path);
+/// Reads and validates a snapshot; throws, naming the file and the reason, if
+/// it is truncated, corrupt, of another version or not a snapshot.
+Snapshot load_snapshot(const std::string& path);
+
+/// Writes DIR/snapshot_<epoch>.pt and removes older ones beyond the `keep`
+/// newest. Returns the path written.
+std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep = 2);
+
+/// The newest snapshot in `dir` that loads and validates, if any. Invalid
+/// files are skipped; their paths and errors go to `skipped` if given.
+std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
+                                             std::vector<std::string>* skipped = nullptr);
+
+/// Rank 0 picks the newest valid snapshot in `dir` and sends it to every
+/// rank, so only rank 0 needs to see the directory. Collective.
+std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
+                                             std::vector<std::string>* skipped = nullptr);
+
+}  // namespace ddp

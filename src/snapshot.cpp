@@ -1,0 +1,385 @@
+#include <ddp/snapshot.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/core/Dict.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+namespace {
+
+using GenericDict = c10::impl::GenericDict;
+
+GenericDict new_dict() { return GenericDict(c10::AnyType::get(), c10::AnyType::get()); }
+
+// FNV-1a over a value's contents, in order: detects corruption the container
+// format does not (flipped bits inside a tensor record).
+class Checksum {
+ public:
+  void add(const c10::IValue& v) {
+    if (v.isTensor()) {
+      at::Tensor t = v.toTensor().contiguous();
+      bytes(t.data_ptr(), t.nbytes());
+    } else if (v.isGenericDict()) {
+      for (const auto& item : v.toGenericDict()) {
+        add(item.key());
+        add(item.value());
+      }
+    } else if (v.isList()) {
+      for (const auto& item : v.toListRef()) add(item);
+    } else if (v.isTuple()) {
+      for (const auto& item : v.toTupleRef().elements()) add(item);
+    } else if (v.isString()) {
+      bytes(v.toStringRef().data(), v.toStringRef().size());
+    } else if (v.isInt()) {
+      int64_t i = v.toInt();
+      bytes(&i, sizeof(i));
+    } else if (v.isDouble()) {
+      double d = v.toDouble();
+      bytes(&d, sizeof(d));
+    } else if (v.isBool()) {
+      char b = v.toBool();
+      bytes(&b, 1);
+    }
+  }
+  int64_t value() const { return static_cast<int64_t>(hash_); }
+
+ private:
+  void bytes(const void* data, size_t n) {
+    auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      hash_ ^= p[i];
+      hash_ *= 1099511628211ULL;
+    }
+  }
+  uint64_t hash_ = 1469598103934665603ULL;
+};
+
+const char* kFormat = "ddp.snapshot";
+
+GenericDict payload_of(const Snapshot& s) {
+  GenericDict model(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, tensor] : s.model) model.insert(name, tensor.detach().to(at::kCPU).contiguous().clone());
+  GenericDict payload = new_dict();
+  payload.insert("epoch", s.epoch);
+  payload.insert("step", s.step);
+  payload.insert("model", model);
+  payload.insert("optimizer", s.optimizer);
+  payload.insert("rng_state", s.rng_state.defined() ? s.rng_state : at::empty({0}, at::kByte));
+  payload.insert("extra", s.extra);
+  return payload;
+}
+
+template <typename... Args>
+[[noreturn]] void reject(const std::string& name, const Args&... args) {
+  TORCH_CHECK(false, "ddp: snapshot '", name, "' is not usable: ", args...);
+}
+
+const c10::IValue& field(const GenericDict& dict, const std::string& key, const std::string& name) {
+  auto it = dict.find(key);
+  if (it == dict.end()) reject(name, "it has no '", key, "' entry");
+  return it->value();
+}
+
+Snapshot parse_snapshot(const c10::IValue& value, const std::string& name) {
+  if (!value.isGenericDict()) reject(name, "it does not hold a dict");
+  GenericDict file = value.toGenericDict();
+  const auto& format = field(file, "format", name);
+  if (!format.isString() || format.toStringRef() != kFormat) reject(name, "it is not a ddp snapshot");
+  int64_t version = field(file, "version", name).toInt();
+  if (version != kSnapshotVersion) {
+    reject(name, "it has format version ", version, " but this ddp reads version ", kSnapshotVersion);
+  }
+  const auto& payload_value = field(file, "payload", name);
+  if (!payload_value.isGenericDict()) reject(name, "its payload is not a dict");
+  Checksum checksum;
+  checksum.add(payload_value);
+  if (checksum.value() != field(file, "checksum", name).toInt()) {
+    reject(name, "its checksum does not match its contents (the file is corrupt)");
+  }
+  GenericDict payload = payload_value.toGenericDict();
+  Snapshot s;
+  s.epoch = field(payload, "epoch", name).toInt();
+  s.step = field(payload, "step", name).toInt();
+  for (const auto& item : field(payload, "model", name).toGenericDict()) {
+    s.model.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  }
+  s.optimizer = field(payload, "optimizer", name);
+  s.rng_state = field(payload, "rng_state", name).toTensor();
+  s.extra = field(payload, "extra", name);
+  return s;
+}
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "ddp: cannot open snapshot '", path, "': ", std::strerror(errno));
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// snapshot_<epoch>.pt files in `dir`, newest epoch first.
+std::vector<std::pair<int64_t, std::string>> snapshot_files(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> files;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return files;
+  static const std::regex pattern("snapshot_([0-9]+)\\.pt");
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    std::smatch m;
+    std::string file = entry.path().filename().string();
+    if (std::regex_match(file, m, pattern)) files.emplace_back(std::stoll(m[1]), entry.path().string());
+  }
+  std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return files;
+}
+
+// Adam and AdamW keep the same state under different types.
+template <typename State>
+GenericDict adam_state(const State& state) {
+  GenericDict d = new_dict();
+  d.insert("step", at::scalar_tensor(static_cast<double>(state.step()), at::kFloat));
+  d.insert("exp_avg", state.exp_avg());
+  d.insert("exp_avg_sq", state.exp_avg_sq());
+  if (state.max_exp_avg_sq().defined()) d.insert("max_exp_avg_sq", state.max_exp_avg_sq());
+  return d;
+}
+
+template <typename State>
+std::unique_ptr<torch::optim::OptimizerParamState> adam_state_from(const GenericDict& d) {
+  auto state = std::make_unique<State>();
+  state->step(static_cast<int64_t>(d.at("step").toTensor().item<double>()));
+  state->exp_avg(d.at("exp_avg").toTensor().clone());
+  state->exp_avg_sq(d.at("exp_avg_sq").toTensor().clone());
+  if (d.contains("max_exp_avg_sq")) state->max_exp_avg_sq(d.at("max_exp_avg_sq").toTensor().clone());
+  return state;
+}
+
+template <typename Options>
+GenericDict adam_group(const Options& o) {
+  GenericDict g = new_dict();
+  g.insert("lr", o.lr());
+  g.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+  g.insert("eps", o.eps());
+  g.insert("weight_decay", o.weight_decay());
+  g.insert("amsgrad", o.amsgrad());
+  return g;
+}
+
+template <typename Options>
+void set_adam_group(Options& o, const GenericDict& g) {
+  o.lr(g.at("lr").toDouble());
+  const auto& betas = g.at("betas").toTupleRef().elements();
+  o.betas(std::make_tuple(betas[0].toDouble(), betas[1].toDouble()));
+  o.eps(g.at("eps").toDouble());
+  o.weight_decay(g.at("weight_decay").toDouble());
+  o.amsgrad(g.at("amsgrad").toBool());
+}
+
+}  // namespace
+
+c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
+  GenericDict state = new_dict();
+  c10::impl::GenericList groups(c10::AnyType::get());
+  int64_t index = 0;
+  for (auto& group : optimizer.param_groups()) {
+    GenericDict g = new_dict();
+    auto& options = group.options();
+    if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+      g = adam_group(*adam);
+    } else if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+      g = adam_group(*adamw);
+    } else if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+      g = new_dict();
+      g.insert("lr", sgd->lr());
+      g.insert("momentum", sgd->momentum());
+      g.insert("dampening", sgd->dampening());
+      g.insert("weight_decay", sgd->weight_decay());
+      g.insert("nesterov", sgd->nesterov());
+    } else {
+      TORCH_CHECK(false, "ddp: optimizer_state_dict supports Adam, AdamW and SGD");
+    }
+    c10::impl::GenericList params(c10::AnyType::get());  // typed lists pickle as torch.jit globals
+    for (auto& p : group.params()) {
+      params.push_back(index);
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it != optimizer.state().end()) {
+        auto* s = it->second.get();
+        if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s)) {
+          state.insert(index, adam_state(*a));
+        } else if (auto* aw = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
+          state.insert(index, adam_state(*aw));
+        } else if (auto* sg = dynamic_cast<torch::optim::SGDParamState*>(s)) {
+          GenericDict d = new_dict();
+          d.insert("momentum_buffer", sg->momentum_buffer());
+          state.insert(index, d);
+        }
+      }
+      ++index;
+    }
+    g.insert("params", params);
+    groups.push_back(g);
+  }
+  GenericDict result = new_dict();
+  result.insert("state", state);
+  result.insert("param_groups", groups);
+  return result;
+}
+
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& value) {
+  TORCH_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
+  GenericDict dict = value.toGenericDict();
+  GenericDict state = dict.at("state").toGenericDict();
+  auto groups = dict.at("param_groups").toListRef();
+  TORCH_CHECK(groups.size() == optimizer.param_groups().size(), "ddp: the optimizer state has ",
+              groups.size(), " parameter groups but the optimizer has ", optimizer.param_groups().size());
+  int64_t index = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    auto& group = optimizer.param_groups()[gi];
+    GenericDict g = groups[gi].toGenericDict();
+    TORCH_CHECK(g.at("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
+                " of the optimizer state has ", g.at("params").toListRef().size(),
+                " parameters but the optimizer's has ", group.params().size());
+    auto& options = group.options();
+    bool adam = false, adamw = false;
+    if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
+      set_adam_group(*o, g);
+      adam = true;
+    } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
+      set_adam_group(*o, g);
+      adamw = true;
+    } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
+      o->lr(g.at("lr").toDouble());
+      o->momentum(g.at("momentum").toDouble());
+      o->dampening(g.at("dampening").toDouble());
+      o->weight_decay(g.at("weight_decay").toDouble());
+      o->nesterov(g.at("nesterov").toBool());
+    } else {
+      TORCH_CHECK(false, "ddp: load_optimizer_state_dict supports Adam, AdamW and SGD");
+    }
+    for (auto& p : group.params()) {
+      void* key = p.unsafeGetTensorImpl();
+      optimizer.state().erase(key);
+      auto it = state.find(index);
+      if (it != state.end()) {
+        GenericDict s = it->value().toGenericDict();
+        std::unique_ptr<torch::optim::OptimizerParamState> restored;
+        if (adam) {
+          restored = adam_state_from<torch::optim::AdamParamState>(s);
+        } else if (adamw) {
+          restored = adam_state_from<torch::optim::AdamWParamState>(s);
+        } else {
+          auto sgd = std::make_unique<torch::optim::SGDParamState>();
+          sgd->momentum_buffer(s.at("momentum_buffer").toTensor().clone());
+          restored = std::move(sgd);
+        }
+        if (s.contains("exp_avg")) {
+          TORCH_CHECK(s.at("exp_avg").toTensor().sizes() == p.sizes(), "ddp: optimizer state of parameter ",
+                      index, " has shape ", s.at("exp_avg").toTensor().sizes(), " but the parameter has ",
+                      p.sizes());
+        }
+        optimizer.state()[key] = std::move(restored);
+      }
+      ++index;
+    }
+  }
+}
+
+Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
+                          int64_t step) {
+  Snapshot s;
+  s.epoch = epoch;
+  s.step = step;
+  s.model = state_dict(model);
+  s.optimizer = optimizer_state_dict(optimizer);
+  s.rng_state = at::detail::getDefaultCPUGenerator().get_state();
+  return s;
+}
+
+void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  load_state_dict(model, snapshot.model);
+  load_optimizer_state_dict(optimizer, snapshot.optimizer);
+  if (snapshot.rng_state.defined() && snapshot.rng_state.numel() > 0) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+    generator.set_state(snapshot.rng_state);
+  }
+}
+
+void save_snapshot(const Snapshot& snapshot, const std::string& path) {
+  GenericDict payload = payload_of(snapshot);
+  Checksum checksum;
+  checksum.add(payload);
+  GenericDict file = new_dict();
+  file.insert("format", std::string(kFormat));
+  file.insert("version", kSnapshotVersion);
+  file.insert("checksum", checksum.value());
+  file.insert("payload", payload);
+  save_value(file, path);
+}
+
+Snapshot load_snapshot(const std::string& path) { return parse_snapshot(load_value(path), path); }
+
+std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep) {
+  std::string path = dir + "/snapshot_" + std::to_string(snapshot.epoch) + ".pt";
+  save_snapshot(snapshot, path);
+  // Older snapshots go only after the new one is safely on disk.
+  auto files = snapshot_files(dir);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < files.size(); ++i) {
+    std::error_code ec;
+    fs::remove(files[i].second, ec);
+  }
+  return path;
+}
+
+std::optional<Snapshot> load_newest_snapshot(const std::string& dir, std::vector<std::string>* skipped) {
+  for (const auto& [epoch, path] : snapshot_files(dir)) {
+    try {
+      return load_snapshot(path);
+    } catch (const c10::Error& e) {
+      if (skipped) skipped->push_back(e.what_without_backtrace());
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
+                                             std::vector<std::string>* skipped) {
+  std::vector<char> bytes;
+  std::string name;
+  if (group.rank() == 0) {
+    for (const auto& [epoch, path] : snapshot_files(dir)) {
+      try {
+        load_snapshot(path);  // validate before sending
+        bytes = read_bytes(path);
+        name = path;
+        break;
+      } catch (const c10::Error& e) {
+        if (skipped) skipped->push_back(e.what_without_backtrace());
+      }
+    }
+  }
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  group.broadcast(size, 0);
+  int64_t n = size.item<int64_t>();
+  if (n == 0) return std::nullopt;
+  at::Tensor buffer = at::empty({n}, at::kByte);
+  if (group.rank() == 0) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+  group.broadcast(buffer, 0);
+  if (group.rank() != 0) {
+    auto* data = static_cast<const char*>(buffer.data_ptr());
+    bytes.assign(data, data + n);
+    name = "snapshot from rank 0";
+  }
+  return parse_snapshot(deserialize_value(bytes, name), name);
+}
+
+}  // namespace ddp

@@ -1,0 +1,192 @@
+#include <ddp/snapshot.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <support/subprocess.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+void train_steps(torch::nn::Linear& model, torch::optim::Optimizer& optimizer, int first, int count) {
+  for (int s = first; s < first + count; ++s) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(s);
+    at::Tensor x = at::randn({8, 5}, generator);
+    at::Tensor y = at::randint(0, 3, {8}, generator, at::kLong);
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    optimizer.step();
+  }
+}
+
+template <typename Optimizer, typename Options>
+void check_resume_is_exact(Options options) {
+  auto dir = ddp::testing::make_temp_dir();
+  torch::manual_seed(1);
+  torch::nn::Linear straight(5, 3);
+  Optimizer straight_opt(straight->parameters(), options);
+  train_steps(straight, straight_opt, 0, 10);
+
+  torch::manual_seed(1);
+  torch::nn::Linear first(5, 3);
+  Optimizer first_opt(first->parameters(), options);
+  train_steps(first, first_opt, 0, 4);
+  ddp::save_snapshot(ddp::capture_snapshot(*first, first_opt, 3, 4), dir + "/s.pt");
+
+  torch::manual_seed(99);  // different weights: the snapshot must replace them
+  torch::nn::Linear resumed(5, 3);
+  Optimizer resumed_opt(resumed->parameters(), options);
+  auto snapshot = ddp::load_snapshot(dir + "/s.pt");
+  EXPECT_EQ(snapshot.epoch, 3);
+  EXPECT_EQ(snapshot.step, 4);
+  ddp::restore_snapshot(snapshot, *resumed, resumed_opt);
+  train_steps(resumed, resumed_opt, 4, 6);
+  EXPECT_TRUE(at::equal(resumed->weight, straight->weight));
+  EXPECT_TRUE(at::equal(resumed->bias, straight->bias));
+  fs::remove_all(dir);
+}
+
+TEST(Snapshot, AdamResumesBitIdentically) { check_resume_is_exact<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)); }
+TEST(Snapshot, AdamWWithAmsgradResumesBitIdentically) {
+  check_resume_is_exact<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).amsgrad(true));
+}
+TEST(Snapshot, SgdWithMomentumResumesBitIdentically) {
+  check_resume_is_exact<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+TEST(Snapshot, RestoresTheRngState) {
+  auto dir = ddp::testing::make_temp_dir();
+  torch::nn::Linear model(2, 2);
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  torch::manual_seed(7);
+  ddp::save_snapshot(ddp::capture_snapshot(*model, optimizer, 0, 0), dir + "/s.pt");
+  at::Tensor expected = at::rand({4});
+  at::rand({100});
+  ddp::restore_snapshot(ddp::load_snapshot(dir + "/s.pt"), *model, optimizer);
+  EXPECT_TRUE(at::equal(at::rand({4}), expected));
+  fs::remove_all(dir);
+}
+
+class SnapshotFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir = ddp::testing::make_temp_dir();
+    torch::manual_seed(0);
+    train_steps(model, optimizer, 0, 2);
+  }
+  void TearDown() override { fs::remove_all(dir); }
+  std::string write(int64_t epoch) {
+    return ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, epoch, epoch * 10));
+  }
+  std::string dir;
+  torch::nn::Linear model{5, 3};
+  torch::optim::Adam optimizer{model->parameters(), torch::optim::AdamOptions(1e-3)};
+};
+
+TEST_F(SnapshotFiles, KeepsTheTwoNewest) {
+  write(0);
+  write(10);
+  write(20);
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_0.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_10.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_20.pt"));
+  EXPECT_EQ(ddp::load_newest_snapshot(dir)->epoch, 20);
+}
+
+TEST_F(SnapshotFiles, TruncatedNewestFallsBackToThePreviousOne) {
+  write(10);
+  auto newest = write(20);
+  fs::resize_file(newest, fs::file_size(newest) - 100);
+  std::vector<std::string> skipped;
+  auto snapshot = ddp::load_newest_snapshot(dir, &skipped);
+  ASSERT_TRUE(snapshot.has_value());
+  EXPECT_EQ(snapshot->epoch, 10);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find("snapshot_20.pt"), std::string::npos) << skipped[0];
+}
+
+TEST_F(SnapshotFiles, FlippedByteIsCaughtByTheChecksum) {
+  auto path = write(5);
+  // Corrupt one byte of the model's weights: the zip container's layout is
+  // intact, only the contents changed.
+  auto state = ddp::state_dict(*model);
+  at::Tensor weight = state[0].second.contiguous();
+  std::string needle(static_cast<const char*>(weight.data_ptr()), 16);
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  std::string contents((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  auto at_pos = contents.find(needle);
+  ASSERT_NE(at_pos, std::string::npos);
+  file.seekp(static_cast<std::streamoff>(at_pos + 3));
+  file.put(static_cast<char>(contents[at_pos + 3] ^ 0x10));
+  file.close();
+  auto message = error_of([&] { ddp::load_snapshot(path); });
+  EXPECT_NE(message.find(path), std::string::npos) << message;
+  EXPECT_TRUE(message.find("checksum") != std::string::npos || message.find("CRC") != std::string::npos ||
+              message.find("not a complete") != std::string::npos)
+      << message;
+}
+
+TEST_F(SnapshotFiles, RefusesOtherFilesWithReasons) {
+  ddp::save_state_dict(ddp::state_dict(*model), dir + "/weights.pt");
+  auto message = error_of([&] { ddp::load_snapshot(dir + "/weights.pt"); });
+  EXPECT_NE(message.find("it has no 'format' entry"), std::string::npos) << message;
+
+  c10::impl::GenericDict future(c10::AnyType::get(), c10::AnyType::get());
+  future.insert("format", std::string("ddp.snapshot"));
+  future.insert("version", int64_t{99});
+  ddp::save_value(future, dir + "/future.pt");
+  message = error_of([&] { ddp::load_snapshot(dir + "/future.pt"); });
+  EXPECT_NE(message.find("format version 99"), std::string::npos) << message;
+
+  EXPECT_FALSE(ddp::load_newest_snapshot(dir + "/nowhere").has_value());
+}
+
+TEST_F(SnapshotFiles, AnInterruptedSaveLeavesThePreviousSnapshotLoadable) {
+  write(10);
+  // A crash mid-save leaves at most a temporary file next to the snapshots.
+  std::ofstream(dir + "/snapshot_20.pt.tmp.12345") << "half a file";
+  auto snapshot = ddp::load_newest_snapshot(dir);
+  ASSERT_TRUE(snapshot.has_value());
+  EXPECT_EQ(snapshot->epoch, 10);
+}
+
+TEST_F(SnapshotFiles, PythonLoadsTheOptimizerStateIntoTorchOptim) {
+  auto path = write(3);
+  auto result = ddp::testing::run_process(
+      {DDP_PYTHON, "-c",
+       "import sys, torch\n"
+       "s = torch.load(sys.argv[1])\n"  // weights_only=True
+       "p = s['payload']\n"
+       "model = torch.nn.Linear(5, 3)\n"
+       "model.load_state_dict(p['model'])\n"
+       "opt = torch.optim.Adam(model.parameters(), lr=0.5)\n"
+       "opt.load_state_dict(p['optimizer'])\n"
+       "print('format', s['format'], 'version', s['version'], 'epoch', p['epoch'], 'step', p['step'])\n"
+       "print('lr', opt.param_groups[0]['lr'], 'adam_step', float(opt.state[model.weight]['step']))\n",
+       path});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.out.find("format ddp.snapshot version 1 epoch 3 step 30"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("lr 0.001 adam_step 2.0"), std::string::npos) << result.out;
+}
+
+}  // namespace
