@@ -140,7 +140,7 @@ void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group)
 }
 
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
-                            bool buffers) {
+                            bool buffers, int root) {
   if (group.size() == 1) return;
   std::vector<at::Tensor> tensors;
   if (parameters) {
@@ -159,7 +159,7 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool
     std::vector<at::Tensor> flat_views;
     for (auto& t : members) flat_views.push_back(t.reshape({-1}));
     at::Tensor flat = at::cat(flat_views);
-    group.broadcast(flat, 0);
+    group.broadcast(flat, root);
     int64_t offset = 0;
     for (auto& t : members) {
       t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
@@ -198,5 +198,38 @@ void DataParallelCore::after_forward(const std::vector<at::Tensor>& outputs) {
   reducer_->prepare_for_backward(outputs);
 }
 
+void DataParallelCore::shadow_step() {
+  before_forward();
+  reducer_->shadow_backward();
+}
+
 }  // namespace detail
+
+int Join::step() {
+  TORCH_CHECK(!finished_, "ddp: Join::step() after finish()");
+  at::Tensor active = at::ones({1}, at::kInt);
+  group_.all_reduce(active);
+  ++steps_;
+  return active.item<int>();
+}
+
+void Join::finish() {
+  TORCH_CHECK(!finished_, "ddp: Join::finish() called twice");
+  finished_ = true;
+  while (true) {
+    at::Tensor active = at::zeros({1}, at::kInt);
+    group_.all_reduce(active);
+    if (active.item<int>() == 0) break;
+    core_.shadow_step();
+    ++shadowed_;
+  }
+  // The rank that trained longest holds the weights every step touched;
+  // the highest such rank is the source for all.
+  at::Tensor longest = at::full({1}, steps_, at::kLong);
+  group_.all_reduce(longest, c10d::ReduceOp::MAX);
+  at::Tensor source = at::full({1}, steps_ == longest.item<int64_t>() ? group_.rank() : -1, at::kLong);
+  group_.all_reduce(source, c10d::ReduceOp::MAX);
+  detail::broadcast_module_state(core_.module(), group_, /*parameters=*/true, /*buffers=*/true,
+                                 static_cast<int>(source.item<int64_t>()));
+}
 }  // namespace ddp

@@ -273,6 +273,27 @@ void GradientReducer::finish_backward() {
   maybe_rebuild_buckets();
 }
 
+void GradientReducer::shadow_backward() {
+  if (group_->size() == 1) return;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].flat.zero_();
+    GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size());
+    buckets_[b].reduced = comm_hook_->run(*group_, view);
+  }
+  if (options_.find_unused_parameters()) {
+    at::Tensor used_anywhere = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    group_->all_reduce(used_anywhere);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].reduced->wait();
+    TORCH_CHECK(!buckets_[b].reduced->hasError(), "ddp: shadowing gradient bucket ", b, " failed on rank ",
+                group_->rank(), ": ", buckets_[b].reduced->tryRetrieveErrorMessage());
+    buckets_[b].reduced.reset();
+  }
+  ++reduced_steps_;
+  maybe_rebuild_buckets();
+}
+
 void GradientReducer::maybe_rebuild_buckets() {
   if (buckets_rebuilt_ || !options_.rebuild_buckets()) return;
   buckets_rebuilt_ = true;

@@ -186,3 +186,43 @@ TEST(DistributedDataParallel, CommunicationHooks) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(NoHangs, APeerThatStopsAnsweringTimesOutWithTheOperationNamed) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"stall"}),
+                       one_rank({{"DDP_TIMEOUT_SECONDS", "3"}}, std::chrono::seconds(60)));
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(r.out.find("NO TIMEOUT"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("all_reduce failed on rank 0 of 2 (timeout 3 s)"), std::string::npos) << r.describe();
+  EXPECT_LT(r.seconds, 30) << r.describe();
+}
+
+TEST(NoHangs, NonFiniteLossIsSkippedOnEveryRankTogether) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"nonfinite", "--policy", "skip"}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(count_of(r.out, "NONFINITE skipped=1 finite=1 identical=1"), 2) << r.out;
+}
+
+TEST(NoHangs, NonFiniteLossAbortsEveryRank) {
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"nonfinite", "--policy", "abort"}), one_rank({}));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_NE(r.err.find("[rank0]: error: ddp: the loss is not finite on rank(s) 1 at step 2"), std::string::npos)
+      << r.describe();
+  EXPECT_NE(r.err.find("[rank1]: error: ddp: the loss is not finite on rank(s) 1 at step 2"), std::string::npos)
+      << r.describe();
+}
+
+TEST(NoHangs, JoinLetsRanksWithFewerBatchesFinish) {
+  for (int n : {2, 3}) {
+    auto r = run_process(under_ddprun(n, "ddp_worker", {"join"}),
+                         one_rank({{"DDP_TIMEOUT_SECONDS", "20"}}, std::chrono::seconds(60)));
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    EXPECT_NE(r.out.find("JOIN rank 0 trained 3 shadowed " + std::to_string(2 * (n - 1))), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("JOIN identical=1"), std::string::npos) << r.out;
+    EXPECT_LE(number_after(r.out, "JOIN identical=1 max_abs_diff="), 1e-6) << r.out;
+  }
+}
+
+}  // namespace

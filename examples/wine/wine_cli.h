@@ -22,6 +22,7 @@ struct Args {
   std::string init_state;
   std::string checkpoint_dir = ".";
   bool resume = true;  // continue from the newest snapshot in checkpoint_dir
+  std::string on_nonfinite = "abort";  // or "skip" (wine_ddp)
 };
 
 struct UsageError : std::runtime_error {
@@ -39,6 +40,8 @@ inline void print_usage(const char* program) {
             << "  --init FILE            start from a state dict saved by Python's torch.save\n"
             << "  --checkpoint-dir DIR   where checkpoints and snapshots go (default .)\n"
             << "  --no-resume            ignore snapshots in DIR (default: resume from the newest)\n"
+            << "  --on-nonfinite abort|skip  when any rank's loss is NaN/inf: stop, or skip the\n"
+            << "                         step on every rank (default abort; wine_ddp only)\n"
             << "  -h, --help             show this help\n";
 }
 
@@ -79,6 +82,10 @@ inline Args parse_args(int argc, char** argv) {
       args.checkpoint_dir = value();
     } else if (arg == "--no-resume") {
       args.resume = false;
+    } else if (arg == "--on-nonfinite") {
+      std::string policy = value();
+      if (policy != "abort" && policy != "skip") throw UsageError("--on-nonfinite must be abort or skip, got '" + policy + "'");
+      args.on_nonfinite = policy;
     } else if (arg.size() > 1 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1]))) {
       throw UsageError("unknown option " + arg);
     } else if (positional == 0) {

@@ -13,6 +13,7 @@
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
+#include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 #include <ddp/snapshot.h>
 
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
     // Join the job: rendezvous with the other ranks through MASTER_ADDR:PORT.
     auto group = ddp::init_process_group();
     const bool is_master = group->rank() == 0;
+    const auto nonfinite_policy = ddp::parse_nonfinite_policy(args.on_nonfinite);
 
     // Every rank loads the same data and makes the same seeded split.
     wine::Split data;
@@ -91,6 +93,11 @@ int main(int argc, char** argv) {
         optimizer.zero_grad();
         at::Tensor loss = torch::nn::functional::cross_entropy(
             ddp_model.forward(data.train.features.index_select(0, idx)), data.train.labels.index_select(0, idx));
+        // All ranks agree on a NaN anywhere, so they skip or stop together.
+        if (!ddp::check_loss_is_finite(loss, *group, nonfinite_policy,
+                                       "epoch " + std::to_string(epoch) + ", step " + std::to_string(step))) {
+          continue;
+        }
         loss.backward();  // returns with gradients averaged across ranks
         optimizer.step();
         ++step;

@@ -95,9 +95,9 @@ namespace detail {
 /// error naming the first differing tensor and the ranks involved.
 void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group);
 
-/// Copies rank 0's parameters and/or buffers to every rank.
+/// Copies `root`'s parameters and/or buffers to every rank.
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
-                            bool buffers);
+                            bool buffers, int root = 0);
 
 // The tensors of a forward's result, for finding unused parameters. Results
 // of other types yield none; unused parameters are then found at the end of
@@ -134,6 +134,9 @@ class DataParallelCore {
                    DDPOptions options);
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
+  /// One training step of the others, mirrored by a rank without data.
+  void shadow_step();
+  torch::nn::Module& module() { return *module_; }
   bool wants_outputs() const { return options_.find_unused_parameters(); }
   GradientReducer& reducer() { return *reducer_; }
   const GradientReducer& reducer() const { return *reducer_; }
@@ -148,6 +151,38 @@ class DataParallelCore {
 };
 
 }  // namespace detail
+
+/// Lets ranks with different numbers of batches finish without hanging:
+///
+///   auto join = model.join();
+///   for (auto& batch : my_batches) {   // fewer on some ranks than others
+///     join.step();                     // before each forward
+///     ... forward, backward, optimizer step ...
+///   }
+///   join.finish();                     // mirrors the others' remaining steps
+///
+/// A rank that runs out of data takes part in the others' collectives with
+/// zero gradients (so their averages are over the full world size, as in
+/// PyTorch's Join). At the end, every rank takes the weights of the rank
+/// that trained longest. step() costs one small all-reduce per step.
+class Join {
+ public:
+  Join(detail::DataParallelCore& core, ProcessGroup& group) : core_(core), group_(group) {}
+  /// Call once per training step, before the forward. Returns the number of
+  /// ranks still training.
+  int step();
+  /// Call once this rank is out of data; returns when every rank is.
+  void finish();
+  int64_t steps() const { return steps_; }
+  int64_t shadowed_steps() const { return shadowed_; }
+
+ private:
+  detail::DataParallelCore& core_;
+  ProcessGroup& group_;
+  int64_t steps_ = 0;
+  int64_t shadowed_ = 0;
+  bool finished_ = false;
+};
 
 /// Wraps a module (a ModuleHolder such as torch::nn::Sequential or a
 /// TORCH_MODULE, or a std::shared_ptr to a Module subclass) for data-parallel
@@ -191,6 +226,9 @@ class DistributedDataParallel {
   ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
   ///   loss_of(micro_batch_2).backward();  // all-reduces the sum of both
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(core_.reducer()); }
+
+  /// Uneven data across ranks: see Join.
+  Join join() { return Join(core_, *core_.group()); }
 
   const GradientReducer& reducer() const { return core_.reducer(); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return core_.group(); }

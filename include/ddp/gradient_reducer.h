@@ -62,6 +62,11 @@ class GradientReducer {
   /// are marked ready as soon as backward starts.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  /// For a rank that ran out of data (Join): takes part in the other ranks'
+  /// gradient all-reduces with zeros, in the same order, without touching
+  /// this rank's gradients.
+  void shadow_backward();
+
   /// Off: backward only accumulates local gradients (DDP's no_sync()).
   void set_require_sync(bool require_sync) { require_sync_ = require_sync; }
   bool require_sync() const { return require_sync_; }

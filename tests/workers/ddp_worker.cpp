@@ -5,6 +5,7 @@
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
+#include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -15,6 +16,7 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -310,6 +312,109 @@ int hook_gradients(int argc, char** argv) {
   return worst <= tolerance ? 0 : 8;
 }
 
+// Rank 1 stops answering (SIGSTOP) after joining; rank 0's next collective
+// must fail with the operation and the timeout named.
+int stall(int, char**) {
+  auto group = ddp::init_process_group();
+  group->barrier();
+  if (group->rank() == 1) std::raise(SIGSTOP);
+  at::Tensor t = at::ones({4});
+  group->all_reduce(t);
+  std::printf("NO TIMEOUT\n");
+  return 0;
+}
+
+// Rank 1's loss turns NaN at step 2; all ranks must act together.
+int nonfinite(int argc, char** argv) {
+  auto policy = ddp::parse_nonfinite_policy(flag(argc, argv, "--policy", "skip"));
+  auto group = ddp::init_process_group();
+  torch::manual_seed(2);
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+  torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-2));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(5 + group->rank());
+  int skipped = 0;
+  for (int step = 0; step < 5; ++step) {
+    at::Tensor x = at::randn({4, 10}, generator);
+    at::Tensor y = at::randint(0, 4, {4}, generator, at::kLong);
+    optimizer.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(x), y);
+    if (step == 2 && group->rank() == 1) loss = loss * std::nan("");
+    if (!ddp::check_loss_is_finite(loss, *group, policy, "step " + std::to_string(step))) {
+      ++skipped;
+      continue;
+    }
+    loss.backward();
+    optimizer.step();
+  }
+  auto all = group->all_gather(flatten_parameters(*model));
+  bool finite = at::isfinite(all[0]).all().item<bool>();
+  bool same = at::equal(all[0], all[1]);
+  std::printf("NONFINITE skipped=%d finite=%d identical=%d\n", skipped, finite, same);
+  return (skipped == 1 && finite && same) ? 0 : 9;
+}
+
+// Rank r has 3 + 2r batches; Join keeps the ranks together and the result
+// equals one process averaging whatever gradients each step had.
+int join(int, char**) {
+  auto group = ddp::init_process_group();
+  const int world = group->size();
+  torch::manual_seed(4);
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+  at::Tensor initial = flatten_parameters(*model).clone();
+  torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-2));
+  auto batch_of = [](int rank, int k) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + k);
+    return std::make_pair(at::randn({4, 10}, generator), at::randint(0, 4, {4}, generator, at::kLong));
+  };
+  auto batches_of = [](int rank) { return 3 + 2 * rank; };
+  auto join = ddp_model.join();
+  for (int k = 0; k < batches_of(group->rank()); ++k) {
+    join.step();
+    auto [x, y] = batch_of(group->rank(), k);
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(ddp_model.forward(x), y).backward();
+    optimizer.step();
+  }
+  join.finish();
+  std::printf("JOIN rank %d trained %lld shadowed %lld\n", group->rank(), static_cast<long long>(join.steps()),
+              static_cast<long long>(join.shadowed_steps()));
+  auto all = group->all_gather(flatten_parameters(*model));
+  bool same = true;
+  for (auto& t : all) same = same && at::equal(t, all[0]);
+  if (group->rank() == 0) {
+    // Step k: the sum of the losses of the ranks that still had batch k,
+    // divided by the world size (absent ranks contribute zero gradients).
+    torch::manual_seed(4);
+    Mlp reference;
+    {
+      torch::NoGradGuard no_grad;
+      int64_t offset = 0;
+      for (auto& p : reference->parameters()) {
+        p.copy_(initial.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+      }
+    }
+    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
+    for (int k = 0; k < batches_of(world - 1); ++k) {
+      reference_optimizer.zero_grad();
+      at::Tensor total = at::zeros({});
+      for (int r = 0; r < world; ++r) {
+        if (k >= batches_of(r)) continue;
+        auto [x, y] = batch_of(r, k);
+        total = total + torch::nn::functional::cross_entropy(reference->forward(x), y);
+      }
+      (total / world).backward();
+      reference_optimizer.step();
+    }
+    double diff = (flatten_parameters(*reference) - all[0]).abs().max().item<double>();
+    std::printf("JOIN identical=%d max_abs_diff=%.3g\n", same, diff);
+    if (!(diff <= 1e-6)) return 10;
+  }
+  return same ? 0 : 10;
+}
+
 int ready(int, char**) {
   auto group = ddp::init_process_group();
   at::Tensor one = at::ones({1});
@@ -381,7 +486,7 @@ int buffers(int, char**) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients [flags]\n";
+    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join [flags]\n";
     return 2;
   }
   std::string mode = argv[1];
@@ -393,6 +498,9 @@ int main(int argc, char** argv) {
     if (mode == "unused") return unused_parameter(argc, argv);
     if (mode == "buffers") return buffers(argc, argv);
     if (mode == "no_sync") return no_sync(argc, argv);
+    if (mode == "stall") return stall(argc, argv);
+    if (mode == "nonfinite") return nonfinite(argc, argv);
+    if (mode == "join") return join(argc, argv);
     if (mode == "hook_gradients") return hook_gradients(argc, argv);
     if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";

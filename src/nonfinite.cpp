@@ -1,0 +1,40 @@
+#include <ddp/nonfinite.h>
+
+#include <ATen/Functions.h>
+
+#include <sstream>
+
+namespace ddp {
+
+NonFinitePolicy parse_nonfinite_policy(const std::string& name) {
+  if (name == "skip") return NonFinitePolicy::kSkipStep;
+  if (name == "abort") return NonFinitePolicy::kAbort;
+  TORCH_CHECK(false, "ddp: unknown non-finite policy '", name, "'; use skip or abort");
+}
+
+std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group) {
+  at::Tensor flags = at::zeros({group.size()}, at::kInt);
+  bool finite = at::isfinite(loss.detach()).all().item<bool>();
+  flags[group.rank()] = finite ? 0 : 1;
+  group.all_reduce(flags, c10d::ReduceOp::MAX);
+  std::vector<int> bad;
+  const int32_t* data = flags.data_ptr<int32_t>();
+  for (int r = 0; r < group.size(); ++r) {
+    if (data[r] != 0) bad.push_back(r);
+  }
+  return bad;
+}
+
+bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
+                          const std::string& where) {
+  auto bad = ranks_with_nonfinite_loss(loss, group);
+  if (bad.empty()) return true;
+  std::ostringstream ranks;
+  for (size_t i = 0; i < bad.size(); ++i) ranks << (i ? ", " : "") << bad[i];
+  TORCH_CHECK(policy != NonFinitePolicy::kAbort, "ddp: the loss is not finite on rank(s) ", ranks.str(),
+              " at ", where, "; every rank stops. Lower the learning rate, check the data, or pass a ",
+              "skip policy to drop such steps.");
+  return false;
+}
+
+}  // namespace ddp
