@@ -8,8 +8,11 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0
 NUMPY_VERSION=2.4.6
-APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev
-              python3 python3-venv iproute2 procps)
+# openmpi-bin, slurm-wlm and iproute2 serve the cluster tests (mpirun, a
+# single-host Slurm, network namespaces); binutils' nm and readelf the Gloo
+# header checks.
+APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
+              python3 python3-venv iproute2 procps openmpi-bin slurm-wlm)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

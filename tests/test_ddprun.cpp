@@ -507,11 +507,11 @@ TEST(DdprunRestart, SigkilledWorkerIsRestarted) {
 
 TEST(DdprunRestart, ExhaustedRestartsEndWithARootCauseSummary) {
   TempDir sync;
-  ProcessResult result = ddprun(
-      {"--max-restarts", "2", "--nproc-per-node", "2", probe(), "--print-env",
-       "--sync-after-output", sync.path(), "--err", "an earlier stderr line", "--err",
-       "error: deliberate failure on rank 1", "--out", "a later stdout line",
-       "--exit-code-on-rank", "1", "3", "--sleep", "60"});
+  ProcessResult result =
+      ddprun({"--max-restarts", "2", "--nproc-per-node", "2", probe(), "--print-env",
+              "--sync-after-output", sync.path(), "--err", "an earlier stderr line", "--err",
+              "error: deliberate failure on rank 1", "--out", "a later stdout line",
+              "--exit-code-on-rank", "1", "3", "--sleep", "60"});
   EXPECT_EQ(result.exit_code, 1) << result.describe();
   EXPECT_LT(result.seconds, 10.0) << result.describe();
   EXPECT_EQ(workers_per_attempt(result.out), (std::map<int, int>{{0, 2}, {1, 2}, {2, 2}}))
@@ -539,7 +539,8 @@ TEST(DdprunRestart, ExhaustedRestartsEndWithARootCauseSummary) {
 }
 
 TEST(DdprunRestart, SummaryFallsBackToStdoutThenToNoOutput) {
-  ProcessResult result = ddprun({probe(), "--out", "only stdout here", "--exit-code-on-rank", "0", "4"});
+  ProcessResult result =
+      ddprun({probe(), "--out", "only stdout here", "--exit-code-on-rank", "0", "4"});
   EXPECT_EQ(result.exit_code, 1) << result.describe();
   EXPECT_NE(result.err.find("ddprun: job failed after 0 restart(s)\n"), std::string::npos)
       << result.describe();
@@ -560,9 +561,9 @@ TEST(DdprunRestart, SummaryFallsBackToStdoutThenToNoOutput) {
 TEST(DdprunLogDir, EachWorkerWritesItsOwnUnprefixedLogAndTheConsoleIsQuiet) {
   TempDir logs;
   const std::string dir = logs.file("run/logs");  // created with its parents
-  ProcessResult result = ddprun({"--log-dir", dir, "--nproc-per-node", "2", probe(), "--lines",
-                                 "3", "--err", "to stderr"},
-                                run_options({{"OMP_NUM_THREADS", "1"}}));
+  ProcessResult result = ddprun(
+      {"--log-dir", dir, "--nproc-per-node", "2", probe(), "--lines", "3", "--err", "to stderr"},
+      run_options({{"OMP_NUM_THREADS", "1"}}));
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   EXPECT_EQ(result.out, "") << result.describe();
   EXPECT_EQ(result.err, "") << result.describe();
@@ -591,8 +592,8 @@ TEST(DdprunLogDir, EachWorkerWritesItsOwnUnprefixedLogAndTheConsoleIsQuiet) {
 
 TEST(DdprunLogDir, TeeAlsoShowsPrefixedLinesOnTheConsole) {
   TempDir logs;
-  ProcessResult result = ddprun({"--log-dir", logs.path(), "--tee", probe(), "--out", "hello out",
-                                 "--err", "hello err"});
+  ProcessResult result = ddprun(
+      {"--log-dir", logs.path(), "--tee", probe(), "--out", "hello out", "--err", "hello err"});
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   EXPECT_EQ(result.out, "[rank0]: hello out\n") << result.describe();
   EXPECT_EQ(result.err, "[rank0]: hello err\n") << result.describe();
@@ -613,8 +614,8 @@ TEST(DdprunLogDir, RestartedAttemptsLogIntoTheirOwnDirectory) {
   TempDir logs;
   ProcessResult result =
       ddprun({"--log-dir", logs.path(), "--max-restarts", "1", "--nproc-per-node", "2", probe(),
-              "--print-env", "--err", "error: rank failed", "--sync-after-output",
-              logs.path(), "--on-attempt", "0", "--exit-code-on-rank", "1", "3"},
+              "--print-env", "--err", "error: rank failed", "--sync-after-output", logs.path(),
+              "--on-attempt", "0", "--exit-code-on-rank", "1", "3"},
              run_options({{"OMP_NUM_THREADS", "1"}}));
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   // ddprun's own messages still reach the console, the workers' lines do not.
@@ -794,6 +795,30 @@ TEST_F(DdprunSignals, SigkilledLauncherTakesWorkersAndTheirChildrenAlong) {
   }
 }
 
+TEST_F(DdprunSignals, SigkilledLauncherTakesRestartedWorkersAndTheirChildrenAlong) {
+  // The watchdog must know the restarted workers' groups, not only the first attempt's.
+  ASSERT_NO_FATAL_FAILURE(
+      start({"--max-restarts", "1"},
+            {"--spawn-grandchild", pids_.path(), "--barrier", "--sync-after-output", pids_.path(),
+             "--on-attempt", "0", "--exit-code-on-rank", "1", "3", "--sleep", "60"}));
+  std::vector<int> restarted;
+  for (int rank = 0; rank < 2; ++rank) {
+    restarted.push_back(wait_for_pid_file(pids_.file("printed.1." + std::to_string(rank))));
+    ASSERT_GT(restarted.back(), 0) << "no restart: " << finish(1ms).describe();
+  }
+  ASSERT_EQ(kill(launcher_.pid, SIGKILL), 0);
+  ProcessResult result = finish();
+  EXPECT_EQ(result.term_signal, SIGKILL) << result.describe();
+  for (int pid : restarted) EXPECT_TRUE(wait_until_dead(pid)) << "restarted worker " << pid;
+  for (int rank : {0, 1}) {
+    // Written before printed.1.<rank>, so these are the restarted workers' children.
+    const int grandchild = wait_for_pid_file(pids_.file("grandchild." + std::to_string(rank)), 0ms);
+    ASSERT_GT(grandchild, 0);
+    EXPECT_TRUE(wait_until_dead(grandchild)) << "grandchild of rank " << rank << " survived";
+  }
+  expect_workers_dead();  // the first attempt's workers
+}
+
 TEST_F(DdprunSignals, SignalDuringARunWithRestartsLeftDoesNotRestart) {
   ASSERT_NO_FATAL_FAILURE(start({"--max-restarts", "3"}, {"--print-env", "--sleep", "60"}));
   ASSERT_EQ(kill(launcher_.pid, SIGTERM), 0);
@@ -826,10 +851,10 @@ TEST_F(DdprunSignals, SignalWhileStoppingAfterAFailureDoesNotRestart) {
 TEST_F(DdprunSignals, StandaloneRestartMovesToANewPortWhenTheOldOneIsTaken) {
   // Attempt 0 prints its port and fails only once the test has taken that port over.
   const std::string go = pids_.file("go");
-  ASSERT_NO_FATAL_FAILURE(start({"--standalone", "--max-restarts", "1"},
-                                {"--print-env", "--sync-after-output", pids_.path(),
-                                 "--wait-for-file", go, "--on-attempt", "0",
-                                 "--exit-code-on-rank", "1", "3"}));
+  ASSERT_NO_FATAL_FAILURE(
+      start({"--standalone", "--max-restarts", "1"},
+            {"--print-env", "--sync-after-output", pids_.path(), "--wait-for-file", go,
+             "--on-attempt", "0", "--exit-code-on-rank", "1", "3"}));
   int port = -1;
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (port < 0 && std::chrono::steady_clock::now() < deadline) {

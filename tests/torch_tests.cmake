@@ -29,3 +29,11 @@ target_link_libraries(ddp_process_tests PRIVATE ddp_test_support GTest::gtest_ma
 add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single)
 gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST)
+
+# Real cluster launchers: mpirun, a single-host Slurm, two network-namespace
+# nodes. Each test skips with its reason where its tools are missing.
+add_executable(ddp_cluster_tests test_cluster.cpp)
+target_link_libraries(ddp_cluster_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_cluster_tests ddprun wine_ddp)
+gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "multiprocess;cluster" TIMEOUT 300
+                     RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)

@@ -43,4 +43,18 @@ inline int count_of(const std::string& haystack, const std::string& needle) {
   return count;
 }
 
+/// Whether two torch.save'd state dicts hold exactly equal tensors (the
+/// files' bytes differ anyway: each carries a random serialization id).
+inline std::string compare_state_dicts(const std::string& a, const std::string& b) {
+  auto r = run_process({DDP_PYTHON, "-c",
+                        "import sys, torch\n"
+                        "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
+                        "assert a.keys() == b.keys(), (list(a), list(b))\n"
+                        "bad = [k for k in a if not torch.equal(a[k], b[k])]\n"
+                        "print('identical' if not bad else 'differ: ' + ', '.join(bad))\n",
+                        a, b});
+  if (r.exit_code != 0) return "python failed: " + r.err;
+  return r.out.substr(0, r.out.find('\n'));
+}
+
 }  // namespace ddp::testing

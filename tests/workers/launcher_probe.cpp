@@ -275,8 +275,9 @@ int main(int argc, char** argv) {
       nanosleep(&step, nullptr);
     }
   }
-  const bool this_attempt = options.only_on_attempt < 0 ||
-                            int_from_env("TORCHELASTIC_RESTART_COUNT", 0) == options.only_on_attempt;
+  const bool this_attempt =
+      options.only_on_attempt < 0 ||
+      int_from_env("TORCHELASTIC_RESTART_COUNT", 0) == options.only_on_attempt;
   if (this_attempt && options.exit_code_rank == rank) return options.exit_code;
   if (this_attempt && options.signal_rank == rank) {
     rlimit no_core{0, 0};

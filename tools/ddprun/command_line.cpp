@@ -162,8 +162,8 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
     } else if (canonical == "grace-period") {
       options.grace_period_seconds = parse_seconds(spelled, value);
     } else if (canonical == "max-restarts") {
-      options.max_restarts = parse_int(spelled, value, 0, std::numeric_limits<int>::max(),
-                                       "expected an integer >= 0");
+      options.max_restarts =
+          parse_int(spelled, value, 0, std::numeric_limits<int>::max(), "expected an integer >= 0");
     } else if (canonical == "log-dir") {
       if (value.empty()) bad_value(spelled, value, "expected a directory");
       options.log_dir = value;
@@ -228,16 +228,15 @@ std::string usage_text() {
           "is 3\n"
        << "                       (default: off)\n"
        << "  --rdzv-id ID         job id, given to workers as TORCHELASTIC_RUN_ID and DDP_RUN_ID;\n"
-       << "                       --run-id is the same flag (default: " << defaults.run_id
-       << ")\n"
+       << "                       --run-id is the same flag (default: " << defaults.run_id << ")\n"
        << "  -h, --help           print this help and exit\n"
        << "  --                   end of options; the next word is PROGRAM\n"
        << "\n"
        << "Everything from PROGRAM on is passed to PROGRAM untouched. If OMP_NUM_THREADS is unset\n"
        << "and there is more than one worker, workers get OMP_NUM_THREADS=1.\n"
        << "\n"
-       << "Exit status: 0 if every worker of an attempt exits 0, 1 if a worker fails and no restart\n"
-       << "is left (a root-cause summary goes to stderr), 128+N if ddprun receives signal N\n"
+       << "Exit status: 0 if all workers of an attempt exit 0, 1 if a worker fails with no\n"
+       << "restart left (a root-cause summary goes to stderr), 128+N if ddprun receives signal N\n"
        << "(SIGINT, SIGTERM and SIGHUP are forwarded to the workers and never cause a restart),\n"
        << "2 for bad usage.\n";
   return text.str();

@@ -82,8 +82,8 @@ std::vector<char*> c_string_array(const std::vector<std::string>& strings) {
 struct Worker {
   int local_rank = 0;
   int global_rank = 0;
-  pid_t pid = -1;                      // also the id of the worker's own process group
-  FileDescriptor log_file;             // with --log-dir: where both streams go
+  pid_t pid = -1;           // also the id of the worker's own process group
+  FileDescriptor log_file;  // with --log-dir: where both streams go
   std::string log_path;
   std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
   bool exited = false;  // observed exiting; the zombie is reaped only at the very end
@@ -464,16 +464,17 @@ class Job {
       if (!worker.exited_while_stopping) continue;
       std::string how;
       if (worker.sigkilled_by_launcher && worker.term_signal == SIGKILL) {
-        how = killed_early_ ? "still running when ddprun was asked to stop, killed with SIGKILL"
-                            : "still running after the " +
-                                  format_seconds(options_.grace_period_seconds) +
-                                  " s grace period, killed with SIGKILL";
+        how = killed_early_
+                  ? "still running when ddprun was asked to stop, killed with SIGKILL"
+                  : "still running after the " + format_seconds(options_.grace_period_seconds) +
+                        " s grace period, killed with SIGKILL";
       } else {
         how = describe_exit(worker.exit_code, worker.term_signal);
       }
       say("stopped " + worker.label() + ": " + how);
     }
-    if (received_signal_ != 0) say("received " + signal_name(received_signal_) + ", workers stopped");
+    if (received_signal_ != 0)
+      say("received " + signal_name(received_signal_) + ", workers stopped");
     if (first_failed_ != nullptr) {
       FailedWorker& failure = outcome.first_failure;
       failure.global_rank = first_failed_->global_rank;
@@ -673,7 +674,8 @@ void validate(const LaunchOptions& options) {
                   "expected a number of seconds >= 0");
   }
   if (options.max_restarts < 0) {
-    throw invalid("--max-restarts", std::to_string(options.max_restarts), "expected an integer >= 0");
+    throw invalid("--max-restarts", std::to_string(options.max_restarts),
+                  "expected an integer >= 0");
   }
   if (options.tee < 0 || options.tee > (kTeeStdout | kTeeStderr)) {
     throw invalid("--tee", std::to_string(options.tee), "expected 0, 1, 2 or 3");
