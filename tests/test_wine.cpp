@@ -7,6 +7,10 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <sstream>
+#include <thread>
+
+#include <signal.h>
 
 namespace fs = std::filesystem;
 using namespace ddp::testing;
@@ -236,6 +240,68 @@ TEST(Wine, CorruptNewestSnapshotIsSkippedWithAWarning) {
   EXPECT_NE(r.err.find("snapshot_29.pt"), std::string::npos) << r.describe();
   EXPECT_NE(r.out.find("Resuming after epoch 20"), std::string::npos) << r.out;
   fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+// The pid of ddprun's worker with global rank `rank`, or -1.
+int worker_pid(int launcher_pid, int rank) {
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream fields(line.substr(close + 2));
+    std::string state;
+    int ppid = 0;
+    fields >> state >> ppid;
+    if (ppid != launcher_pid) continue;
+    std::ifstream environ(entry.path() / "environ", std::ios::binary);
+    std::string env((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+    if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + std::string("\0", 1)) != std::string::npos) {
+      return std::stoi(name);
+    }
+  }
+  return -1;
+}
+
+TEST(Wine, ARankKilledMidTrainingIsRestartedAndFinishesBitIdentical) {
+  auto straight = make_temp_dir("wine_uninterrupted");
+  auto restarted = make_temp_dir("wine_restarted");
+  auto full = run_process(under_ddprun(2, "wine_ddp", {"300", "10", "--checkpoint-dir", straight}), one_rank({}));
+  ASSERT_EQ(full.exit_code, 0) << full.describe();
+
+  auto job = start_background({bin_path("ddprun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                               bin_path("wine_ddp"), "300", "10", "--checkpoint-dir", restarted},
+                              one_rank({}));
+  // Wait until training is well under way, then kill rank 1 outright.
+  bool killed = false;
+  for (int i = 0; i < 600 && !killed; ++i) {
+    std::ifstream out(job.out_path);
+    std::string text((std::istreambuf_iterator<char>(out)), std::istreambuf_iterator<char>());
+    if (text.find("Epoch 105, Loss") != std::string::npos) {
+      int pid = worker_pid(job.pid, 1);
+      ASSERT_GT(pid, 0) << "rank 1's pid not found";
+      ASSERT_EQ(kill(pid, SIGKILL), 0);
+      killed = true;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  auto r = wait_background(job, std::chrono::seconds(120));
+  ASSERT_TRUE(killed) << "training ended before rank 1 could be killed: " << r.describe();
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_NE(r.err.find("restarting all workers (restart 1 of 2)"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("SIGKILL"), std::string::npos) << r.describe();
+  EXPECT_NE(r.out.find("Resuming after epoch"), std::string::npos) << r.out;
+  EXPECT_EQ(compare_state_dicts(straight + "/model_final.pt", restarted + "/model_final.pt"), "identical");
+  fs::remove_all(straight);
+  fs::remove_all(restarted);
 }
 
 }  // namespace
