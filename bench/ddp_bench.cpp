@@ -29,7 +29,7 @@ namespace {
 
 struct Config {
   std::string model = "mlp2m";
-  std::string mode = "ddp";  // ddp | no-overlap | no-rebuild | local | allreduce
+  std::string mode = "ddp";  // ddp | bucket-view | no-overlap | no-rebuild | local | allreduce
   int64_t steps = 20;
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
@@ -139,7 +139,8 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
     } else {
       auto options = ddp::DDPOptions()
                          .overlap_with_backward(c.mode != "no-overlap")
-                         .rebuild_buckets(c.mode != "no-rebuild");
+                         .rebuild_buckets(c.mode != "no-rebuild")
+                         .gradient_as_bucket_view(c.mode == "bucket-view");
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
       times = time_steps(c, ddp_model->parameters(),
                          [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); });

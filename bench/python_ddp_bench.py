@@ -83,7 +83,7 @@ class Transformer(torch.nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp2m", choices=["wine", "mlp2m", "transformer"])
-    parser.add_argument("--mode", default="ddp", choices=["ddp", "local"])
+    parser.add_argument("--mode", default="ddp", choices=["ddp", "bucket-view", "local"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=0)
@@ -115,10 +115,10 @@ def main():
     world, rank = 1, 0
     forward = model
     buckets = None
-    if args.mode == "ddp":
+    if args.mode != "local":
         dist.init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
-        forward = DistributedDataParallel(model)
+        forward = DistributedDataParallel(model, gradient_as_bucket_view=args.mode == "bucket-view")
     optimizer = torch.optim.Adam(forward.parameters(), lr=1e-3)
 
     times = []
@@ -142,7 +142,7 @@ def main():
             "step_ms_median": round(median, 4), "samples_per_s": round(1000.0 * world * batch / median, 2),
             "step_ms": [round(t, 4) for t in times],
         }), flush=True)
-    if args.mode == "ddp":
+    if args.mode != "local":
         dist.barrier()
         dist.destroy_process_group()
 

@@ -75,6 +75,8 @@ def main():
         # Communication off: the same two processes and per-rank batch, no process group.
         "cpp_local": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "local", "--steps", s, "--warmup", w],
         "py_local": lambda m, s, w: torchrun + [py_bench, "--model", m, "--mode", "local", "--steps", s, "--warmup", w],
+        "cpp_bucket_view": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "bucket-view", "--steps", s, "--warmup", w],
+        "py_bucket_view": lambda m, s, w: torchrun + [py_bench, "--model", m, "--mode", "bucket-view", "--steps", s, "--warmup", w],
         "cpp_no_overlap": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "no-overlap", "--steps", s, "--warmup", w],
         "cpp_no_rebuild": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "no-rebuild", "--steps", s, "--warmup", w],
         "cpp_allreduce": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "allreduce", "--steps", s, "--warmup", w],
@@ -112,6 +114,7 @@ def main():
             "samples_per_s": {"cpp_ddp": 2000.0 * batch / med["cpp_ddp"], "py_ddp": 2000.0 * batch / med["py_ddp"]},
             "ratios": {
                 "ddp_over_python": med["cpp_ddp"] / med["py_ddp"],
+                "bucket_view_over_python_bucket_view": med["cpp_bucket_view"] / med["py_bucket_view"],
                 "ddp_overhead": med["cpp_ddp"] / med["cpp_local"],
                 "python_ddp_overhead": med["py_ddp"] / med["py_local"],
                 "no_overlap_over_overlap": med["cpp_no_overlap"] / med["cpp_ddp"],
@@ -165,6 +168,17 @@ def render(r):
         lines.append(f"| {m['description']} | {m['parameters']:,} / {m['tensors']} / {m['buckets']} | "
                      f"{med['cpp_ddp']:.3f} | {med['py_ddp']:.3f} | **{m['ratios']['ddp_over_python']:.2f}** | "
                      f"{m['samples_per_s']['cpp_ddp']:.0f} | {m['samples_per_s']['py_ddp']:.0f} |")
+    lines += [
+        "",
+        "With `gradient_as_bucket_view` on both sides (gradients share memory with the buckets):",
+        "",
+        "| model | ddp ms | Python DDP ms | ddp / Python |",
+        "|---|---|---|---|",
+    ]
+    for name, m in r["models"].items():
+        med = m["median_ms"]
+        lines.append(f"| {name} | {med['cpp_bucket_view']:.3f} | {med['py_bucket_view']:.3f} | "
+                     f"**{m['ratios']['bucket_view_over_python_bucket_view']:.2f}** |")
     lines += [
         "",
         "## What the engine costs and buys (ddp only)",
