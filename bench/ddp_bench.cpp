@@ -4,6 +4,10 @@
 //   ddprun --standalone --nproc-per-node 2 ddp_bench --model mlp2m --mode ddp
 //   ddp_bench --model mlp2m --mode local          # no process group at all
 //
+// Modes: ddp, bucket-view (gradient_as_bucket_view), no-overlap, no-rebuild,
+// local (no communication), manual (no DDP: one synchronous all-reduce of
+// all gradients after backward), allreduce (communication only).
+//
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
 
 #include "bench_models.h"
@@ -98,7 +102,28 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
     times = time_steps(c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); });
   } else {
     group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kGloo));
-    if (c.mode == "allreduce") {
+    if (c.mode == "manual") {
+      // No DDP: backward, then one hand-written all-reduce of all gradients.
+      auto params = model->parameters();
+      torch::optim::Adam optimizer(params, torch::optim::AdamOptions(1e-3));
+      for (int64_t s = 0; s < c.warmup + c.steps; ++s) {
+        auto start = Clock::now();
+        optimizer.zero_grad();
+        make_loss([&](const at::Tensor& x) { return model->forward(x); }).backward();
+        std::vector<at::Tensor> grads;
+        for (auto& p : params) grads.push_back(p.grad().reshape({-1}));
+        at::Tensor flat = at::cat(grads).div_(group->size());
+        group->all_reduce(flat);
+        int64_t offset = 0;
+        for (auto& p : params) {
+          p.mutable_grad().copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+          offset += p.numel();
+        }
+        optimizer.step();
+        double ms = ms_since(start);
+        if (s >= c.warmup) times.push_back(ms);
+      }
+    } else if (c.mode == "allreduce") {
       // The bucketed path's communication alone against one all-reduce of
       // the same bytes: what the engine costs over the transport.
       std::vector<ddp::BucketTensorInfo> infos;

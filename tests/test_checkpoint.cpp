@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <support/subprocess.h>
+#include <support/torch_errors.h>
 #include <torch/nn/modules/linear.h>
 
 #include <filesystem>
@@ -15,14 +16,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddp::testing::error_of;
 
 ddp::StateDict sample_state() {
   return {{"fc1.weight", at::arange(6, at::kFloat).reshape({2, 3})},

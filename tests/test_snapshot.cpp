@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <support/subprocess.h>
+#include <support/torch_errors.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -19,14 +20,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddp::testing::error_of;
 
 void train_steps(torch::nn::Linear& model, torch::optim::Optimizer& optimizer, int first, int count) {
   for (int s = first; s < first + count; ++s) {

@@ -75,6 +75,16 @@ at::Tensor flatten_parameters(torch::nn::Module& module) {
   return at::cat(flat);
 }
 
+// Sets `module`'s parameters from a flat_parameters() vector.
+void load_flat_parameters(torch::nn::Module& module, const at::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : module.parameters()) {
+    p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
 // N ranks with per-rank batch b against one process with batch N*b over the
 // same samples in the same order.
 int equivalence(int argc, char** argv) {
@@ -144,14 +154,7 @@ int equivalence(int argc, char** argv) {
     // batches side by side, from the same initial weights.
     torch::manual_seed(100);
     Mlp reference;
-    {
-      torch::NoGradGuard no_grad;
-      int64_t offset = 0;
-      for (auto& p : reference->parameters()) {
-        p.copy_(initial.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
-    }
+    load_flat_parameters(*reference, initial);
     torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-3));
     int64_t reference_done = 0;
     for (int64_t epoch = 0; reference_done < steps; ++epoch) {
@@ -217,12 +220,7 @@ int no_sync(int argc, char** argv) {
   // Reference: one process, one batch of every sample, mean loss.
   torch::manual_seed(5);
   Mlp reference;
-  {
-    torch::NoGradGuard no_grad;
-    auto src = model->parameters();
-    auto dst = reference->parameters();
-    for (size_t k = 0; k < src.size(); ++k) dst[k].copy_(src[k]);
-  }
+  load_flat_parameters(*reference, flatten_parameters(*model));
   torch::nn::functional::cross_entropy(reference->forward(features), labels).backward();
   double diff = 0;
   auto got = model->parameters();
@@ -266,12 +264,7 @@ int find_unused(int argc, char** argv) {
   if (group->rank() == 0) {
     torch::manual_seed(3);
     Branchy copy;
-    {
-      torch::NoGradGuard no_grad;
-      auto src = model->parameters();
-      auto dst = copy->parameters();
-      for (size_t k = 0; k < src.size(); ++k) dst[k].copy_(src[k]);
-    }
+    load_flat_parameters(*copy, flatten_parameters(*model));
     copy->forward(x, true).sum().backward();
     right_is_average = at::allclose(model->right->weight.grad(), copy->right->weight.grad() / group->size());
   }
@@ -388,14 +381,7 @@ int join(int, char**) {
     // divided by the world size (absent ranks contribute zero gradients).
     torch::manual_seed(4);
     Mlp reference;
-    {
-      torch::NoGradGuard no_grad;
-      int64_t offset = 0;
-      for (auto& p : reference->parameters()) {
-        p.copy_(initial.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
-    }
+    load_flat_parameters(*reference, initial);
     torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
     for (int k = 0; k < batches_of(world - 1); ++k) {
       reference_optimizer.zero_grad();
