@@ -75,6 +75,7 @@ GenericDict payload_of(const Snapshot& s) {
   GenericDict payload = new_dict();
   payload.insert("epoch", s.epoch);
   payload.insert("step", s.step);
+  payload.insert("sampler_epoch", s.sampler_epoch);
   payload.insert("model", model);
   payload.insert("optimizer", s.optimizer);
   payload.insert("rng_state", s.rng_state.defined() ? s.rng_state : at::empty({0}, at::kByte));
@@ -113,6 +114,7 @@ Snapshot parse_snapshot(const c10::IValue& value, const std::string& name) {
   Snapshot s;
   s.epoch = field(payload, "epoch", name).toInt();
   s.step = field(payload, "step", name).toInt();
+  s.sampler_epoch = field(payload, "sampler_epoch", name).toInt();
   for (const auto& item : field(payload, "model", name).toGenericDict()) {
     s.model.emplace_back(item.key().toStringRef(), item.value().toTensor());
   }
@@ -299,6 +301,7 @@ Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimize
   Snapshot s;
   s.epoch = epoch;
   s.step = step;
+  s.sampler_epoch = epoch + 1;
   s.model = state_dict(model);
   s.optimizer = optimizer_state_dict(optimizer);
   s.rng_state = at::detail::getDefaultCPUGenerator().get_state();

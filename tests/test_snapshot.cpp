@@ -53,6 +53,7 @@ void check_resume_is_exact(Options options) {
   auto snapshot = ddp::load_snapshot(dir + "/s.pt");
   EXPECT_EQ(snapshot.epoch, 3);
   EXPECT_EQ(snapshot.step, 4);
+  EXPECT_EQ(snapshot.sampler_epoch, 4);
   ddp::restore_snapshot(snapshot, *resumed, resumed_opt);
   train_steps(resumed, resumed_opt, 4, 6);
   EXPECT_TRUE(at::equal(resumed->weight, straight->weight));

@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
       }
       if (snapshot) {
         ddp::restore_snapshot(*snapshot, *model, optimizer);
-        first_epoch = snapshot->epoch + 1;
+        first_epoch = snapshot->sampler_epoch;
         step = snapshot->step;
         if (is_master) std::printf("Resuming after epoch %lld from %s\n", static_cast<long long>(snapshot->epoch),
                                    args.checkpoint_dir.c_str());

@@ -33,6 +33,7 @@ constexpr int64_t kSnapshotVersion = 1;
 struct Snapshot {
   int64_t epoch = -1;       ///< the last completed epoch
   int64_t step = 0;         ///< optimizer steps taken so far
+  int64_t sampler_epoch = 0;  ///< the DistributedSampler's epoch to resume with
   StateDict model;          ///< parameters and buffers
   c10::IValue optimizer;    ///< optimizer_state_dict(): Python's layout
   at::Tensor rng_state;     ///< the default CPU generator's state
@@ -47,6 +48,7 @@ c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
 /// position; counts and shapes must agree.
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
 
+/// The state after `epoch` completed; the sampler resumes at epoch + 1.
 Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
                           int64_t step);
 /// Loads the model, the optimizer and the RNG state.
