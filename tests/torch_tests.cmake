@@ -35,5 +35,5 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 add_executable(ddp_cluster_tests test_cluster.cpp)
 target_link_libraries(ddp_cluster_tests PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp)
-gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "multiprocess;cluster" TIMEOUT 300
+gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
