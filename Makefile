@@ -36,6 +36,11 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j 2 --timeout 300 $(CTEST_ARGS)
 
+# Headers, libddp, ddprun and the CMake package (find_package(ddp)).
+PREFIX ?= /usr/local
+install: build
+	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
 clean:
 	rm -rf $(BUILD_DIR)
 

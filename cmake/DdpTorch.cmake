@@ -6,21 +6,31 @@
 # since the CUDA wheel's config requires it. Without a toolkit we describe the
 # CPU libraries ourselves, so a machine without CUDA still builds ddp for CPU.
 
-if(NOT DDP_PYTHON)
-  find_program(DDP_PYTHON NAMES python3 REQUIRED)
+#
+# An installed ddp package presets DDP_TORCH_CMAKE_PREFIX to the torch it was
+# built against; otherwise DDP_PYTHON (or python3) tells where torch is.
+
+if(TARGET ddp_torch)
+  return()
 endif()
-execute_process(
-  COMMAND ${DDP_PYTHON} -c "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__)"
-  OUTPUT_VARIABLE _ddp_torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
-  RESULT_VARIABLE _ddp_torch_rc)
-if(NOT _ddp_torch_rc EQUAL 0)
-  message(FATAL_ERROR "ddp: ${DDP_PYTHON} cannot import torch. Run 'make' (which runs scripts/setup.sh) or pass -DDDP_PYTHON=<venv>/bin/python.")
+
+if(NOT DDP_TORCH_CMAKE_PREFIX)
+  if(NOT DDP_PYTHON)
+    find_program(DDP_PYTHON NAMES python3 REQUIRED)
+  endif()
+  execute_process(
+    COMMAND ${DDP_PYTHON} -c "import torch, torch.utils; print(torch.utils.cmake_prefix_path); print(torch.__version__)"
+    OUTPUT_VARIABLE _ddp_torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
+    RESULT_VARIABLE _ddp_torch_rc)
+  if(NOT _ddp_torch_rc EQUAL 0)
+    message(FATAL_ERROR "ddp: ${DDP_PYTHON} cannot import torch. Run 'make' (which runs scripts/setup.sh) or pass -DDDP_PYTHON=<venv>/bin/python.")
+  endif()
+  string(REPLACE "\n" ";" _ddp_torch_info "${_ddp_torch_info}")
+  list(GET _ddp_torch_info 0 DDP_TORCH_CMAKE_PREFIX)
+  list(GET _ddp_torch_info 1 DDP_TORCH_VERSION)
+  message(STATUS "ddp: torch ${DDP_TORCH_VERSION} at ${DDP_TORCH_CMAKE_PREFIX}")
 endif()
-string(REPLACE "\n" ";" _ddp_torch_info "${_ddp_torch_info}")
-list(GET _ddp_torch_info 0 DDP_TORCH_CMAKE_PREFIX)
-list(GET _ddp_torch_info 1 DDP_TORCH_VERSION)
 get_filename_component(DDP_TORCH_ROOT "${DDP_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
-message(STATUS "ddp: torch ${DDP_TORCH_VERSION} at ${DDP_TORCH_ROOT}")
 
 find_package(CUDAToolkit QUIET)
 if(CUDAToolkit_FOUND AND NOT DDP_FORCE_CPU_TORCH)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# usage: check.sh MODE DDP_BUILD_DIR DDP_SOURCE_DIR
+#   MODE: installed (cmake --install into a temporary prefix, find_package),
+#         build-tree (find_package with ddp_DIR=<build dir>),
+#         fetchcontent (FetchContent_Declare(ddp SOURCE_DIR ...))
+set -euo pipefail
+mode=$1 build=$2 source=$3
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+args=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
+case "$mode" in
+  installed)
+    cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+    args+=(-DCMAKE_PREFIX_PATH="$work/prefix") ;;
+  build-tree)
+    args+=(-Dddp_DIR="$build") ;;
+  fetchcontent)
+    python=$(grep '^DDP_PYTHON:' "$build/CMakeCache.txt" | cut -d= -f2)
+    args+=(-DDDP_CONSUME=fetchcontent -DDDP_SOURCE="$source" -DDDP_PYTHON="$python") ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+cmake -S "$source/tests/consumer" -B "$work/build" "${args[@]}" > "$work/configure.log" 2>&1 \
+  || { cat "$work/configure.log"; exit 1; }
+cmake --build "$work/build" -j 2 > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
+out=$("$work/build/consumer")
+echo "$out"
+[ "$out" = "consumer ok: world 1, 2 tensors" ]
+if [ "$mode" = installed ]; then
+  # The installed package carries the launcher and the headers too.
+  test -x "$work/prefix/bin/ddprun"
+  test -f "$work/prefix/include/ddp/distributed_data_parallel.h"
+  "$work/prefix/bin/ddprun" --nproc-per-node 1 --standalone "$work/build/consumer"
+fi
