@@ -11,7 +11,7 @@ CTEST_ARGS ?=
 # per machine in ~/.cache/ddp (or $DDP_CACHE_DIR, or uses $DDP_VENV).
 VENV_FILE := $(BUILD_DIR)/.venv-path
 
-.PHONY: all build setup run test bench clean install
+.PHONY: all build setup run test bench clean install plot
 
 all: build
 
@@ -35,6 +35,11 @@ run: build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j 2 --timeout 300 $(CTEST_ARGS)
+
+# Loss and accuracy curves of --metrics files: make plot METRICS="a.jsonl b.jsonl" OUT=curves.png
+OUT ?= curves.png
+plot: setup
+	$$(cat $(VENV_FILE))/bin/python tools/plot/ddp_plot.py $(METRICS) -o $(OUT)
 
 # Headers, libddp, ddprun and the CMake package (find_package(ddp)).
 PREFIX ?= /usr/local

@@ -65,6 +65,7 @@ def main():
             results = json.load(f)
         with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
             f.write(render(results))
+        chart(results, os.path.join(args.out, "RESULTS.png"))
         return
 
     bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
@@ -158,7 +159,45 @@ def main():
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
         f.write(render(results))
+    chart(results, os.path.join(args.out, "RESULTS.png"))
     print(render(results))
+
+
+def chart(r, path):
+    """Bar charts beside RESULTS.md: step time of each side, and the ratios."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(r["models"])
+    fig, (times_ax, ratio_ax) = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.2
+    series = [("cpp_ddp", "ddp (C++)"), ("py_ddp", "Python DDP"), ("cpp_bucket_view", "ddp, bucket view"),
+              ("py_bucket_view", "Python DDP, bucket view")]
+    for k, (key, label) in enumerate(series):
+        # Relative to Python DDP, so tiny and large models share one axis.
+        values = [r["models"][n]["median_ms"][key] / r["models"][n]["median_ms"]["py_ddp"] for n in names]
+        bars = times_ax.bar([i + (k - 1.5) * width for i in range(len(names))], values, width, label=label)
+        times_ax.bar_label(bars, labels=[f"{r['models'][n]['median_ms'][key]:.3g}" for n in names], fontsize=7)
+    times_ax.set_xticks(range(len(names)), names)
+    times_ax.set_ylabel("step time / Python DDP's (bar labels: ms)")
+    times_ax.axhline(1.0, color="gray", linewidth=0.8)
+    times_ax.legend(fontsize=8)
+    times_ax.set_title("median step time, 2 ranks, gloo, CPU")
+
+    ratio_keys = [("ddp_overhead", "ddp / no communication"), ("python_ddp_overhead", "Python DDP / no communication"),
+                  ("no_overlap_over_overlap", "no overlap / overlap"), ("bucketed_over_raw_allreduce", "bucketed / raw all-reduce")]
+    for k, (key, label) in enumerate(ratio_keys):
+        values = [r["models"][n]["ratios"][key] for n in names]
+        bars = ratio_ax.bar([i + (k - 1.5) * width for i in range(len(names))], values, width, label=label)
+        ratio_ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7)
+    ratio_ax.set_xticks(range(len(names)), names)
+    ratio_ax.set_yscale("log")
+    ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
+    ratio_ax.legend(fontsize=8)
+    ratio_ax.set_title("what the engine costs and buys")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def render(r):
@@ -170,6 +209,8 @@ def render(r):
         f"{r['intra_op_threads_per_rank']} intra-op thread per rank (OMP_NUM_THREADS=1, set_num_threads(1)), "
         "Adam, synthetic data fixed per step. Medians over all measured steps of all rounds; "
         "warm-up steps excluded. Reproduce with `make bench` (`python bench/run_bench.py`).",
+        "",
+        "![step times and ratios](RESULTS.png)",
         "",
         "## Step time, ddp (C++) against PyTorch DDP (Python), side by side",
         "",

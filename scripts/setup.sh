@@ -7,7 +7,7 @@
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
-NUMPY_VERSION=2.4.6
+REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # openmpi-bin, slurm-wlm and iproute2 serve the cluster tests (mpirun, a
 # single-host Slurm, network namespaces); binutils' nm and readelf the Gloo
 # header checks.
@@ -37,14 +37,20 @@ if [ -n "${DDP_VENV:-}" ]; then
 else
   py_tag=$(python3 -c 'import sys; print(f"py{sys.version_info[0]}.{sys.version_info[1]}")')
   venv="${DDP_CACHE_DIR:-$HOME/.cache/ddp}/torch-${TORCH_VERSION}-${py_tag}"
-  if [ ! -f "$venv/.ddp-complete" ]; then
-    log "installing torch==${TORCH_VERSION} into $venv (about 3 GB, once per machine)"
-    rm -rf "$venv"
-    mkdir -p "$(dirname "$venv")"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check --progress-bar off \
-      "torch==${TORCH_VERSION}" "numpy==${NUMPY_VERSION}" >&2
-    touch "$venv/.ddp-complete"
+  # The marker holds the requirements' checksum: a changed list updates the
+  # cached virtualenv in place instead of downloading torch again.
+  wanted=$(sha256sum "$REQUIREMENTS" | cut -d' ' -f1)
+  if [ "$(cat "$venv/.ddp-complete" 2>/dev/null)" != "$wanted" ]; then
+    if [ ! -x "$venv/bin/python" ]; then
+      log "installing torch==${TORCH_VERSION} into $venv (about 3 GB, once per machine)"
+      rm -rf "$venv"
+      mkdir -p "$(dirname "$venv")"
+      python3 -m venv "$venv"
+    else
+      log "updating the Python packages in $venv"
+    fi
+    "$venv/bin/pip" install -q --disable-pip-version-check --progress-bar off -r "$REQUIREMENTS" >&2
+    echo "$wanted" > "$venv/.ddp-complete"
   fi
 fi
 

@@ -305,3 +305,31 @@ TEST(Wine, ARankKilledMidTrainingIsRestartedAndFinishesBitIdentical) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Wine, MetricsFileHasOneLinePerEpochAndContinuesAfterAResume) {
+  auto dir = make_temp_dir("wine_metrics");
+  auto first = run_process(under_ddprun(2, "wine_ddp", {"10", "5", "--checkpoint-dir", dir, "--metrics", dir + "/m.jsonl"}),
+                           one_rank({}));
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  auto second = run_process(under_ddprun(2, "wine_ddp", {"15", "5", "--checkpoint-dir", dir, "--metrics", dir + "/m.jsonl"}),
+                            one_rank({}));
+  ASSERT_EQ(second.exit_code, 0) << second.describe();
+  std::ifstream in(dir + "/m.jsonl");
+  std::regex line_pattern(
+      R"(^\{"epoch": ([0-9]+), "loss": [0-9.e-]+, "test_accuracy": ([0-9.e-]+), "samples_per_s": [0-9.e+-]+, "wall_time_s": [0-9.e+-]+\}$)");
+  int expected_epoch = 0;
+  for (std::string line; std::getline(in, line); ++expected_epoch) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, line_pattern)) << line;
+    EXPECT_EQ(std::stoi(m[1]), expected_epoch) << line;
+    double accuracy = std::stod(m[2]);
+    EXPECT_GE(accuracy, 0.0);
+    EXPECT_LE(accuracy, 1.0);
+  }
+  EXPECT_EQ(expected_epoch, 15);  // 10, then 5 more appended after resuming
+  fs::remove_all(dir);
+}
+
+}  // namespace

@@ -11,6 +11,7 @@ add_executable(ddp_unit_tests
   test_bucket_assignment.cpp
   test_checkpoint.cpp
   test_snapshot.cpp
+  test_progress.cpp
   test_gloo_headers.cpp)
 target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_unit_tests REUSE_FROM ddp)
@@ -24,9 +25,10 @@ gtest_discover_tests(ddp_unit_tests PROPERTIES LABELS "unit" TIMEOUT 120
 add_executable(ddp_process_tests
   test_process_group.cpp
   test_distributed_data_parallel.cpp
-  test_wine.cpp)
+  test_wine.cpp
+  test_digits.cpp)
 target_link_libraries(ddp_process_tests PRIVATE ddp_test_support GTest::gtest_main)
-add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single)
+add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single digits_ddp)
 gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST)
 

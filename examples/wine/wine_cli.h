@@ -23,6 +23,7 @@ struct Args {
   std::string checkpoint_dir = ".";
   bool resume = true;  // continue from the newest snapshot in checkpoint_dir
   std::string on_nonfinite = "abort";  // or "skip" (wine_ddp)
+  std::string metrics;                 // JSON lines per epoch (wine_ddp)
 };
 
 struct UsageError : std::runtime_error {
@@ -42,6 +43,8 @@ inline void print_usage(const char* program) {
             << "  --no-resume            ignore snapshots in DIR (default: resume from the newest)\n"
             << "  --on-nonfinite abort|skip  when any rank's loss is NaN/inf: stop, or skip the\n"
             << "                         step on every rank (default abort; wine_ddp only)\n"
+            << "  --metrics FILE         write one JSON line per epoch to FILE (wine_ddp only;\n"
+            << "                         default none)\n"
             << "  -h, --help             show this help\n";
 }
 
@@ -82,6 +85,8 @@ inline Args parse_args(int argc, char** argv) {
       args.checkpoint_dir = value();
     } else if (arg == "--no-resume") {
       args.resume = false;
+    } else if (arg == "--metrics") {
+      args.metrics = value();
     } else if (arg == "--on-nonfinite") {
       std::string policy = value();
       if (policy != "abort" && policy != "skip") throw UsageError("--on-nonfinite must be abort or skip, got '" + policy + "'");

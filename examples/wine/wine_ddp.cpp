@@ -15,6 +15,7 @@
 #include <ddp/distributed_sampler.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
+#include <ddp/progress.h>
 #include <ddp/snapshot.h>
 
 #include <torch/nn/functional/loss.h>
@@ -57,6 +58,11 @@ int main(int argc, char** argv) {
     if (!args.init_state.empty()) {
       ddp::load_state_dict(*model, ddp::load_state_dict(args.init_state));
     }
+    auto test_accuracy = [&] {
+      torch::NoGradGuard no_grad;
+      at::Tensor predicted = model->forward(data.test.features).argmax(1);
+      return predicted.eq(data.test.labels).to(at::kDouble).mean().item<double>();
+    };
     // Checks the replicas match and copies rank 0's weights to every rank.
     ddp::DistributedDataParallel<wine::SimpleNN> ddp_model(model, group);
     torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3));
@@ -84,8 +90,14 @@ int main(int argc, char** argv) {
       }
     }
 
+    // Rank 0 shows progress on long runs and records one line per epoch.
+    const int64_t steps_per_epoch = (sampler.num_samples() + args.batch_size - 1) / args.batch_size;
+    ddp::ProgressLine progress(args.total_epochs, steps_per_epoch, ddp::ProgressOptions().enabled(is_master));
+    ddp::MetricsWriter metrics(is_master ? args.metrics : "", /*append=*/first_epoch > 0);
+
     for (int64_t epoch = first_epoch; epoch < args.total_epochs; ++epoch) {
       sampler.set_epoch(epoch);  // a new shuffle each epoch, the same on all ranks
+      progress.start_epoch(epoch);
       double total_loss = 0;
       int64_t batches = 0;
       for (const auto& batch : ddp::make_batches(sampler.indices(), args.batch_size)) {
@@ -103,7 +115,9 @@ int main(int argc, char** argv) {
         ++step;
         total_loss += loss.item<double>();
         ++batches;
+        progress.step(loss.item<double>(), static_cast<int64_t>(batch.size()) * group->size());
       }
+      progress.end_epoch();
       // The epoch's loss averaged over all ranks, not just rank 0's shard.
       at::Tensor mean_loss = at::full({1}, total_loss / batches, at::kDouble);
       group->all_reduce(mean_loss);
@@ -111,13 +125,17 @@ int main(int argc, char** argv) {
 
       if (is_master) {
         std::printf("Epoch %lld, Loss: %.4f\n", static_cast<long long>(epoch), epoch_loss);
-        bool last = epoch + 1 == args.total_epochs;
+        if (!args.metrics.empty()) {
+          // 36 test samples: measuring them every epoch costs next to nothing.
+          metrics.write({epoch, epoch_loss, test_accuracy(), progress.epoch_samples_per_second(),
+                         progress.elapsed_seconds()});
+        }
         if (epoch % args.save_every == 0) {
           std::string path = args.checkpoint_dir + "/model_" + std::to_string(epoch) + ".pt";
           ddp::save_state_dict(ddp::state_dict(*model), path);
           std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
         }
-        if (epoch % args.save_every == 0 || last) {
+        if (epoch % args.save_every == 0 || epoch + 1 == args.total_epochs) {
           ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
         }
         std::fflush(stdout);
@@ -126,11 +144,7 @@ int main(int argc, char** argv) {
 
     if (is_master) {
       ddp::save_state_dict(ddp::state_dict(*model), args.checkpoint_dir + "/model_final.pt");
-      torch::NoGradGuard no_grad;
-      model->eval();
-      at::Tensor predicted = model->forward(data.test.features).argmax(1);
-      double accuracy = predicted.eq(data.test.labels).to(at::kDouble).mean().item<double>();
-      std::printf("Test accuracy: %.4f\n", accuracy);
+      std::printf("Test accuracy: %.4f\n", test_accuracy());
     }
     group->barrier();  // no rank leaves while rank 0 may still need it
   } catch (const c10::Error& e) {

@@ -26,6 +26,11 @@ int main(int argc, char** argv) {
     wine::print_usage(argv[0]);
     return 2;
   }
+  if (!args.metrics.empty() || !args.resume || args.on_nonfinite != "abort") {
+    std::cerr << "error: --metrics, --no-resume and --on-nonfinite belong to wine_ddp\n";
+    wine::print_usage(argv[0]);
+    return 2;
+  }
   try {
     // Fail now rather than after the first epoch's training.
     TORCH_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",

@@ -1,0 +1,171 @@
+#include <ddp/progress.h>
+
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace ddp {
+namespace {
+
+double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// The DDP_PROGRESS override: "terminal", "plain" or "off".
+std::optional<std::string> progress_override() {
+  const char* mode = std::getenv("DDP_PROGRESS");
+  if (mode == nullptr || *mode == '\0') return std::nullopt;
+  std::string m(mode);
+  TORCH_CHECK(m == "terminal" || m == "plain" || m == "off", "ddp: DDP_PROGRESS='", m,
+              "' must be terminal, plain or off");
+  return m;
+}
+
+}  // namespace
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto total = static_cast<int64_t>(std::llround(seconds));
+  int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;
+  char text[32];
+  if (h > 0) {
+    std::snprintf(text, sizeof(text), "%lld:%02lld:%02lld", static_cast<long long>(h), static_cast<long long>(m),
+                  static_cast<long long>(s));
+  } else {
+    std::snprintf(text, sizeof(text), "%lld:%02lld", static_cast<long long>(m), static_cast<long long>(s));
+  }
+  return text;
+}
+
+ProgressLine::ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options)
+    : total_epochs_(total_epochs), steps_per_epoch_(steps_per_epoch), options_(options) {
+  TORCH_CHECK(total_epochs > 0 && steps_per_epoch > 0, "ddp: ProgressLine needs positive epoch and step counts");
+  auto mode = progress_override();
+  if (mode && *mode == "off") options_.enabled(false);
+  if (mode && *mode != "off") {
+    terminal_ = *mode == "terminal";
+  } else if (options_.terminal()) {
+    terminal_ = *options_.terminal();
+  } else {
+    terminal_ = options_.stream() != nullptr && isatty(fileno(options_.stream()));
+  }
+  run_start_ = epoch_start_ = last_draw_ = Clock::now();
+}
+
+ProgressLine::~ProgressLine() {
+  if (visible_ && options_.enabled()) std::fputs("\n", options_.stream());
+}
+
+void ProgressLine::start_epoch(int64_t epoch) {
+  if (first_epoch_ < 0) {
+    first_epoch_ = epoch;
+    run_start_ = last_draw_ = Clock::now();
+  }
+  epoch_ = epoch;
+  step_in_epoch_ = 0;
+  epoch_samples_ = 0;
+  loss_sum_ = 0;
+  epoch_start_ = Clock::now();
+}
+
+void ProgressLine::step(double loss, int64_t samples) {
+  ++step_in_epoch_;
+  ++steps_done_;
+  samples_done_ += samples;
+  epoch_samples_ += samples;
+  loss_sum_ += loss;
+  epoch_seconds_ = seconds_between(epoch_start_, Clock::now());
+  draw(false);
+}
+
+void ProgressLine::end_epoch() {
+  epoch_seconds_ = seconds_between(epoch_start_, Clock::now());
+  if (!options_.enabled()) return;
+  if (terminal_ && visible_) {
+    // Erase the line: the program's own epoch summary goes there.
+    std::fputs("\r\033[2K", options_.stream());
+    std::fflush(options_.stream());
+    visible_ = false;
+  }
+}
+
+double ProgressLine::elapsed_seconds() const { return seconds_between(run_start_, Clock::now()); }
+
+double ProgressLine::samples_per_second() const {
+  double t = elapsed_seconds();
+  return t > 0 ? samples_done_ / t : 0;
+}
+
+double ProgressLine::epoch_samples_per_second() const {
+  return epoch_seconds_ > 0 ? epoch_samples_ / epoch_seconds_ : 0;
+}
+
+double ProgressLine::eta_seconds() const {
+  if (steps_done_ == 0) return NAN;
+  int64_t total_steps_left =
+      (total_epochs_ - epoch_ - 1) * steps_per_epoch_ + std::max<int64_t>(0, steps_per_epoch_ - step_in_epoch_);
+  return elapsed_seconds() / static_cast<double>(steps_done_) * static_cast<double>(total_steps_left);
+}
+
+std::string ProgressLine::render() const {
+  char text[256];
+  double loss = step_in_epoch_ > 0 ? loss_sum_ / static_cast<double>(step_in_epoch_) : NAN;
+  std::snprintf(text, sizeof(text), "epoch %lld/%lld | step %lld/%lld | loss %.4f | %.0f samples/s | ETA %s",
+                static_cast<long long>(epoch_ + 1), static_cast<long long>(total_epochs_),
+                static_cast<long long>(step_in_epoch_), static_cast<long long>(steps_per_epoch_), loss,
+                samples_per_second(), format_duration(eta_seconds()).c_str());
+  return text;
+}
+
+void ProgressLine::draw(bool force) {
+  if (!options_.enabled()) return;
+  auto now = Clock::now();
+  auto interval = terminal_ ? options_.redraw_interval() : options_.plain_interval();
+  if (!force && now - last_draw_ < interval) return;
+  last_draw_ = now;
+  if (terminal_) {
+    std::fprintf(options_.stream(), "\r\033[2K%s", render().c_str());
+    visible_ = true;
+  } else {
+    std::fprintf(options_.stream(), "%s\n", render().c_str());
+  }
+  std::fflush(options_.stream());
+}
+
+MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
+  if (path.empty()) return;
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  TORCH_CHECK(file_ != nullptr, "ddp: cannot open metrics file '", path, "': ", std::strerror(errno));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_) std::fclose(file_);
+}
+
+std::string MetricsWriter::to_json(const EpochMetrics& m) {
+  std::ostringstream out;
+  out.precision(10);
+  out << "{\"epoch\": " << m.epoch << ", \"loss\": " << m.loss << ", \"test_accuracy\": ";
+  if (m.test_accuracy) {
+    out << *m.test_accuracy;
+  } else {
+    out << "null";
+  }
+  out << ", \"samples_per_s\": " << m.samples_per_second << ", \"wall_time_s\": " << m.wall_time_seconds << "}";
+  return out.str();
+}
+
+void MetricsWriter::write(const EpochMetrics& metrics) {
+  if (!file_) return;
+  std::string line = to_json(metrics) + "\n";
+  TORCH_CHECK(std::fputs(line.c_str(), file_) >= 0 && std::fflush(file_) == 0, "ddp: writing metrics file '",
+              path_, "' failed: ", std::strerror(errno));
+}
+
+}  // namespace ddp

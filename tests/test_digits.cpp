@@ -1,0 +1,1 @@
+// The digits example end to end (being written).
