@@ -22,6 +22,7 @@ namespace ddp {
 /// One bucket's gradients, flattened into one tensor.
 class GradBucket {
  public:
+  /// Bucket `index` (launch order) over `buffer`; `is_last` for the final one.
   GradBucket(size_t index, at::Tensor buffer, bool is_last)
       : index_(index), buffer_(std::move(buffer)), is_last_(is_last) {}
   /// Position of the bucket in launch order.

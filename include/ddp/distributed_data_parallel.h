@@ -53,6 +53,7 @@ struct DDPOptions {
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 
  public:
+  /// The engine's share of these options.
   ReducerOptions reducer_options() const {
     return ReducerOptions()
         .bucket_cap_mb(bucket_cap_mb_)
@@ -70,6 +71,7 @@ struct DDPOptions {
 /// accumulation without communicating every micro-batch).
 class NoSyncGuard {
  public:
+  /// Turns synchronisation off on `reducer` until the guard is destroyed.
   explicit NoSyncGuard(GradientReducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
     reducer_->set_require_sync(false);
   }
@@ -190,6 +192,8 @@ class Join {
 template <typename ModuleType>
 class DistributedDataParallel {
  public:
+  /// Checks that every rank built the same model, copies rank 0's weights
+  /// and buffers to all ranks, and attaches the gradient engine. Collective.
   DistributedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group,
                           DDPOptions options = {})
       : module_(std::move(module)),

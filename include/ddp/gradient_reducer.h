@@ -48,6 +48,9 @@ struct ReducerOptions {
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 };
 
+/// Averages the gradients of `params` across `group` during each backward.
+/// DistributedDataParallel owns one; use it directly to add data parallelism
+/// to parameters that are not one module's.
 class GradientReducer {
  public:
   /// `params` are the parameters to average, `names` their names for errors.

@@ -29,6 +29,7 @@ enum class BackendKind {
 
 /// "auto", "gloo" or "nccl"; throws on anything else.
 BackendKind parse_backend(const std::string& name);
+/// The name parse_backend accepts for `backend`.
 std::string to_string(BackendKind backend);
 
 /// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
@@ -65,11 +66,11 @@ class ProcessGroup {
   static std::shared_ptr<ProcessGroup> create(const World& world, ProcessGroupOptions options = {});
   ~ProcessGroup();
 
-  int rank() const { return world_.rank; }
-  int size() const { return world_.world_size; }
-  const World& world() const { return world_; }
-  BackendKind backend() const { return backend_kind_; }
-  std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  int rank() const { return world_.rank; }                ///< this process's global rank
+  int size() const { return world_.world_size; }          ///< the world size
+  const World& world() const { return world_; }           ///< where this process stands
+  BackendKind backend() const { return backend_kind_; }   ///< gloo or nccl, never kAuto
+  std::chrono::milliseconds timeout() const { return options_.timeout(); }  ///< of every collective
 
   /// Starts an all-reduce of `tensor` in place and returns at once; call
   /// wait() on the result before reading `tensor`.

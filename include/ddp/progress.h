@@ -43,8 +43,10 @@ struct ProgressOptions {
 /// "1:02:03", "4:05": hours only when needed.
 std::string format_duration(double seconds);
 
+/// Rank 0's progress display; see ProgressOptions for where and how.
 class ProgressLine {
  public:
+  /// A run of `total_epochs` epochs of `steps_per_epoch` optimizer steps.
   ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options = {});
   ~ProgressLine();
 
@@ -60,8 +62,8 @@ class ProgressLine {
   std::string render() const;
   double samples_per_second() const;        ///< over the whole run so far
   double epoch_samples_per_second() const;  ///< over the current (or last) epoch
-  double eta_seconds() const;
-  double elapsed_seconds() const;
+  double eta_seconds() const;      ///< until the last epoch ends, from the pace so far
+  double elapsed_seconds() const;  ///< since the first start_epoch()
 
  private:
   void draw(bool force);
@@ -97,11 +99,15 @@ struct EpochMetrics {
 /// An empty path writes nothing, so callers need no special case.
 class MetricsWriter {
  public:
+  /// Opens `path` (truncated, or appended to when resuming); throws naming
+  /// the path if it cannot.
   explicit MetricsWriter(const std::string& path = "", bool append = false);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
+  /// Appends one line and flushes it.
   void write(const EpochMetrics& metrics);
+  /// The line write() appends, without its newline.
   static std::string to_json(const EpochMetrics& metrics);
 
  private:

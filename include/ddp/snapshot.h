@@ -30,6 +30,8 @@ namespace ddp {
 /// The file format's version; loading refuses any other.
 constexpr int64_t kSnapshotVersion = 1;
 
+/// One resumable training state. capture_snapshot() fills it from a model
+/// and optimizer; restore_snapshot() puts it back.
 struct Snapshot {
   int64_t epoch = -1;       ///< the last completed epoch
   int64_t step = 0;         ///< optimizer steps taken so far
