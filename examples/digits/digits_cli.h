@@ -37,8 +37,8 @@ inline void print_usage(const char* program) {
             << "  --seed N               shuffle seed; epoch E uses N + E (default 0)\n"
             << "  --checkpoint-dir DIR   where checkpoints and snapshots go (default .)\n"
             << "  --no-resume            ignore snapshots in DIR (default: resume from the newest)\n"
-            << "  --metrics FILE         write one JSON line per epoch trained (default: none;\n"
-            << "                         the file is overwritten)\n"
+            << "  --metrics FILE         write one JSON line per epoch to FILE, appended to when\n"
+            << "                         resuming (default none)\n"
             << "  --data FILE            rows of 64 pixels (0..16) then a label (0..9), gzip'd or\n"
             << "                         plain (default " << default_data_path() << ")\n"
             << "  -h, --help             show this help\n";

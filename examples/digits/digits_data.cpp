@@ -22,8 +22,16 @@ struct GzCloser {
 };
 using GzHandle = std::unique_ptr<gzFile_s, GzCloser>;
 
-// The next line without its '\n', however long; false at the end of the
-// stream (or on a read error, which the caller asks gzerror about).
+// Whether zlib met a read error or corrupt or truncated compressed data.
+bool stream_failed(gzFile file) {
+  int code = Z_OK;
+  gzerror(file, &code);
+  return code != Z_OK;
+}
+
+// The next line without its '\n', however long. False at the end of the data,
+// or on an error (the caller asks check_stream), so that the lines before a
+// truncation are read and the one it cut is reported, not parsed.
 bool next_line(gzFile file, std::string& line) {
   line.clear();
   char chunk[4096];
@@ -33,8 +41,10 @@ bool next_line(gzFile file, std::string& line) {
       line.pop_back();
       return true;
     }
+    // No newline: a line longer than the chunk, or the end of the data.
+    if (stream_failed(file)) return false;
   }
-  return !line.empty();  // a last line with no newline
+  return !stream_failed(file) && !line.empty();  // a last line with no newline
 }
 
 // Throws when zlib saw a read error or corrupt data; `line_number` is the
@@ -44,6 +54,8 @@ void check_stream(gzFile file, const std::string& path, int64_t line_number) {
   const char* message = gzerror(file, &code);
   if (code == Z_OK) return;
   std::string why = code == Z_ERRNO ? std::strerror(errno) : message;
+  // zlib's message starts with the path; ours already names it.
+  if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);
   TORCH_CHECK(false, path, ":", line_number + 1, ": cannot read the data: ", why);
 }
 

@@ -70,12 +70,6 @@ int main(int argc, char** argv) {
     // Each rank sees its own 1/world_size of every epoch.
     ddp::DistributedSampler sampler(
         data.train.size(), ddp::SamplerOptions(group->size(), group->rank()).seed(args.seed));
-    const int64_t steps_per_epoch = (sampler.num_samples() + args.batch_size - 1) / args.batch_size;
-
-    // Rank 0 alone shows progress and records metrics.
-    ddp::ProgressLine progress(args.total_epochs, steps_per_epoch,
-                               is_master ? ddp::ProgressOptions() : ddp::ProgressOptions().enabled(false));
-    ddp::MetricsWriter metrics(is_master ? args.metrics : "");
 
     // After a crash or a restart by ddprun, carry on from the newest valid
     // snapshot: weights, Adam's moments and step counts, epoch.
@@ -95,6 +89,12 @@ int main(int argc, char** argv) {
                                    args.checkpoint_dir.c_str());
       }
     }
+
+    // Rank 0 alone shows progress and records metrics (continuing the file
+    // when resuming).
+    const int64_t steps_per_epoch = (sampler.num_samples() + args.batch_size - 1) / args.batch_size;
+    ddp::ProgressLine progress(args.total_epochs, steps_per_epoch, ddp::ProgressOptions().enabled(is_master));
+    ddp::MetricsWriter metrics(is_master ? args.metrics : "", /*append=*/first_epoch > 0);
 
     for (int64_t epoch = first_epoch; epoch < args.total_epochs; ++epoch) {
       sampler.set_epoch(epoch);  // a new shuffle each epoch, the same on all ranks
