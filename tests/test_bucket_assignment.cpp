@@ -1,6 +1,8 @@
 #include <ddp/bucket_assignment.h>
+#include <ddp/zero_redundancy_optimizer.h>
 
 #include <c10/util/Exception.h>
+#include <algorithm>
 #include <gtest/gtest.h>
 
 namespace {
@@ -84,6 +86,38 @@ TEST(BucketAssignment, RejectsAnOrderThatIsNotAPermutation) {
   std::vector<ddp::BucketTensorInfo> params(3, floats(1));
   EXPECT_THROW(ddp::compute_bucket_assignment(params, {0, 0, 1}, 8, 16), c10::Error);
   EXPECT_THROW(ddp::compute_bucket_assignment(params, {0, 1}, 8, 16), c10::Error);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(ZeroPartition, BalancesBySizeLargestFirst) {
+  // 1024 goes to rank 0; 320, 128, 32, 32, 4 then fill rank 1.
+  auto owners = ddp::partition_parameters({320, 32, 1024, 32, 128, 4}, 2);
+  EXPECT_EQ(owners, (std::vector<int>{1, 1, 0, 1, 1, 1}));
+  auto three = ddp::partition_parameters({320, 32, 1024, 32, 128, 4}, 3);
+  EXPECT_EQ(three, (std::vector<int>{1, 2, 0, 2, 2, 2}));
+}
+
+TEST(ZeroPartition, EveryParameterOnceAndLoadsClose) {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 40; ++i) sizes.push_back(1 + (i * 7919) % 1000);
+  auto owners = ddp::partition_parameters(sizes, 4);
+  std::vector<int64_t> load(4, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_GE(owners[i], 0);
+    ASSERT_LT(owners[i], 4);
+    load[owners[i]] += sizes[i];
+  }
+  auto [lo, hi] = std::minmax_element(load.begin(), load.end());
+  EXPECT_LE(*hi - *lo, 1000);  // never more than the largest single tensor apart
+}
+
+TEST(ZeroPartition, MoreRanksThanParametersLeavesSomeEmpty) {
+  auto owners = ddp::partition_parameters({5, 3}, 4);
+  EXPECT_EQ(owners, (std::vector<int>{0, 1}));
+  EXPECT_THROW(ddp::partition_parameters({1}, 0), c10::Error);
 }
 
 }  // namespace

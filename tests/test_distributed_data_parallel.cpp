@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 #include <support/launch.h>
 
+#include <filesystem>
 #include <regex>
+
+namespace fs = std::filesystem;
 
 using namespace ddp::testing;
 
@@ -223,6 +226,50 @@ TEST(NoHangs, JoinLetsRanksWithFewerBatchesFinish) {
     EXPECT_NE(r.out.find("JOIN identical=1"), std::string::npos) << r.out;
     EXPECT_LE(number_after(r.out, "JOIN identical=1 max_abs_diff="), 1e-6) << r.out;
   }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(ZeroRedundancyOptimizer, MatchesTheFullOptimizerBitForBit) {
+  struct Case {
+    int ranks;
+    std::string optimizer;
+  };
+  for (const Case& c : {Case{2, "adam"}, Case{2, "adamw"}, Case{2, "sgd"}, Case{3, "adam"}}) {
+    auto r = run_process(under_ddprun(c.ranks, "ddp_worker", {"zero", "--optimizer", c.optimizer}), one_rank({}));
+    ASSERT_EQ(r.exit_code, 0) << c.optimizer << " x" << c.ranks << ": " << r.describe();
+    EXPECT_EQ(count_of(r.out, "same_weights=1 replicas=1"), c.ranks) << r.out;
+    EXPECT_NE(r.out.find("ZERO consolidated 6 states, same_state=1"), std::string::npos) << r.out;
+    // Each rank holds state only for the parameters it owns.
+    std::regex owns("owns ([0-9]+) of 6 parameters, holds state for ([0-9]+)");
+    int total = 0;
+    for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), owns); it != std::sregex_iterator(); ++it) {
+      EXPECT_EQ((*it)[1], (*it)[2]) << r.out;
+      EXPECT_LT(std::stoi((*it)[1]), 6) << r.out;
+      total += std::stoi((*it)[1]);
+    }
+    EXPECT_EQ(total, 6) << r.out;
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, ConsolidatedStateLoadsIntoPythonAdam) {
+  auto dir = make_temp_dir("zero");
+  auto r = run_process(under_ddprun(2, "ddp_worker", {"zero", "--save", dir + "/optimizer.pt"}), one_rank({}));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto py = run_process({DDP_PYTHON, "-c",
+                         "import sys, torch\n"
+                         "s = torch.load(sys.argv[1])\n"
+                         "m = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))\n"
+                         "opt = torch.optim.Adam(m.parameters(), lr=0.5)\n"
+                         "opt.load_state_dict(s)\n"
+                         "print('loaded', len(opt.state), 'states, step', float(opt.state[m[0].weight]['step']),"
+                         " 'lr', opt.param_groups[0]['lr'])\n",
+                         dir + "/optimizer.pt"});
+  ASSERT_EQ(py.exit_code, 0) << py.describe();
+  EXPECT_NE(py.out.find("loaded 6 states, step 6.0 lr 0.01"), std::string::npos) << py.out;
+  fs::remove_all(dir);
 }
 
 }  // namespace

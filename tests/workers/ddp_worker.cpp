@@ -7,6 +7,8 @@
 #include <ddp/distributed_sampler.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
+#include <ddp/snapshot.h>
+#include <ddp/zero_redundancy_optimizer.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
@@ -14,6 +16,8 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
 #include <csignal>
@@ -401,6 +405,67 @@ int join(int, char**) {
   return same ? 0 : 10;
 }
 
+// ZeRO-1 (each rank steps its shard) against plain DDP with the full
+// optimizer: the same weights, bit for bit, and the same optimizer state once
+// consolidated.
+int zero(int argc, char** argv) {
+  std::string kind = flag(argc, argv, "--optimizer", "adam");
+  int64_t steps = std::stoll(flag(argc, argv, "--steps", "6"));
+  auto group = ddp::init_process_group();
+  auto make = [&](std::vector<at::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    if (kind == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2));
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+  };
+  torch::manual_seed(8);
+  Mlp sharded_model;
+  torch::manual_seed(8);
+  Mlp full_model;
+  ddp::DistributedDataParallel<Mlp> sharded(sharded_model, group);
+  ddp::DistributedDataParallel<Mlp> full(full_model, group);
+  ddp::ZeroRedundancyOptimizer zero_optimizer(sharded->parameters(), group, make);
+  auto full_optimizer = make(full->parameters());
+  for (int64_t s = 0; s < steps; ++s) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(100 * s + group->rank());
+    at::Tensor x = at::randn({6, 10}, generator);
+    at::Tensor y = at::randint(0, 4, {6}, generator, at::kLong);
+    zero_optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(sharded.forward(x), y).backward();
+    zero_optimizer.step();
+    full_optimizer->zero_grad();
+    torch::nn::functional::cross_entropy(full.forward(x), y).backward();
+    full_optimizer->step();
+  }
+  bool same_weights = at::equal(flatten_parameters(*sharded_model), flatten_parameters(*full_model));
+  auto all = group->all_gather(flatten_parameters(*sharded_model));
+  bool replicas = true;
+  for (auto& t : all) replicas = replicas && at::equal(t, all[0]);
+  // State only for this rank's shard.
+  size_t states = zero_optimizer.local_optimizer().state().size();
+  std::printf("ZERO rank %d owns %zu of %zu parameters, holds state for %zu, same_weights=%d replicas=%d\n",
+              group->rank(), zero_optimizer.local_indices().size(), sharded->parameters().size(), states,
+              same_weights, replicas);
+  auto consolidated = zero_optimizer.consolidate_state_dict(0);
+  bool same_state = true;
+  if (group->rank() == 0) {
+    auto reference = ddp::optimizer_state_dict(*full_optimizer).toGenericDict().at("state").toGenericDict();
+    auto merged = consolidated.toGenericDict().at("state").toGenericDict();
+    same_state = reference.size() == merged.size();
+    for (const auto& item : reference) {
+      auto mine = merged.at(item.key()).toGenericDict();
+      for (const auto& field : item.value().toGenericDict()) {
+        same_state = same_state && at::equal(field.value().toTensor(), mine.at(field.key()).toTensor());
+      }
+    }
+    std::string out = flag(argc, argv, "--save", "");
+    if (!out.empty()) ddp::save_value(consolidated, out);
+    std::printf("ZERO consolidated %zu states, same_state=%d\n", merged.size(), same_state);
+  }
+  group->barrier();
+  bool ok = same_weights && replicas && states == zero_optimizer.local_indices().size() && same_state;
+  return ok ? 0 : 11;
+}
+
 int ready(int, char**) {
   auto group = ddp::init_process_group();
   at::Tensor one = at::ones({1});
@@ -472,7 +537,7 @@ int buffers(int, char**) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join [flags]\n";
+    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join|zero [flags]\n";
     return 2;
   }
   std::string mode = argv[1];
@@ -487,6 +552,7 @@ int main(int argc, char** argv) {
     if (mode == "stall") return stall(argc, argv);
     if (mode == "nonfinite") return nonfinite(argc, argv);
     if (mode == "join") return join(argc, argv);
+    if (mode == "zero") return zero(argc, argv);
     if (mode == "hook_gradients") return hook_gradients(argc, argv);
     if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";
