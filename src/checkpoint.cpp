@@ -2,6 +2,7 @@
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/safe_numerics.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -63,6 +64,7 @@ struct PyObject {
   std::vector<std::pair<PyRef, PyRef>> kv;  // dict, in insertion order
   at::Tensor tensor;                        // tensor; storage (1-D, its whole data)
   c10::ScalarType dtype = c10::kFloat;      // storage type
+  int depth = 0;                            // nesting below this object
 
   static PyRef make(Kind kind) {
     auto o = std::make_shared<PyObject>();
@@ -124,10 +126,17 @@ class WeightsOnlyUnpickler {
         case 0x86: { auto b = pop(); auto a = pop(); push(tuple({a, b})); break; }
         case 0x87: { auto c = pop(); auto b = pop(); auto a = pop(); push(tuple({a, b, c})); break; }
         case ']': push(PyObject::make(PyObject::Kind::kList)); break;
-        case 'a': { auto v = pop(); expect(top(), PyObject::Kind::kList, "APPEND")->items.push_back(v); break; }
+        case 'a': {
+          auto v = pop();
+          auto list = expect(top(), PyObject::Kind::kList, "APPEND");
+          deepen(list, v);
+          list->items.push_back(v);
+          break;
+        }
         case 'e': {
           auto values = pop_to_mark();
           auto list = expect(top(), PyObject::Kind::kList, "APPENDS");
+          for (const auto& v : values) deepen(list, v);
           list->items.insert(list->items.end(), values.begin(), values.end());
           break;
         }
@@ -135,14 +144,21 @@ class WeightsOnlyUnpickler {
         case 's': {
           auto v = pop();
           auto k = pop();
-          expect(top(), PyObject::Kind::kDict, "SETITEM")->kv.emplace_back(k, v);
+          auto dict = expect(top(), PyObject::Kind::kDict, "SETITEM");
+          deepen(dict, k);
+          deepen(dict, v);
+          dict->kv.emplace_back(k, v);
           break;
         }
         case 'u': {
           auto values = pop_to_mark();
           auto dict = expect(top(), PyObject::Kind::kDict, "SETITEMS");
           TORCH_CHECK(values.size() % 2 == 0, fail("SETITEMS with an odd number of values"));
-          for (size_t k = 0; k < values.size(); k += 2) dict->kv.emplace_back(values[k], values[k + 1]);
+          for (size_t k = 0; k < values.size(); k += 2) {
+            deepen(dict, values[k]);
+            deepen(dict, values[k + 1]);
+            dict->kv.emplace_back(values[k], values[k + 1]);
+          }
           break;
         }
         case 'N': push(PyObject::make(PyObject::Kind::kNone)); break;
@@ -253,11 +269,20 @@ class WeightsOnlyUnpickler {
     return v;
   }
 
-  static PyRef tuple(std::vector<PyRef> items) {
+  PyRef tuple(std::vector<PyRef> items) {
     auto t = PyObject::make(PyObject::Kind::kTuple);
+    for (const auto& item : items) deepen(t, item);
     t->items = std::move(items);
     return t;
   }
+
+  // Containers record how deep they nest, so a hostile file cannot build a
+  // structure deep enough to overflow the stack when it is converted or freed.
+  void deepen(const PyRef& container, const PyRef& child) {
+    container->depth = std::max(container->depth, child->depth + 1);
+    TORCH_CHECK(container->depth <= kMaxDepth, fail("values are nested more than ", kMaxDepth, " deep"));
+  }
+  static constexpr int kMaxDepth = 200;
   static PyRef boolean(bool b) { auto o = PyObject::make(PyObject::Kind::kBool); o->b = b; return o; }
   static PyRef integer(int64_t i) { auto o = PyObject::make(PyObject::Kind::kInt); o->i = i; return o; }
   static PyRef real(double f) { auto o = PyObject::make(PyObject::Kind::kFloat); o->f = f; return o; }
@@ -296,14 +321,24 @@ class WeightsOnlyUnpickler {
                   fail("malformed _rebuild_tensor_v2 call"));
       auto sizes = int_list(a[2]);
       auto strides = int_list(a[3]);
+      TORCH_CHECK(a[1]->kind == PyObject::Kind::kInt && sizes.size() == strides.size(),
+                  fail("malformed _rebuild_tensor_v2 call"));
       int64_t offset = a[1]->i;
       const at::Tensor& storage = a[0]->tensor;
-      int64_t needed = offset + 1;
-      for (size_t d = 0; d < sizes.size(); ++d) {
-        if (sizes[d] == 0) needed = 0;
-        else needed += (sizes[d] - 1) * strides[d];
+      // The last element the view touches must lie inside the storage; every
+      // step is checked for overflow, since the numbers come from the file.
+      int64_t last = offset;
+      bool empty = false;
+      bool ok = offset >= 0;
+      for (size_t d = 0; d < sizes.size() && ok; ++d) {
+        ok = sizes[d] >= 0 && strides[d] >= 0;
+        if (sizes[d] == 0) empty = true;
+        int64_t reach = 0;
+        if (ok && sizes[d] > 0) {
+          ok = !c10::mul_overflows(sizes[d] - 1, strides[d], &reach) && !c10::add_overflows(last, reach, &last);
+        }
       }
-      TORCH_CHECK(needed <= storage.numel(), fail("a tensor reaches past the end of its storage"));
+      TORCH_CHECK(ok && (empty || last < storage.numel()), fail("a tensor reaches past the end of its storage"));
       auto o = PyObject::make(PyObject::Kind::kTensor);
       o->tensor = storage.as_strided(sizes, strides, offset);
       return o;
@@ -334,11 +369,14 @@ class WeightsOnlyUnpickler {
     auto cached = storages_.find(key);
     if (cached != storages_.end()) return cached->second;
     c10::ScalarType dtype = id->items[1]->dtype;
+    TORCH_CHECK(id->items[4]->kind == PyObject::Kind::kInt && id->items[4]->i >= 0, fail("malformed storage size"));
     int64_t numel = id->items[4]->i;
     std::string record = "data/" + key;
     TORCH_CHECK(archive_.hasRecord(record), fail("the archive lacks the record '", record,
                                                  "' (the file is incomplete)"));
     auto [data, size] = archive_.getRecord(record);
+    TORCH_CHECK(static_cast<uint64_t>(numel) <= size / c10::elementSize(dtype),
+                fail("record '", record, "' holds ", size, " bytes, too few for ", numel, " elements"));
     size_t expected = static_cast<size_t>(numel) * c10::elementSize(dtype);
     TORCH_CHECK(size >= expected, fail("record '", record, "' holds ", size, " bytes, but ", expected,
                                        " are needed"));
@@ -359,8 +397,10 @@ class WeightsOnlyUnpickler {
   std::unordered_map<std::string, PyRef> storages_;
 };
 
-c10::IValue to_ivalue(const PyRef& v, const std::string& path) {
+c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
   using Kind = PyObject::Kind;
+  // A container that (through the memo) holds itself never bottoms out.
+  TORCH_CHECK(depth <= 2 * 200, "ddp: cannot load '", path, "': its values refer to themselves");
   switch (v->kind) {
     case Kind::kNone: return c10::IValue();
     case Kind::kBool: return c10::IValue(v->b);
@@ -370,17 +410,17 @@ c10::IValue to_ivalue(const PyRef& v, const std::string& path) {
     case Kind::kTensor: return c10::IValue(v->tensor);
     case Kind::kTuple: {
       std::vector<c10::IValue> items;
-      for (const auto& item : v->items) items.push_back(to_ivalue(item, path));
+      for (const auto& item : v->items) items.push_back(to_ivalue(item, path, depth + 1));
       return c10::ivalue::Tuple::create(std::move(items));
     }
     case Kind::kList: {
       c10::impl::GenericList list(c10::AnyType::get());
-      for (const auto& item : v->items) list.push_back(to_ivalue(item, path));
+      for (const auto& item : v->items) list.push_back(to_ivalue(item, path, depth + 1));
       return list;
     }
     case Kind::kDict: {
       c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
-      for (const auto& [key, value] : v->kv) dict.insert(to_ivalue(key, path), to_ivalue(value, path));
+      for (const auto& [key, value] : v->kv) dict.insert(to_ivalue(key, path, depth + 1), to_ivalue(value, path, depth + 1));
       return dict;
     }
     default:

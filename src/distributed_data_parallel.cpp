@@ -43,7 +43,11 @@ std::vector<TensorSignature> signatures_of(const torch::nn::Module& module) {
   std::vector<TensorSignature> result;
   for (const auto& item : module.named_parameters(true)) {
     const at::Tensor& t = item.value();
-    result.push_back({"parameter", item.key(), std::string(c10::toString(t.scalar_type())), t.sizes().vec()});
+    // A frozen parameter on one rank only would give ranks different buckets.
+    std::string dtype = "(" + std::string(c10::toString(t.scalar_type())) + ", " +
+                        (t.requires_grad() ? "trainable" : "frozen") + ", " +
+                        c10::DeviceTypeName(t.device().type(), /*lower_case=*/true) + ")";
+    result.push_back({"parameter", item.key(), dtype, t.sizes().vec()});
   }
   for (const auto& item : module.named_buffers(true)) {
     const at::Tensor& t = item.value();
@@ -94,7 +98,7 @@ std::string describe_difference(const std::vector<TensorSignature>& root, int ot
       return why.str();
     }
     if (a.dtype != b.dtype) {
-      why << a.kind << " '" << a.name << "' has dtype " << a.dtype << " on rank 0 but " << b.dtype
+      why << a.kind << " '" << a.name << "' is " << a.dtype << " on rank 0 but " << b.dtype
           << " on rank " << other;
       return why.str();
     }
@@ -189,6 +193,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
 }
 
 void DataParallelCore::before_forward() {
+  reducer_->prepare_for_forward();
   if (options_.broadcast_buffers() && has_buffers_) {
     broadcast_module_state(*module_, *group_, /*parameters=*/false, /*buffers=*/true);
   }

@@ -86,7 +86,10 @@ World from_torchrun(const EnvLookup& lookup) {
   w.world_size = require_int(lookup, "WORLD_SIZE", "RANK");
   w.local_rank = lookup_int(lookup, "LOCAL_RANK").value_or(w.rank);
   w.local_world_size = lookup_int(lookup, "LOCAL_WORLD_SIZE").value_or(w.world_size);
-  w.node_rank = lookup_int(lookup, "GROUP_RANK").value_or(w.rank / w.local_world_size);
+  TORCH_CHECK(w.local_world_size >= 1, "ddp: environment variable LOCAL_WORLD_SIZE=", w.local_world_size,
+              " must be at least 1");
+  auto group_rank = lookup_int(lookup, "GROUP_RANK");
+  w.node_rank = group_rank ? *group_rank : w.rank / w.local_world_size;
   w.master_addr = lookup("MASTER_ADDR").value_or("");
   auto port = lookup("MASTER_PORT");
   if (w.world_size > 1) {
@@ -135,6 +138,8 @@ World from_mpi(const EnvLookup& lookup, const std::string& source, const char* r
   w.world_size = require_int(lookup, size_var, rank_var);
   w.local_rank = lookup_int(lookup, local_rank_var).value_or(w.rank);
   w.local_world_size = lookup_int(lookup, local_size_var).value_or(w.world_size);
+  TORCH_CHECK(w.local_world_size >= 1, "ddp: environment variable ", local_size_var, "=", w.local_world_size,
+              " must be at least 1");
   w.node_rank = w.rank / w.local_world_size;
   // All ranks on one host: rank 0 is on this host too.
   read_master(lookup, w, is_loopback_only_job(w.world_size, w.local_world_size) ? "127.0.0.1" : "");

@@ -69,6 +69,7 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std
   world_size_ = at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble);
   ready_.assign(params_.size(), 0);
   used_locally_.assign(params_.size(), 0);
+  used_since_sync_.assign(params_.size(), 0);
   build_buckets(compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
                                           mib_to_bytes(options_.bucket_cap_mb())));
 
@@ -135,6 +136,10 @@ void GradientReducer::prepare_for_backward(const std::vector<at::Tensor>& output
     auto edge = torch::autograd::impl::gradient_edge(out);
     if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
   }
+  unused_after_forward_.clear();
+  // No output to follow (a result type the wrapper cannot look into): the
+  // parameters without gradients are found at the end of backward instead.
+  if (stack.empty()) return;
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
     stack.pop_back();
@@ -142,7 +147,6 @@ void GradientReducer::prepare_for_backward(const std::vector<at::Tensor>& output
       if (next.function && seen.insert(next.function.get()).second) stack.push_back(next.function.get());
     }
   }
-  unused_after_forward_.clear();
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     if (!seen.count(accumulators_[i].get())) unused_after_forward_.push_back(i);
   }
@@ -164,8 +168,26 @@ void GradientReducer::start_round() {
   for (size_t i : unused) mark_ready(i, /*has_gradient=*/false);
 }
 
+void GradientReducer::prepare_for_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!round_active_) return;
+  // The engine never ran finish_backward: backward threw part-way.
+  round_active_ = false;
+  unused_after_forward_.clear();
+  TORCH_CHECK(false, "ddp: the previous backward pass on rank ", group_->rank(),
+              " did not finish (an error was raised inside it), so its gradient all-reduces may not match ",
+              "the other ranks'. Stop this rank and restart the job (ddprun --max-restarts resumes from ",
+              "the newest snapshot).");
+}
+
 void GradientReducer::on_gradient_ready(size_t param_index) {
-  if (!require_sync_) return;  // no_sync(): gradients just accumulate locally
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!require_sync_) {
+    // no_sync(): gradients just accumulate locally; remember which exist,
+    // so the next synced step does not take them for unused.
+    used_since_sync_[param_index] = 1;
+    return;
+  }
   if (!round_active_) start_round();
   mark_ready(param_index, /*has_gradient=*/true);
 }
@@ -174,7 +196,7 @@ void GradientReducer::mark_ready(size_t param_index, bool has_gradient) {
   TORCH_CHECK(!ready_[param_index], "ddp: the gradient of parameter '", names_[param_index],
               "' became ready twice in one backward pass; reentrant backward is not supported");
   ready_[param_index] = 1;
-  used_locally_[param_index] = has_gradient ? 1 : 0;
+  used_locally_[param_index] = has_gradient || used_since_sync_[param_index] ? 1 : 0;
   if (reduced_steps_ == 0) ready_order_.push_back(param_index);
 
   at::Tensor slot = slot_of(param_index);
@@ -219,7 +241,13 @@ void GradientReducer::finish_backward() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!ready_[i]) missing.push_back(i);
     }
+    // Every bucket is launched before any error, so the other ranks' all-
+    // reduces complete instead of waiting for this rank until the timeout.
+    for (size_t i : missing) mark_ready(i, /*has_gradient=*/false);
+    launch_full_buckets_in_order();
     if (!missing.empty() && !options_.find_unused_parameters()) {
+      for (Bucket& bucket : buckets_) bucket.reduced->wait();
+      std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
       std::ostringstream names;
       for (size_t k = 0; k < missing.size() && k < 10; ++k) names << (k ? ", " : "") << "'" << names_[missing[k]] << "'";
       if (missing.size() > 10) names << " and " << missing.size() - 10 << " more";
@@ -229,9 +257,8 @@ void GradientReducer::finish_backward() {
                   "parameters are legitimately unused, or freeze them (requires_grad false) before ",
                   "wrapping the model.");
     }
-    for (size_t i : missing) mark_ready(i, /*has_gradient=*/false);
-    launch_full_buckets_in_order();
   }
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
 
   // Which parameters got a gradient on any rank: one used nowhere keeps its
   // .grad untouched, as in PyTorch.
@@ -275,9 +302,12 @@ void GradientReducer::finish_backward() {
 
 void GradientReducer::shadow_backward() {
   if (group_->size() == 1) return;
+  // Scratch buffers: with gradient_as_bucket_view the buckets hold this
+  // rank's own gradients, which shadowing must leave alone.
+  std::vector<at::Tensor> zeros;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].flat.zero_();
-    GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size());
+    zeros.push_back(at::zeros_like(buckets_[b].flat));
+    GradBucket view(b, zeros.back(), b + 1 == buckets_.size());
     buckets_[b].reduced = comm_hook_->run(*group_, view);
   }
   if (options_.find_unused_parameters()) {

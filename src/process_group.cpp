@@ -79,6 +79,10 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, std::chrono::mill
   try {
     return c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
   } catch (const c10::Error& e) {
+    std::string cause = e.what_without_backtrace();
+    bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+    TORCH_CHECK(timed_out, "ddp: rank ", world.rank, " could not set up the rendezvous store at ", world.master_addr,
+                ":", world.master_port, ": ", cause);
     if (world.rank == 0) {
       TORCH_CHECK(false, "ddp: rank 0 waited ", seconds_text(timeout), " at ", world.master_addr,
                   ":", world.master_port, " for the other ", world.world_size - 1,
@@ -141,8 +145,8 @@ std::chrono::milliseconds default_timeout() {
   if (const char* text = std::getenv("DDP_TIMEOUT_SECONDS")) {
     char* end = nullptr;
     double seconds = std::strtod(text, &end);
-    TORCH_CHECK(end != text && *end == '\0' && seconds > 0, "ddp: environment variable ",
-                "DDP_TIMEOUT_SECONDS='", text, "' must be a positive number of seconds");
+    TORCH_CHECK(end != text && *end == '\0' && seconds >= 0.001 && seconds <= 1e9, "ddp: environment variable ",
+                "DDP_TIMEOUT_SECONDS='", text, "' must be a number of seconds between 0.001 and 1e9");
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   }
   return std::chrono::minutes(30);

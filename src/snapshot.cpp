@@ -30,7 +30,7 @@ class Checksum {
  public:
   void add(const c10::IValue& v) {
     if (v.isTensor()) {
-      at::Tensor t = v.toTensor().contiguous();
+      at::Tensor t = v.toTensor().to(at::kCPU).contiguous();
       bytes(t.data_ptr(), t.nbytes());
     } else if (v.isGenericDict()) {
       for (const auto& item : v.toGenericDict()) {
@@ -130,18 +130,32 @@ std::vector<char> read_bytes(const std::string& path) {
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// snapshot_<epoch>.pt files in `dir`, newest epoch first.
+// snapshot_<epoch>.pt files in `dir`, most recently written first (then the
+// higher epoch): a fresh run in a directory that holds an older run's
+// snapshots of later epochs must still resume from its own.
 std::vector<std::pair<int64_t, std::string>> snapshot_files(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> files;
+  struct Found {
+    fs::file_time_type written;
+    int64_t epoch;
+    std::string path;
+  };
+  std::vector<Found> found;
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return files;
-  static const std::regex pattern("snapshot_([0-9]+)\\.pt");
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+  if (!fs::is_directory(dir, ec)) return {};
+  static const std::regex pattern("snapshot_([0-9]{1,18})\\.pt");
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::smatch m;
-    std::string file = entry.path().filename().string();
-    if (std::regex_match(file, m, pattern)) files.emplace_back(std::stoll(m[1]), entry.path().string());
+    std::string file = it->path().filename().string();
+    if (!std::regex_match(file, m, pattern)) continue;
+    auto written = fs::last_write_time(it->path(), ec);
+    if (ec) continue;
+    found.push_back({written, std::stoll(m[1]), it->path().string()});
   }
-  std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.written != b.written ? a.written > b.written : a.epoch > b.epoch;
+  });
+  std::vector<std::pair<int64_t, std::string>> files;
+  for (auto& f : found) files.emplace_back(f.epoch, f.path);
   return files;
 }
 
@@ -156,13 +170,26 @@ GenericDict adam_state(const State& state) {
   return d;
 }
 
+// A saved state tensor, checked against its parameter and placed like it.
+at::Tensor state_tensor(const GenericDict& d, const std::string& key, const at::Tensor& param, int64_t index) {
+  TORCH_CHECK(d.contains(key), "ddp: the optimizer state of parameter ", index, " has no '", key,
+              "'; was it saved from a different optimizer?");
+  at::Tensor t = d.at(key).toTensor();
+  TORCH_CHECK(t.sizes() == param.sizes(), "ddp: optimizer state '", key, "' of parameter ", index, " has shape ",
+              t.sizes(), " but the parameter has ", param.sizes());
+  return t.to(param.options().requires_grad(false), /*non_blocking=*/false, /*copy=*/true);
+}
+
 template <typename State>
-std::unique_ptr<torch::optim::OptimizerParamState> adam_state_from(const GenericDict& d) {
+std::unique_ptr<torch::optim::OptimizerParamState> adam_state_from(const GenericDict& d, const at::Tensor& param,
+                                                                   int64_t index) {
+  TORCH_CHECK(d.contains("step"), "ddp: the optimizer state of parameter ", index,
+              " has no 'step'; was it saved from a different optimizer?");
   auto state = std::make_unique<State>();
   state->step(static_cast<int64_t>(d.at("step").toTensor().item<double>()));
-  state->exp_avg(d.at("exp_avg").toTensor().clone());
-  state->exp_avg_sq(d.at("exp_avg_sq").toTensor().clone());
-  if (d.contains("max_exp_avg_sq")) state->max_exp_avg_sq(d.at("max_exp_avg_sq").toTensor().clone());
+  state->exp_avg(state_tensor(d, "exp_avg", param, index));
+  state->exp_avg_sq(state_tensor(d, "exp_avg_sq", param, index));
+  if (d.contains("max_exp_avg_sq")) state->max_exp_avg_sq(state_tensor(d, "max_exp_avg_sq", param, index));
   return state;
 }
 
@@ -276,18 +303,13 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IV
         GenericDict s = it->value().toGenericDict();
         std::unique_ptr<torch::optim::OptimizerParamState> restored;
         if (adam) {
-          restored = adam_state_from<torch::optim::AdamParamState>(s);
+          restored = adam_state_from<torch::optim::AdamParamState>(s, p, index);
         } else if (adamw) {
-          restored = adam_state_from<torch::optim::AdamWParamState>(s);
+          restored = adam_state_from<torch::optim::AdamWParamState>(s, p, index);
         } else {
           auto sgd = std::make_unique<torch::optim::SGDParamState>();
-          sgd->momentum_buffer(s.at("momentum_buffer").toTensor().clone());
+          sgd->momentum_buffer(state_tensor(s, "momentum_buffer", p, index));
           restored = std::move(sgd);
-        }
-        if (s.contains("exp_avg")) {
-          TORCH_CHECK(s.at("exp_avg").toTensor().sizes() == p.sizes(), "ddp: optimizer state of parameter ",
-                      index, " has shape ", s.at("exp_avg").toTensor().sizes(), " but the parameter has ",
-                      p.sizes());
         }
         optimizer.state()[key] = std::move(restored);
       }
@@ -336,9 +358,15 @@ std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, i
   save_snapshot(snapshot, path);
   // Older snapshots go only after the new one is safely on disk.
   auto files = snapshot_files(dir);
-  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < files.size(); ++i) {
+  size_t kept = 1;  // the one just written
+  for (const auto& [epoch, other] : files) {
+    if (fs::equivalent(other, path)) continue;
+    if (kept < static_cast<size_t>(std::max(keep, 1))) {
+      ++kept;
+      continue;
+    }
     std::error_code ec;
-    fs::remove(files[i].second, ec);
+    fs::remove(other, ec);
   }
   return path;
 }
@@ -359,15 +387,22 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
   std::vector<char> bytes;
   std::string name;
   if (group.rank() == 0) {
-    for (const auto& [epoch, path] : snapshot_files(dir)) {
-      try {
-        load_snapshot(path);  // validate before sending
-        bytes = read_bytes(path);
-        name = path;
-        break;
-      } catch (const c10::Error& e) {
-        if (skipped) skipped->push_back(e.what_without_backtrace());
+    // Whatever goes wrong here, rank 0 must still take part in the
+    // broadcasts below, or the other ranks would wait for it until timeout.
+    try {
+      for (const auto& [epoch, path] : snapshot_files(dir)) {
+        try {
+          load_snapshot(path);  // validate before sending
+          bytes = read_bytes(path);
+          name = path;
+          break;
+        } catch (const c10::Error& e) {
+          if (skipped) skipped->push_back(e.what_without_backtrace());
+        }
       }
+    } catch (const std::exception& e) {
+      bytes.clear();
+      if (skipped) skipped->push_back(std::string("ddp: cannot scan '") + dir + "' for snapshots: " + e.what());
     }
   }
   at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);

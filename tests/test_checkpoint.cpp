@@ -164,3 +164,26 @@ TEST(Checkpoint, NestedValuesRoundTrip) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Checkpoint, HostilePicklesFailCleanly) {
+  auto dir = ddp::testing::make_temp_dir();
+  auto made = ddp::testing::run_process(
+      {DDP_PYTHON, std::string(DDP_SOURCE_DIR) + "/tests/python/hostile_pickles.py", dir});
+  ASSERT_EQ(made.exit_code, 0) << made.describe();
+  struct Case {
+    const char* file;
+    const char* expected;
+  };
+  for (const Case& c : {Case{"cycle.pt", "refer to themselves"}, Case{"deep.pt", "nested more than"},
+                        Case{"strides.pt", "malformed _rebuild_tensor_v2"},
+                        Case{"overflow.pt", "past the end of its storage"}}) {
+    auto message = error_of([&] { ddp::load_value(dir + "/" + c.file); });
+    EXPECT_NE(message.find(c.expected), std::string::npos) << c.file << ": " << message;
+    EXPECT_NE(message.find(c.file), std::string::npos) << message;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace

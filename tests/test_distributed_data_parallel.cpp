@@ -170,6 +170,15 @@ TEST(DistributedDataParallel, FindUnusedParametersHandlesPerRankBranches) {
   }
 }
 
+TEST(DistributedDataParallel, GradientsFromNoSyncStepsAreAveragedEvenIfUnusedLater) {
+  for (std::vector<std::string> args : {std::vector<std::string>{"nosync_unused"},
+                                        std::vector<std::string>{"nosync_unused", "--bucket-view"}}) {
+    auto r = run_process(under_ddprun(2, "ddp_worker", args), one_rank({{"DDP_TIMEOUT_SECONDS", "30"}}));
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    EXPECT_EQ(count_of(r.out, "NOSYNC_UNUSED averaged=1"), 2) << r.out;
+  }
+}
+
 TEST(DistributedDataParallel, CommunicationHooks) {
   auto exact = run_process(under_ddprun(2, "ddp_worker", {"hook_gradients"}), one_rank({}));
   ASSERT_EQ(exact.exit_code, 0) << exact.describe();

@@ -101,9 +101,9 @@ void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group)
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
                             bool buffers, int root = 0);
 
-// The tensors of a forward's result, for finding unused parameters. Results
-// of other types yield none; unused parameters are then found at the end of
-// backward instead.
+// The tensors of a forward's result, for finding unused parameters early.
+// Results of other types yield none; unused parameters are then found at
+// the end of backward, and their buckets start last.
 inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
   out.insert(out.end(), ts.begin(), ts.end());
@@ -167,6 +167,10 @@ class DataParallelCore {
 /// zero gradients (so their averages are over the full world size, as in
 /// PyTorch's Join). At the end, every rank takes the weights of the rank
 /// that trained longest. step() costs one small all-reduce per step.
+///
+/// A joined rank mirrors the gradient all-reduces and buffer broadcasts of
+/// DDP only: it does not mirror ZeroRedundancyOptimizer::step()'s broadcasts,
+/// and every step of the others must be a synchronised one (no no_sync()).
 class Join {
  public:
   Join(detail::DataParallelCore& core, ProcessGroup& group) : core_(core), group_(group) {}

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,11 @@ class GradientReducer {
   /// are marked ready as soon as backward starts.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  /// Called before each forward: fails clearly if the previous backward
+  /// never finished (an exception inside it), since this rank's collectives
+  /// may then be out of step with the other ranks'.
+  void prepare_for_forward();
+
   /// For a rank that ran out of data (Join): takes part in the other ranks'
   /// gradient all-reduces with zeros, in the same order, without touching
   /// this rank's gradients.
@@ -112,6 +118,7 @@ class GradientReducer {
   std::vector<size_t> position_in_bucket_;
   std::vector<char> ready_;
   std::vector<char> used_locally_;      // got a gradient from this backward
+  std::vector<char> used_since_sync_;   // got one in a no_sync() backward since
   std::vector<size_t> unused_after_forward_;
   std::vector<size_t> ready_order_;     // first iteration's, for rebuilding
   // The accumulators are owned weakly by their parameters; holding them keeps
@@ -119,6 +126,7 @@ class GradientReducer {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   at::Tensor world_size_;  // 0-dim, the divisor of every gradient
+  std::mutex mutex_;  // hooks of different devices run on different threads
   bool require_sync_ = true;
   bool round_active_ = false;
   bool buckets_rebuilt_ = false;

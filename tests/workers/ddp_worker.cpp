@@ -466,6 +466,28 @@ int zero(int argc, char** argv) {
   return ok ? 0 : 11;
 }
 
+// A parameter used only in no_sync() micro-batches must still be averaged
+// by the next synced step, or the replicas drift apart.
+int nosync_unused(int argc, char** argv) {
+  auto group = ddp::init_process_group();
+  torch::manual_seed(3);
+  Branchy model;
+  ddp::DistributedDataParallel<Branchy> ddp_model(model, group, options_from(argc, argv).find_unused_parameters(true));
+  at::Tensor x = at::full({2, 4}, 1.0 + group->rank());
+  {
+    auto guard = ddp_model.no_sync();
+    ddp_model.forward(x, true).sum().backward();  // uses `right`
+  }
+  at::Tensor local = model->right->weight.grad().clone();
+  ddp_model.forward(x, false).sum().backward();  // does not
+  auto all = group->all_gather(model->right->weight.grad());
+  auto locals = group->all_gather(local);
+  at::Tensor average = (locals[0] + locals[1]) / 2;
+  bool same = at::equal(all[0], all[1]) && at::allclose(all[0], average);
+  std::printf("NOSYNC_UNUSED averaged=%d\n", same);
+  return same ? 0 : 12;
+}
+
 int ready(int, char**) {
   auto group = ddp::init_process_group();
   at::Tensor one = at::ones({1});
@@ -537,7 +559,7 @@ int buffers(int, char**) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join|zero [flags]\n";
+    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join|zero|nosync_unused [flags]\n";
     return 2;
   }
   std::string mode = argv[1];
@@ -553,6 +575,7 @@ int main(int argc, char** argv) {
     if (mode == "nonfinite") return nonfinite(argc, argv);
     if (mode == "join") return join(argc, argv);
     if (mode == "zero") return zero(argc, argv);
+    if (mode == "nosync_unused") return nosync_unused(argc, argv);
     if (mode == "hook_gradients") return hook_gradients(argc, argv);
     if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";
