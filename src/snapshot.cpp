@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
 
 namespace fs = std::filesystem;
@@ -267,54 +268,73 @@ c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& value) {
   TORCH_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
   GenericDict dict = value.toGenericDict();
+  TORCH_CHECK(dict.contains("state") && dict.contains("param_groups"),
+              "ddp: optimizer state needs 'state' and 'param_groups' entries");
   GenericDict state = dict.at("state").toGenericDict();
   auto groups = dict.at("param_groups").toListRef();
   TORCH_CHECK(groups.size() == optimizer.param_groups().size(), "ddp: the optimizer state has ",
               groups.size(), " parameter groups but the optimizer has ", optimizer.param_groups().size());
+
+  // Everything is read and checked first and applied only at the end, so a
+  // bad file leaves the optimizer as it was.
+  std::vector<std::function<void()>> set_options;
+  std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>> new_states;
   int64_t index = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     auto& group = optimizer.param_groups()[gi];
     GenericDict g = groups[gi].toGenericDict();
-    TORCH_CHECK(g.at("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
-                " of the optimizer state has ", g.at("params").toListRef().size(),
+    auto field = [&](const char* key) -> c10::IValue {
+      TORCH_CHECK(g.contains(key), "ddp: parameter group ", gi, " of the optimizer state has no '", key,
+                  "'; was it saved from a different optimizer?");
+      return g.at(key);
+    };
+    TORCH_CHECK(field("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
+                " of the optimizer state has ", field("params").toListRef().size(),
                 " parameters but the optimizer's has ", group.params().size());
     auto& options = group.options();
-    bool adam = false, adamw = false;
+    enum class Kind { kAdam, kAdamW, kSgd } kind;
     if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-      set_adam_group(*o, g);
-      adam = true;
+      kind = Kind::kAdam;
+      field("lr"), field("betas"), field("eps"), field("weight_decay"), field("amsgrad");
+      set_options.push_back([o, g] { set_adam_group(*o, g); });
     } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-      set_adam_group(*o, g);
-      adamw = true;
+      kind = Kind::kAdamW;
+      field("lr"), field("betas"), field("eps"), field("weight_decay"), field("amsgrad");
+      set_options.push_back([o, g] { set_adam_group(*o, g); });
     } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
-      o->lr(g.at("lr").toDouble());
-      o->momentum(g.at("momentum").toDouble());
-      o->dampening(g.at("dampening").toDouble());
-      o->weight_decay(g.at("weight_decay").toDouble());
-      o->nesterov(g.at("nesterov").toBool());
+      kind = Kind::kSgd;
+      double lr = field("lr").toDouble(), momentum = field("momentum").toDouble();
+      double dampening = field("dampening").toDouble(), weight_decay = field("weight_decay").toDouble();
+      bool nesterov = field("nesterov").toBool();
+      set_options.push_back([=] {
+        o->lr(lr).momentum(momentum).dampening(dampening).weight_decay(weight_decay).nesterov(nesterov);
+      });
     } else {
       TORCH_CHECK(false, "ddp: load_optimizer_state_dict supports Adam, AdamW and SGD");
     }
     for (auto& p : group.params()) {
-      void* key = p.unsafeGetTensorImpl();
-      optimizer.state().erase(key);
+      std::unique_ptr<torch::optim::OptimizerParamState> restored;
       auto it = state.find(index);
       if (it != state.end()) {
         GenericDict s = it->value().toGenericDict();
-        std::unique_ptr<torch::optim::OptimizerParamState> restored;
-        if (adam) {
+        if (kind == Kind::kAdam) {
           restored = adam_state_from<torch::optim::AdamParamState>(s, p, index);
-        } else if (adamw) {
+        } else if (kind == Kind::kAdamW) {
           restored = adam_state_from<torch::optim::AdamWParamState>(s, p, index);
         } else {
           auto sgd = std::make_unique<torch::optim::SGDParamState>();
           sgd->momentum_buffer(state_tensor(s, "momentum_buffer", p, index));
           restored = std::move(sgd);
         }
-        optimizer.state()[key] = std::move(restored);
       }
+      new_states.emplace_back(p.unsafeGetTensorImpl(), std::move(restored));
       ++index;
     }
+  }
+  for (auto& apply : set_options) apply();
+  for (auto& [key, restored] : new_states) {
+    optimizer.state().erase(key);
+    if (restored) optimizer.state()[key] = std::move(restored);
   }
 }
 

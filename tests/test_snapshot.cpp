@@ -185,3 +185,44 @@ TEST_F(SnapshotFiles, PythonLoadsTheOptimizerStateIntoTorchOptim) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Snapshot, AFailedOptimizerLoadChangesNothing) {
+  torch::manual_seed(0);
+  torch::nn::Linear model(5, 3);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  train_steps(model, optimizer, 0, 2);
+  auto good = ddp::optimizer_state_dict(optimizer);
+  // The second parameter's moment has the wrong shape.
+  auto bad = good.toGenericDict().copy();
+  auto state = bad.at("state").toGenericDict().copy();
+  auto second = state.at(int64_t{1}).toGenericDict().copy();
+  second.insert_or_assign("exp_avg", at::zeros({7}));
+  state.insert_or_assign(int64_t{1}, second);
+  bad.insert_or_assign("state", state);
+  auto groups = bad.at("param_groups").toListRef();
+  auto group = groups[0].toGenericDict().copy();
+  group.insert_or_assign("lr", 0.5);
+  c10::impl::GenericList new_groups(c10::AnyType::get());
+  new_groups.push_back(group);
+  bad.insert_or_assign("param_groups", new_groups);
+
+  auto message = error_of([&] { ddp::load_optimizer_state_dict(optimizer, bad); });
+  EXPECT_NE(message.find("'exp_avg' of parameter 1 has shape [7]"), std::string::npos) << message;
+  // Neither the learning rate nor any parameter's state changed.
+  auto& options = static_cast<torch::optim::AdamOptions&>(optimizer.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(options.lr(), 1e-3);
+  auto after = ddp::optimizer_state_dict(optimizer).toGenericDict().at("state").toGenericDict();
+  for (const auto& item : good.toGenericDict().at("state").toGenericDict()) {
+    EXPECT_TRUE(at::equal(item.value().toGenericDict().at("exp_avg").toTensor(),
+                          after.at(item.key()).toGenericDict().at("exp_avg").toTensor()));
+  }
+  // Loading SGD state into Adam names the cause.
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  train_steps(model, sgd, 0, 1);
+  message = error_of([&] { ddp::load_optimizer_state_dict(optimizer, ddp::optimizer_state_dict(sgd)); });
+  EXPECT_NE(message.find("different optimizer"), std::string::npos) << message;
+}
+
+}  // namespace
