@@ -123,7 +123,7 @@ void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group)
   std::string encoded = encode_all(mine);
   group.store().set(prefix + std::to_string(group.rank()), to_bytes(encoded));
 
-  at::Tensor hash = at::empty({1}, at::kLong);
+  at::Tensor hash = at::empty({1}, group.control_options().dtype(at::kLong));
   hash.fill_(static_cast<int64_t>(fnv1a(encoded)));
   auto hashes = group.all_gather(hash);
   std::vector<int> differing;
@@ -212,7 +212,7 @@ void DataParallelCore::shadow_step() {
 
 int Join::step() {
   TORCH_CHECK(!finished_, "ddp: Join::step() after finish()");
-  at::Tensor active = at::ones({1}, at::kInt);
+  at::Tensor active = at::ones({1}, group_.control_options().dtype(at::kInt));
   group_.all_reduce(active);
   ++steps_;
   return active.item<int>();
@@ -222,7 +222,7 @@ void Join::finish() {
   TORCH_CHECK(!finished_, "ddp: Join::finish() called twice");
   finished_ = true;
   while (true) {
-    at::Tensor active = at::zeros({1}, at::kInt);
+    at::Tensor active = at::zeros({1}, group_.control_options().dtype(at::kInt));
     group_.all_reduce(active);
     if (active.item<int>() == 0) break;
     core_.shadow_step();
@@ -230,9 +230,10 @@ void Join::finish() {
   }
   // The rank that trained longest holds the weights every step touched;
   // the highest such rank is the source for all.
-  at::Tensor longest = at::full({1}, steps_, at::kLong);
+  at::Tensor longest = at::full({1}, steps_, group_.control_options().dtype(at::kLong));
   group_.all_reduce(longest, c10d::ReduceOp::MAX);
-  at::Tensor source = at::full({1}, steps_ == longest.item<int64_t>() ? group_.rank() : -1, at::kLong);
+  at::Tensor source = at::full({1}, steps_ == longest.item<int64_t>() ? group_.rank() : -1,
+                               group_.control_options().dtype(at::kLong));
   group_.all_reduce(source, c10d::ReduceOp::MAX);
   detail::broadcast_module_state(core_.module(), group_, /*parameters=*/true, /*buffers=*/true,
                                  static_cast<int>(source.item<int64_t>()));

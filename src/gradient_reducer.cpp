@@ -267,7 +267,9 @@ void GradientReducer::finish_backward() {
     used_anywhere = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
     int32_t* data = used_anywhere.data_ptr<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) data[i] = used_locally_[i];
-    group_->all_reduce(used_anywhere);
+    at::Tensor sent = group_->to_control(used_anywhere);
+    group_->all_reduce(sent);
+    used_anywhere = sent.cpu();
   }
 
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -311,7 +313,7 @@ void GradientReducer::shadow_backward() {
     buckets_[b].reduced = comm_hook_->run(*group_, view);
   }
   if (options_.find_unused_parameters()) {
-    at::Tensor used_anywhere = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    at::Tensor used_anywhere = at::zeros({static_cast<int64_t>(params_.size())}, group_->control_options().dtype(at::kInt));
     group_->all_reduce(used_anywhere);
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -342,7 +344,9 @@ void GradientReducer::maybe_rebuild_buckets() {
     }
     std::copy(full.begin(), full.end(), order.data_ptr<int64_t>());
   }
-  group_->broadcast(order, 0);
+  at::Tensor sent = group_->to_control(order);
+  group_->broadcast(sent, 0);
+  order = sent.cpu();
   std::vector<size_t> visit(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n);
   auto rebuilt = compute_bucket_assignment(infos_of(params_), visit, mib_to_bytes(options_.first_bucket_cap_mb()),
                                            mib_to_bytes(options_.bucket_cap_mb()));

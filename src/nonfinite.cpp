@@ -13,10 +13,11 @@ NonFinitePolicy parse_nonfinite_policy(const std::string& name) {
 }
 
 std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group) {
-  at::Tensor flags = at::zeros({group.size()}, at::kInt);
+  at::Tensor flags = at::zeros({group.size()}, group.control_options().dtype(at::kInt));
   bool finite = at::isfinite(loss.detach()).all().item<bool>();
   flags[group.rank()] = finite ? 0 : 1;
   group.all_reduce(flags, c10d::ReduceOp::MAX);
+  flags = flags.cpu();
   std::vector<int> bad;
   const int32_t* data = flags.data_ptr<int32_t>();
   for (int r = 0; r < group.size(); ++r) {

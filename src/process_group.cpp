@@ -2,6 +2,7 @@
 
 #include "backends.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -162,6 +163,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
     kind = options.device().is_cuda() ? BackendKind::kNccl : BackendKind::kGloo;
   }
   group->backend_kind_ = kind;
+  // NCCL only moves CUDA tensors; make_nccl_backend selects the local GPU.
+  if (kind == BackendKind::kNccl) {
+    int devices = std::max<int>(1, at::detail::getCUDAHooks().deviceCount());
+    group->control_options_ =
+        at::TensorOptions().device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank % devices)));
+  } else {
+    group->control_options_ = at::TensorOptions().device(c10::kCPU);
+  }
 
   if (world.world_size == 1) {
     // One process: a private in-memory store; collectives are still real

@@ -425,13 +425,15 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
       if (skipped) skipped->push_back(std::string("ddp: cannot scan '") + dir + "' for snapshots: " + e.what());
     }
   }
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), group.control_options().dtype(at::kLong));
   group.broadcast(size, 0);
   int64_t n = size.item<int64_t>();
   if (n == 0) return std::nullopt;
   at::Tensor buffer = at::empty({n}, at::kByte);
   if (group.rank() == 0) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+  buffer = group.to_control(buffer);
   group.broadcast(buffer, 0);
+  buffer = buffer.cpu();
   if (group.rank() != 0) {
     auto* data = static_cast<const char*>(buffer.data_ptr());
     bytes.assign(data, data + n);

@@ -101,13 +101,14 @@ c10::IValue ZeroRedundancyOptimizer::consolidate_state_dict(int to_rank) {
   std::vector<char> bytes = serialize_value(state);
 
   // Gather the serialized shards: sizes first, then padded bytes.
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), group_->control_options().dtype(at::kLong));
   auto sizes = group_->all_gather(size);
   int64_t longest = 0;
   for (auto& s : sizes) longest = std::max(longest, s.item<int64_t>());
   at::Tensor padded = at::zeros({longest}, at::kByte);
   std::memcpy(padded.data_ptr(), bytes.data(), bytes.size());
-  auto shards = group_->all_gather(padded);
+  auto shards = group_->all_gather(group_->to_control(padded));
+  for (auto& shard : shards) shard = shard.cpu();
   if (group_->rank() != to_rank) return c10::IValue();
 
   c10::impl::GenericDict merged(c10::AnyType::get(), c10::AnyType::get());

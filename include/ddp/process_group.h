@@ -71,6 +71,11 @@ class ProcessGroup {
   const World& world() const { return world_; }           ///< where this process stands
   BackendKind backend() const { return backend_kind_; }   ///< gloo or nccl, never kAuto
   std::chrono::milliseconds timeout() const { return options_.timeout(); }  ///< of every collective
+  /// Where small bookkeeping tensors (flags, sizes, hashes) must live for
+  /// this backend's collectives: the CPU for Gloo, this rank's GPU for NCCL.
+  at::TensorOptions control_options() const { return control_options_; }
+  /// `tensor` moved to control_options()'s device, to send.
+  at::Tensor to_control(const at::Tensor& tensor) const { return tensor.to(control_options_.device()); }
 
   /// Starts an all-reduce of `tensor` in place and returns at once; call
   /// wait() on the result before reading `tensor`.
@@ -108,6 +113,7 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t store_prefixes_issued_ = 0;
+  at::TensorOptions control_options_;
 };
 
 /// Reads the world from the environment (see env.h) and creates its process
