@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 namespace ddp {
 namespace {
@@ -65,6 +66,33 @@ int listen_on(const std::string& host, int port) {
   return fd;
 }
 
+// Waits until rank 0 accepts connections, polling every 10 ms. The store's
+// client retries on its own too, but only once a second: ranks started a
+// moment before rank 0 listens would each lose up to a second.
+bool wait_for_master(const World& world, std::chrono::milliseconds timeout) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  std::string port_text = std::to_string(world.master_port);
+  if (getaddrinfo(world.master_addr.c_str(), port_text.c_str(), &hints, &result) != 0 || result == nullptr) {
+    return true;  // the store reports unresolvable addresses itself
+  }
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool connected = false;
+  while (!connected && std::chrono::steady_clock::now() < deadline) {
+    for (addrinfo* ai = result; ai != nullptr && !connected; ai = ai->ai_next) {
+      int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+      if (fd < 0) continue;
+      connected = connect(fd, ai->ai_addr, ai->ai_addrlen) == 0;
+      close(fd);
+    }
+    if (!connected) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  freeaddrinfo(result);
+  return connected;
+}
+
 c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(world.master_port);
@@ -76,6 +104,11 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, std::chrono::mill
   if (world.rank == 0) {
     listen_fd = listen_on(world.master_addr, world.master_port);
     store_options.masterListenFd = listen_fd;
+  } else {
+    TORCH_CHECK(wait_for_master(world, timeout), "ddp: rank ", world.rank, " cannot reach the master at ",
+                world.master_addr, ":", world.master_port, " within ", seconds_text(timeout),
+                ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and that no ",
+                "firewall blocks the port.");
   }
   try {
     return c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
