@@ -18,15 +18,6 @@ using namespace ddp::testing;
 
 namespace {
 
-std::vector<std::string> loss_lines(const std::string& out) {
-  std::vector<std::string> lines;
-  std::regex pattern("Epoch [0-9]+, Loss: [0-9.]+");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), pattern); it != std::sregex_iterator(); ++it) {
-    lines.push_back(it->str());
-  }
-  return lines;
-}
-
 bool have(const std::string& program) {
   return run_process({"sh", "-c", "command -v " + program}, one_rank({}, std::chrono::seconds(10))).exit_code == 0;
 }

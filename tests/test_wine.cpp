@@ -26,15 +26,6 @@ double accuracy_of(const std::string& out) {
   return std::stod(m[1]);
 }
 
-std::vector<std::string> loss_lines(const std::string& out) {
-  std::vector<std::string> lines;
-  std::regex pattern("Epoch [0-9]+, Loss: [0-9.]+");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), pattern); it != std::sregex_iterator(); ++it) {
-    lines.push_back(it->str());
-  }
-  return lines;
-}
-
 TEST(Wine, TwoRanksTrainCheckpointAndReachTheAccuracy) {
   auto dir = make_temp_dir();
   auto r = run_process(under_ddprun(2, "wine_ddp", {"100", "50", "--checkpoint-dir", dir}), one_rank({}));

@@ -5,6 +5,7 @@
 #include <support/subprocess.h>
 
 #include <algorithm>
+#include <regex>
 
 #include <string>
 #include <vector>
@@ -41,6 +42,16 @@ inline int count_of(const std::string& haystack, const std::string& needle) {
   int count = 0;
   for (size_t pos = haystack.find(needle); pos != std::string::npos; pos = haystack.find(needle, pos + 1)) ++count;
   return count;
+}
+
+/// The "Epoch E, Loss: X" lines a training program printed, in order.
+inline std::vector<std::string> loss_lines(const std::string& out) {
+  std::vector<std::string> lines;
+  std::regex pattern("Epoch [0-9]+, Loss: [0-9.]+");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), pattern); it != std::sregex_iterator(); ++it) {
+    lines.push_back(it->str());
+  }
+  return lines;
 }
 
 /// Whether two torch.save'd state dicts hold exactly equal tensors (the
