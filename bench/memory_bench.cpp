@@ -1,11 +1,18 @@
-// Per-rank memory of DDP against ZeRO-1 on a large model: bytes held for
-// parameters, gradients (with DDP's buckets) and optimizer state, and the
-// process's peak resident memory. Driver: bench/run_memory_bench.py.
+// Per-rank memory of DDP, ZeRO-1 and FSDP on a large model: bytes held for
+// parameters, gradients (with DDP's buckets) and optimizer state between
+// steps, the process's peak resident memory, and the median step time.
+// Driver: bench/run_memory_bench.py.
 //
-//   ddprun --standalone --nproc-per-node 2 memory_bench --strategy zero1
+//   ddprun --standalone --nproc-per-node 2 memory_bench --strategy fsdp-full
+//
+// --strategy collectives times Gloo's all-reduce, reduce-scatter and
+// all-gather of one layer's worth of floats instead: what FSDP's
+// communication costs next to DDP's.
 
 #include <ddp/distributed_data_parallel.h>
+#include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
+#include <ddp/ring_collectives.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -18,6 +25,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -37,12 +45,52 @@ int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   return bytes;
 }
 
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0.0 : values[values.size() / 2];
+}
+
+// Median milliseconds of all-reduce, reduce-scatter and all-gather moving
+// `numel` floats per rank (reduce-scatter's input and all-gather's output are
+// the full `numel`, as FSDP uses them).
+int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_t numel, int64_t repeats) {
+  ddp::ProcessGroup& group = *group_ptr;
+  const int64_t world = group.size();
+  numel = numel / world * world;
+  at::Tensor full = at::randn({numel});
+  at::Tensor part = at::randn({numel / world});
+  auto time = [&](auto&& collective) {
+    std::vector<double> ms;
+    for (int64_t i = 0; i < repeats; ++i) {
+      group.barrier();
+      auto start = std::chrono::steady_clock::now();
+      collective();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    return median(ms);
+  };
+  double all_reduce = time([&] { group.all_reduce(full); });
+  double reduce_scatter = time([&] { group.wait(group.reduce_scatter_async(part, full), "reduce_scatter"); });
+  double all_gather = time([&] { group.wait(group.all_gather_into_async(full, part), "all_gather"); });
+  ddp::RingCollectives ring(group_ptr);
+  double ring_reduce_scatter = time([&] { ring.reduce_scatter(part, full).wait(); });
+  double ring_all_gather = time([&] { ring.all_gather(full, part).wait(); });
+  std::printf("{\"strategy\":\"collectives\",\"world\":%d,\"rank\":%d,\"numel\":%lld,\"all_reduce_ms\":%.2f,"
+              "\"reduce_scatter_ms\":%.2f,\"all_gather_ms\":%.2f,\"ring_reduce_scatter_ms\":%.2f,"
+              "\"ring_all_gather_ms\":%.2f}\n",
+              group.size(), group.rank(), static_cast<long long>(numel), all_reduce, reduce_scatter, all_gather,
+              ring_reduce_scatter, ring_all_gather);
+  std::fflush(stdout);
+  group.barrier();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     std::string strategy = "ddp";
-    int64_t width = 2560, layers = 8, steps = 3;
+    int64_t width = 2560, layers = 8, steps = 5;
     for (int i = 1; i + 1 < argc; i += 2) {
       std::string k = argv[i], v = argv[i + 1];
       if (k == "--strategy") strategy = v;
@@ -51,17 +99,35 @@ int main(int argc, char** argv) {
       else if (k == "--steps") steps = std::stoll(v);
       else throw std::invalid_argument("unknown flag " + k);
     }
-    if (strategy != "ddp" && strategy != "zero1") throw std::invalid_argument("--strategy must be ddp or zero1");
+    const bool is_fsdp = strategy == "fsdp-full" || strategy == "fsdp-grad-op";
+    if (strategy != "ddp" && strategy != "zero1" && !is_fsdp && strategy != "collectives") {
+      throw std::invalid_argument("--strategy must be ddp, zero1, fsdp-full, fsdp-grad-op or collectives");
+    }
     at::set_num_threads(1);
     auto group = ddp::init_process_group();
+    if (strategy == "collectives") return time_collectives(group, width * width, 2 * steps + 1);
     torch::manual_seed(0);
     torch::nn::Sequential net;
     for (int64_t l = 0; l < layers; ++l) net->push_back(torch::nn::Linear(width, width));
-    ddp::DistributedDataParallel<torch::nn::Sequential> model(net, group);
-    auto params = model->parameters();
+    // One FSDP unit per layer: at most two layers (the running one and the
+    // prefetched one) are ever gathered.
+    std::unique_ptr<ddp::DistributedDataParallel<torch::nn::Sequential>> ddp_model;
+    std::unique_ptr<ddp::FullyShardedDataParallel<torch::nn::Sequential>> fsdp_model;
+    std::vector<at::Tensor> params;
+    if (is_fsdp) {
+      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(
+          net, group,
+          ddp::FSDPOptions().min_num_params(1).sharding_strategy(
+              strategy == "fsdp-full" ? ddp::ShardingStrategy::kFullShard : ddp::ShardingStrategy::kShardGradOp));
+      params = fsdp_model->parameters();
+    } else {
+      ddp_model = std::make_unique<ddp::DistributedDataParallel<torch::nn::Sequential>>(net, group);
+      params = (*ddp_model)->parameters();
+    }
+    auto forward = [&](const at::Tensor& x) { return is_fsdp ? fsdp_model->forward(x) : ddp_model->forward(x); };
     std::unique_ptr<torch::optim::Optimizer> full;
     std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero;
-    if (strategy == "ddp") {
+    if (strategy != "zero1") {
       full = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
     } else {
       zero = std::make_unique<ddp::ZeroRedundancyOptimizer>(params, group, [](std::vector<at::Tensor> shard) {
@@ -71,22 +137,32 @@ int main(int argc, char** argv) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>(group->rank());
     at::Tensor x = at::randn({8, width}, generator);
     at::Tensor y = at::randint(0, width, {8}, generator, at::kLong);
-    double step_ms = 0;
+    std::vector<double> step_ms;
     for (int64_t s = 0; s < steps; ++s) {
+      group->barrier();
       auto start = std::chrono::steady_clock::now();
       if (full) full->zero_grad(); else zero->zero_grad();
-      torch::nn::functional::cross_entropy(model.forward(x), y).backward();
+      torch::nn::functional::cross_entropy(forward(x), y).backward();
       if (full) full->step(); else zero->step();
-      step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      // The first step allocates optimizer state: not a typical step.
+      if (s > 0) {
+        step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
     }
     int64_t param_bytes = 0, grad_bytes = 0, bucket_bytes = 0, numel = 0;
-    for (auto& p : params) {
-      param_bytes += static_cast<int64_t>(p.nbytes());
-      numel += p.numel();
-      if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
-    }
-    for (size_t b = 0; b < model.reducer().bucket_assignment().size(); ++b) {
-      bucket_bytes += static_cast<int64_t>(model.reducer().bucket_buffer(b).nbytes());
+    for (auto& p : net->parameters()) numel += p.numel();
+    if (is_fsdp) {
+      auto held = fsdp_model->memory();
+      param_bytes = held.parameter_bytes;
+      grad_bytes = held.gradient_bytes;
+    } else {
+      for (auto& p : params) {
+        param_bytes += static_cast<int64_t>(p.nbytes());
+        if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+      }
+      for (size_t b = 0; b < ddp_model->reducer().bucket_assignment().size(); ++b) {
+        bucket_bytes += static_cast<int64_t>(ddp_model->reducer().bucket_buffer(b).nbytes());
+      }
     }
     int64_t optimizer_bytes = optimizer_state_bytes(full ? *full : zero->local_optimizer());
     rusage usage{};
@@ -94,11 +170,11 @@ int main(int argc, char** argv) {
     // Every rank reports; the driver keeps the largest.
     std::printf("{\"strategy\":\"%s\",\"world\":%d,\"rank\":%d,\"parameters\":%lld,\"param_bytes\":%lld,"
                 "\"grad_bytes\":%lld,\"bucket_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_rss_bytes\":%lld,"
-                "\"last_step_ms\":%.1f}\n",
+                "\"step_ms\":%.1f}\n",
                 strategy.c_str(), group->size(), group->rank(), static_cast<long long>(numel),
                 static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
                 static_cast<long long>(bucket_bytes), static_cast<long long>(optimizer_bytes),
-                static_cast<long long>(usage.ru_maxrss) * 1024, step_ms);
+                static_cast<long long>(usage.ru_maxrss) * 1024, median(step_ms));
     std::fflush(stdout);
     group->barrier();
   } catch (const c10::Error& e) {

@@ -4,7 +4,9 @@
 #
 # The wheel's TorchConfig.cmake is used when the CUDA toolkit is installed,
 # since the CUDA wheel's config requires it. Without a toolkit we describe the
-# CPU libraries ourselves, so a machine without CUDA still builds ddp for CPU.
+# libraries ourselves: the CPU ones always, so a machine without CUDA still
+# builds ddp for CPU, and the CUDA ones too when the wheel is a CUDA build
+# that ships its CUDA and NCCL headers (GPU machines without a toolkit).
 
 #
 # An installed ddp package presets DDP_TORCH_CMAKE_PREFIX to the torch it was
@@ -51,7 +53,6 @@ if(CUDAToolkit_FOUND AND NOT DDP_FORCE_CPU_TORCH)
     message(STATUS "ddp: NCCL backend enabled (nccl.h in ${DDP_NCCL_INCLUDE_DIR})")
   endif()
 else()
-  message(STATUS "ddp: no CUDA toolkit; building the CPU path only (gloo)")
   foreach(_lib torch torch_cpu c10)
     add_library(ddp_imported_${_lib} SHARED IMPORTED)
     set_target_properties(ddp_imported_${_lib} PROPERTIES
@@ -61,5 +62,41 @@ else()
   target_link_libraries(ddp_torch INTERFACE ddp_imported_torch_cpu ddp_imported_c10)
   target_include_directories(ddp_torch SYSTEM INTERFACE
     "${DDP_TORCH_ROOT}/include" "${DDP_TORCH_ROOT}/include/torch/csrc/api/include")
+
+  # GPU machines often have the driver and pip's CUDA torch but no toolkit.
+  # The CUDA wheel brings the CUDA and NCCL headers (nvidia/*/include) and
+  # libraries; they are enough for the NCCL backend, and linking torch_cuda
+  # is what registers CUDA with torch at run time.
+  if(EXISTS "${DDP_TORCH_ROOT}/lib/libtorch_cuda.so" AND NOT DDP_FORCE_CPU_TORCH)
+    get_filename_component(_ddp_nvidia "${DDP_TORCH_ROOT}/../nvidia" ABSOLUTE)
+    file(GLOB _ddp_wheel_includes LIST_DIRECTORIES true "${_ddp_nvidia}/*/include")
+    file(GLOB _ddp_wheel_libs LIST_DIRECTORIES true "${_ddp_nvidia}/*/lib")
+    find_path(DDP_CUDA_WHEEL_INCLUDE_DIR cuda_runtime_api.h HINTS ${_ddp_wheel_includes} NO_DEFAULT_PATH)
+    find_path(DDP_NCCL_INCLUDE_DIR nccl.h HINTS ${_ddp_wheel_includes} NO_DEFAULT_PATH)
+    if(DDP_CUDA_WHEEL_INCLUDE_DIR AND DDP_NCCL_INCLUDE_DIR)
+      foreach(_lib torch_cuda c10_cuda)
+        add_library(ddp_imported_${_lib} SHARED IMPORTED)
+        set_target_properties(ddp_imported_${_lib} PROPERTIES
+          IMPORTED_LOCATION "${DDP_TORCH_ROOT}/lib/lib${_lib}.so")
+      endforeach()
+      # Named as TorchConfig names it: CMakeLists.txt reads its definitions.
+      add_library(torch_cuda INTERFACE IMPORTED)
+      set_target_properties(torch_cuda PROPERTIES INTERFACE_COMPILE_DEFINITIONS "USE_C10D_NCCL")
+      add_library(ddp_torch_cuda INTERFACE)
+      target_link_libraries(ddp_torch_cuda INTERFACE ddp_imported_torch_cuda ddp_imported_c10_cuda)
+      target_include_directories(ddp_torch_cuda SYSTEM INTERFACE "${DDP_CUDA_WHEEL_INCLUDE_DIR}")
+      # libtorch_cuda finds the wheel's CUDA libraries through its RUNPATH at
+      # run time; the linker needs to be told where they are.
+      foreach(_dir ${_ddp_wheel_libs})
+        target_link_options(ddp_torch_cuda INTERFACE "LINKER:-rpath-link,${_dir}")
+      endforeach()
+      set(DDP_WITH_NCCL ON)
+      message(STATUS "ddp: no CUDA toolkit, but torch's CUDA wheel: NCCL backend enabled "
+                     "(CUDA headers in ${DDP_CUDA_WHEEL_INCLUDE_DIR}, nccl.h in ${DDP_NCCL_INCLUDE_DIR})")
+    endif()
+  endif()
+  if(NOT DDP_WITH_NCCL)
+    message(STATUS "ddp: no CUDA toolkit; building the CPU path only (gloo)")
+  endif()
 endif()
 set(DDP_WITH_NCCL ${DDP_WITH_NCCL} CACHE INTERNAL "")

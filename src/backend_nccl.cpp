@@ -18,16 +18,19 @@ bool nccl_available() {
 }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const World& world,
+                                                    const World& world, const c10::Device& device,
                                                     std::chrono::milliseconds timeout) {
 #ifdef DDP_WITH_NCCL
-  int devices = c10::cuda::device_count();
-  TORCH_CHECK(devices > 0, "ddp: the NCCL backend needs a CUDA device, but none is visible ",
-              "(check CUDA_VISIBLE_DEVICES); use the gloo backend for CPU training");
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(world.local_rank % devices));
+  TORCH_CHECK(device.is_cuda() && device.has_index(), "ddp: the NCCL backend needs a CUDA device with an index, got ",
+              device.str());
+  c10::cuda::set_device(device.index());
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, world.rank, world.world_size, options);
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, world.rank, world.world_size, options);
+  // Tells the backend which GPU is this rank's, so a barrier (or any call
+  // before the first collective) does not have to guess it from the rank.
+  backend->setBoundDeviceId(device);
+  return backend;
 #else
   TORCH_CHECK(false, "ddp: this build of ddp has no NCCL support (no CUDA toolkit or nccl.h was ",
               "found when it was configured); use the gloo backend or rebuild with CUDA");

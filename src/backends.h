@@ -16,8 +16,10 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
                                                     const World& world,
                                                     std::chrono::milliseconds timeout);
 
+/// An NCCL backend whose rank works on `device` (a CUDA device with an
+/// index), which becomes the current device.
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const World& world,
+                                                    const World& world, const c10::Device& device,
                                                     std::chrono::milliseconds timeout);
 
 /// Whether this build of ddp can create NCCL process groups.

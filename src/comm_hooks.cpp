@@ -16,6 +16,10 @@ class CompressHook : public CommHook {
  public:
   explicit CompressHook(at::ScalarType wire_dtype) : wire_dtype_(wire_dtype) {}
 
+  // Nothing here assumes the CPU. On CUDA the cast is queued on the current
+  // stream before the collective (which NCCL's stream waits for), and the
+  // decompression runs in then(), whose CUDA futures order it after the
+  // collective by events, without blocking the host.
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
     at::Tensor compressed = bucket.buffer().to(wire_dtype_);
     at::Tensor buffer = bucket.buffer();

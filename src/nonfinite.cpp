@@ -14,8 +14,10 @@ NonFinitePolicy parse_nonfinite_policy(const std::string& name) {
 
 std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group) {
   at::Tensor flags = at::zeros({group.size()}, group.control_options().dtype(at::kInt));
-  bool finite = at::isfinite(loss.detach()).all().item<bool>();
-  flags[group.rank()] = finite ? 0 : 1;
+  // The flag is computed where the loss lives and copied into place: for a
+  // GPU loss under NCCL nothing here waits for the GPU (the list is read on
+  // the host below, once the all-reduce is done).
+  flags.select(0, group.rank()).copy_(at::isfinite(loss.detach()).all().logical_not());
   group.all_reduce(flags, c10d::ReduceOp::MAX);
   flags = flags.cpu();
   std::vector<int> bad;

@@ -2,7 +2,8 @@
 
 #include "backends.h"
 
-#include <ATen/detail/CUDAHooksInterface.h>
+#include <ddp/device.h>
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -148,7 +149,28 @@ void check_run_id(c10d::Store& store, const World& world, const std::string& run
               "(ddprun --rdzv-id, or DDP_RUN_ID).");
 }
 
+// The GPU an NCCL rank uses: the one the caller chose, else its local
+// rank's. Checked before rendezvous, so a missing GPU fails with its cause.
+c10::Device nccl_device(const World& world, const c10::Device& requested) {
+  TORCH_CHECK(detail::nccl_available(), "ddp: this build of ddp has no NCCL support (no CUDA headers or nccl.h ",
+              "were found when it was configured); use the gloo backend or rebuild with CUDA");
+  int devices = visible_cuda_devices();
+  TORCH_CHECK(devices > 0, "ddp: the NCCL backend needs a CUDA device, but none is visible ",
+              "(check CUDA_VISIBLE_DEVICES); use the gloo backend for CPU training");
+  if (requested.is_cuda() && requested.has_index()) {
+    TORCH_CHECK(requested.index() < devices, "ddp: NCCL was asked to use ", requested.str(), " but only ", devices,
+                " CUDA device(s) are visible");
+    return requested;
+  }
+  return device_for_local_rank(world.local_rank, devices, DeviceOptions().kind(DeviceKind::kCuda));
+}
+
 }  // namespace
+
+BackendKind resolve_backend(BackendKind backend, const c10::Device& device) {
+  if (backend != BackendKind::kAuto) return backend;
+  return device.is_cuda() ? BackendKind::kNccl : BackendKind::kGloo;
+}
 
 std::string default_run_id() {
   for (const char* name : {"DDP_RUN_ID", "TORCHELASTIC_RUN_ID"}) {
@@ -191,19 +213,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->world_ = world;
   group->options_ = options;
-  BackendKind kind = options.backend();
-  if (kind == BackendKind::kAuto) {
-    kind = options.device().is_cuda() ? BackendKind::kNccl : BackendKind::kGloo;
-  }
+  BackendKind kind = resolve_backend(options.backend(), options.device());
   group->backend_kind_ = kind;
-  // NCCL only moves CUDA tensors; make_nccl_backend selects the local GPU.
-  if (kind == BackendKind::kNccl) {
-    int devices = std::max<int>(1, at::detail::getCUDAHooks().deviceCount());
-    group->control_options_ =
-        at::TensorOptions().device(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(world.local_rank % devices)));
-  } else {
-    group->control_options_ = at::TensorOptions().device(c10::kCPU);
-  }
+  // NCCL only moves tensors on its GPU, so small bookkeeping tensors live
+  // there too; Gloo's live on the CPU.
+  c10::Device device(c10::kCPU);
+  if (kind == BackendKind::kNccl) device = nccl_device(world, options.device());
+  group->control_options_ = at::TensorOptions().device(device);
 
   if (world.world_size == 1) {
     // One process: a private in-memory store; collectives are still real
@@ -218,7 +234,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   }
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
   group->backend_ = kind == BackendKind::kNccl
-                        ? detail::make_nccl_backend(backend_store, world, options.timeout())
+                        ? detail::make_nccl_backend(backend_store, world, device, options.timeout())
                         : detail::make_gloo_backend(backend_store, world, options.timeout());
   return group;
 }
@@ -242,7 +258,15 @@ void ProcessGroup::shutdown() {
 
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const {
   try {
-    work->wait(options_.timeout());
+    if (backend_kind_ == BackendKind::kNccl) {
+      // NCCL's wait() with a timeout spins the host until the GPU is done;
+      // without one it only makes the current stream wait on the
+      // collective's event. The communicator's watchdog already enforces
+      // options_.timeout() (set in make_nccl_backend).
+      work->wait();
+    } else {
+      work->wait(options_.timeout());
+    }
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ddp: ", operation, " failed on rank ", world_.rank, " of ",
                 world_.world_size, " (timeout ", seconds_text(options_.timeout()),
@@ -282,6 +306,38 @@ std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
   opts.timeout = options_.timeout();
   wait(backend_->allgather(outputs, inputs, opts), "all_gather");
   return outputs[0];
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& output, at::Tensor& input) {
+  TORCH_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
+  TORCH_CHECK(output.numel() == input.numel() * size(), "ddp: all_gather_into needs an output of ", size(),
+              " x ", input.numel(), " elements, got ", output.numel());
+  c10d::AllgatherOptions opts;
+  opts.timeout = options_.timeout();
+  return backend_->_allgather_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& output, at::Tensor& input,
+                                                                  c10d::ReduceOp op) {
+  TORCH_CHECK(backend_, "ddp: reduce_scatter on a process group that was shut down");
+  TORCH_CHECK(input.numel() == output.numel() * size(), "ddp: reduce_scatter needs an input of ", size(),
+              " x ", output.numel(), " elements, got ", input.numel());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op;
+  opts.timeout = options_.timeout();
+  return backend_->_reduce_scatter_base(output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::send_async(at::Tensor& tensor, int to, int tag) {
+  TORCH_CHECK(backend_, "ddp: send on a process group that was shut down");
+  std::vector<at::Tensor> tensors{tensor};
+  return backend_->send(tensors, to, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::recv_async(at::Tensor& tensor, int from, int tag) {
+  TORCH_CHECK(backend_, "ddp: recv on a process group that was shut down");
+  std::vector<at::Tensor> tensors{tensor};
+  return backend_->recv(tensors, from, tag);
 }
 
 void ProcessGroup::barrier() {

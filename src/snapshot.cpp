@@ -340,12 +340,16 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IV
 
 Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
                           int64_t step) {
+  return capture_snapshot(state_dict(model), optimizer_state_dict(optimizer), epoch, step);
+}
+
+Snapshot capture_snapshot(StateDict model, c10::IValue optimizer, int64_t epoch, int64_t step) {
   Snapshot s;
   s.epoch = epoch;
   s.step = step;
   s.sampler_epoch = epoch + 1;
-  s.model = state_dict(model);
-  s.optimizer = optimizer_state_dict(optimizer);
+  s.model = std::move(model);
+  s.optimizer = std::move(optimizer);
   s.rng_state = at::detail::getDefaultCPUGenerator().get_state();
   return s;
 }
@@ -353,6 +357,10 @@ Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimize
 void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   load_state_dict(model, snapshot.model);
   load_optimizer_state_dict(optimizer, snapshot.optimizer);
+  restore_rng_state(snapshot);
+}
+
+void restore_rng_state(const Snapshot& snapshot) {
   if (snapshot.rng_state.defined() && snapshot.rng_state.numel() > 0) {
     at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
     generator.set_state(snapshot.rng_state);

@@ -140,3 +140,36 @@ c10::IValue ZeroRedundancyOptimizer::consolidate_state_dict(int to_rank) {
 }
 
 }  // namespace ddp
+
+namespace ddp {
+
+void ZeroRedundancyOptimizer::load_state_dict(const c10::IValue& full) {
+  TORCH_CHECK(full.isGenericDict() && full.toGenericDict().contains("state") &&
+                  full.toGenericDict().contains("param_groups"),
+              "ddp: ZeroRedundancyOptimizer::load_state_dict needs a dict with 'state' and 'param_groups', as "
+              "consolidate_state_dict() returns");
+  auto dict = full.toGenericDict();
+  auto groups = dict.at("param_groups").toListRef();
+  TORCH_CHECK(groups.size() == 1, "ddp: ZeroRedundancyOptimizer loads one parameter group, got ", groups.size());
+  auto group = groups.at(0).toGenericDict().copy();
+  TORCH_CHECK(group.at("params").toListRef().size() == params_.size(), "ddp: the optimizer state has ",
+              group.at("params").toListRef().size(), " parameters but this optimizer has ", params_.size());
+  // This rank's entries, re-keyed from global indices to shard positions.
+  auto full_state = dict.at("state").toGenericDict();
+  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+  c10::impl::GenericList positions(c10::AnyType::get());
+  for (size_t position = 0; position < local_indices_.size(); ++position) {
+    positions.push_back(static_cast<int64_t>(position));
+    auto it = full_state.find(static_cast<int64_t>(local_indices_[position]));
+    if (it != full_state.end()) state.insert(static_cast<int64_t>(position), it->value());
+  }
+  group.insert_or_assign("params", positions);
+  c10::impl::GenericList local_groups(c10::AnyType::get());
+  local_groups.push_back(group);
+  c10::impl::GenericDict local(c10::AnyType::get(), c10::AnyType::get());
+  local.insert("state", state);
+  local.insert("param_groups", local_groups);
+  load_optimizer_state_dict(*local_, local);
+}
+
+}  // namespace ddp

@@ -324,3 +324,44 @@ TEST(Wine, MetricsFileHasOneLinePerEpochAndContinuesAfterAResume) {
 }
 
 }  // namespace
+
+namespace {
+
+// --strategy changes who holds what, not the arithmetic: every strategy
+// writes the same checkpoints (same keys, same values), and a run resumes
+// from a snapshot written under another strategy.
+TEST(Wine, EveryStrategyTrainsTheSameModelAndWritesTheSameCheckpoints) {
+  auto dir = make_temp_dir();
+  std::vector<std::string> strategies = {"ddp", "zero1", "fsdp-full", "fsdp-grad-op"};
+  std::vector<std::string> losses;
+  for (const auto& strategy : strategies) {
+    fs::create_directories(dir + "/" + strategy);
+    auto r = run_process(
+        under_ddprun(2, "wine_ddp", {"12", "6", "--strategy", strategy, "--checkpoint-dir", dir + "/" + strategy}),
+        one_rank({}));
+    ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.describe();
+    if (losses.empty()) losses = loss_lines(r.out);
+    EXPECT_EQ(loss_lines(r.out), losses) << strategy;
+    for (const char* name : {"model_0.pt", "model_6.pt", "model_final.pt"}) {
+      EXPECT_EQ(compare_state_dicts(dir + "/ddp/" + name, dir + "/" + strategy + "/" + name), "identical")
+          << strategy << " " << name;
+    }
+  }
+  EXPECT_EQ(losses.size(), 12u);
+
+  // Half a run under FULL_SHARD, the rest under ZeRO-1: DDP's result.
+  fs::create_directories(dir + "/mixed");
+  auto first = run_process(
+      under_ddprun(2, "wine_ddp", {"6", "6", "--strategy", "fsdp-full", "--checkpoint-dir", dir + "/mixed"}),
+      one_rank({}));
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  auto rest = run_process(
+      under_ddprun(2, "wine_ddp", {"12", "6", "--strategy", "zero1", "--checkpoint-dir", dir + "/mixed"}),
+      one_rank({}));
+  ASSERT_EQ(rest.exit_code, 0) << rest.describe();
+  EXPECT_NE(rest.out.find("Resuming after epoch 5"), std::string::npos) << rest.out;
+  EXPECT_EQ(compare_state_dicts(dir + "/ddp/model_final.pt", dir + "/mixed/model_final.pt"), "identical");
+  fs::remove_all(dir);
+}
+
+}  // namespace

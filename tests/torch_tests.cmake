@@ -39,3 +39,38 @@ target_link_libraries(ddp_cluster_tests PRIVATE ddp_test_support GTest::gtest_ma
 add_dependencies(ddp_cluster_tests ddprun wine_ddp)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
+
+# FSDP and ZeRO against DDP, checkpoint round trips (driven by test_fsdp.cpp).
+add_executable(fsdp_worker workers/fsdp_worker.cpp)
+target_link_libraries(fsdp_worker PRIVATE ddp::ddp)
+target_precompile_headers(fsdp_worker REUSE_FROM ddp)
+
+# ---------------------------------------------------------------------------
+# The GPU path: device selection, GradScaler and autocast (unit tests on the
+# CPU), their multi-process scenarios over gloo, the GPT benchmarks at a tiny
+# size, and the tests that need CUDA (label "gpu"; each skips without it).
+add_executable(gpu_worker workers/gpu_worker.cpp)
+target_link_libraries(gpu_worker PRIVATE ddp::ddp)
+target_precompile_headers(gpu_worker REUSE_FROM ddp)
+
+target_sources(ddp_unit_tests PRIVATE test_device.cpp test_grad_scaler.cpp)
+
+add_executable(ddp_gpu_path_process_tests test_gpu_path_processes.cpp)
+target_link_libraries(ddp_gpu_path_process_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_gpu_path_process_tests gpu_worker ddprun)
+if(TARGET gpt_bench)
+  add_dependencies(ddp_gpu_path_process_tests gpt_bench)
+endif()
+gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
+                     DISCOVERY_MODE PRE_TEST)
+
+add_executable(ddp_gpu_tests test_gpu.cpp)
+target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_gpu_tests REUSE_FROM ddp)
+add_dependencies(ddp_gpu_tests gpu_worker ddprun)
+gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
+add_executable(ddp_fsdp_tests test_fsdp.cpp)
+target_link_libraries(ddp_fsdp_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_fsdp_tests fsdp_worker ddprun)
+gtest_discover_tests(ddp_fsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST)

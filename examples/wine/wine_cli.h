@@ -24,6 +24,8 @@ struct Args {
   bool resume = true;  // continue from the newest snapshot in checkpoint_dir
   std::string on_nonfinite = "abort";  // or "skip" (wine_ddp)
   std::string metrics;                 // JSON lines per epoch (wine_ddp)
+  std::string strategy = "ddp";        // ddp, zero1, fsdp-full, fsdp-grad-op (wine_ddp)
+  std::string device = "cpu";          // cpu, cuda or auto
 };
 
 struct UsageError : std::runtime_error {
@@ -45,6 +47,10 @@ inline void print_usage(const char* program) {
             << "                         step on every rank (default abort; wine_ddp only)\n"
             << "  --metrics FILE         write one JSON line per epoch to FILE (wine_ddp only;\n"
             << "                         default none)\n"
+            << "  --strategy NAME        ddp (default), zero1 (Adam's state sharded), fsdp-full or\n"
+            << "                         fsdp-grad-op (FullyShardedDataParallel; wine_ddp only)\n"
+            << "  --device cpu|cuda|auto train on the CPU (default), on this rank's GPU (cuda:LOCAL_RANK,\n"
+            << "                         NCCL for wine_ddp), or on the GPU when there is one\n"
             << "  -h, --help             show this help\n";
 }
 
@@ -87,6 +93,18 @@ inline Args parse_args(int argc, char** argv) {
       args.resume = false;
     } else if (arg == "--metrics") {
       args.metrics = value();
+    } else if (arg == "--strategy") {
+      std::string strategy = value();
+      if (strategy != "ddp" && strategy != "zero1" && strategy != "fsdp-full" && strategy != "fsdp-grad-op") {
+        throw UsageError("--strategy must be ddp, zero1, fsdp-full or fsdp-grad-op, got '" + strategy + "'");
+      }
+      args.strategy = strategy;
+    } else if (arg == "--device") {
+      std::string device = value();
+      if (device != "cpu" && device != "cuda" && device != "auto") {
+        throw UsageError("--device must be cpu, cuda or auto, got '" + device + "'");
+      }
+      args.device = device;
     } else if (arg == "--on-nonfinite") {
       std::string policy = value();
       if (policy != "abort" && policy != "skip") throw UsageError("--on-nonfinite must be abort or skip, got '" + policy + "'");

@@ -7,11 +7,12 @@
 // ddp::init_process_group() reads whichever launcher's variables are set.
 
 #include "simple_nn.h"
+#include "strategies.h"
 #include "wine_cli.h"
 #include "wine_data.h"
 
 #include <ddp/checkpoint.h>
-#include <ddp/distributed_data_parallel.h>
+#include <ddp/device.h>
 #include <ddp/distributed_sampler.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
@@ -19,7 +20,6 @@
 #include <ddp/snapshot.h>
 
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/adam.h>
 #include <torch/utils.h>
 
 #include <cstdio>
@@ -39,8 +39,12 @@ int main(int argc, char** argv) {
     // Fail now rather than after the first epoch's training.
     TORCH_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
                 args.checkpoint_dir, "' does not exist; create it or pass --checkpoint-dir");
+    // This rank's device: the CPU, or with --device cuda the GPU of its local
+    // rank (and then NCCL).
+    const c10::Device device =
+        ddp::init_device(ddp::world_from_env(), ddp::DeviceOptions().kind(ddp::parse_device_kind(args.device)));
     // Join the job: rendezvous with the other ranks through MASTER_ADDR:PORT.
-    auto group = ddp::init_process_group();
+    auto group = ddp::init_process_group(ddp::ProcessGroupOptions().device(device));
     const bool is_master = group->rank() == 0;
     const auto nonfinite_policy = ddp::parse_nonfinite_policy(args.on_nonfinite);
 
@@ -52,20 +56,29 @@ int main(int argc, char** argv) {
       data = {wine::read_csv(args.train_csv), wine::read_csv(args.test_csv)};
     }
     wine::standardize(data.train, data.test);
+    for (auto* set : {&data.train, &data.test}) {
+      set->features = set->features.to(device);
+      set->labels = set->labels.to(device);
+    }
 
     torch::manual_seed(42);
     wine::SimpleNN model;
     if (!args.init_state.empty()) {
       ddp::load_state_dict(*model, ddp::load_state_dict(args.init_state));
     }
+    model->to(device);
+    // Checks the replicas match, copies rank 0's weights to every rank and
+    // builds Adam: see strategies.h for what each --strategy holds where.
+    auto strategy = wine::make_strategy(args.strategy, model, group);
+    // Every rank evaluates (36 samples cost nothing): FSDP needs all ranks to
+    // gather the full model.
     auto test_accuracy = [&] {
-      torch::NoGradGuard no_grad;
-      at::Tensor predicted = model->forward(data.test.features).argmax(1);
-      return predicted.eq(data.test.labels).to(at::kDouble).mean().item<double>();
+      return strategy->with_full_model([&] {
+        torch::NoGradGuard no_grad;
+        at::Tensor predicted = model->forward(data.test.features).argmax(1);
+        return predicted.eq(data.test.labels).to(at::kDouble).mean().item<double>();
+      });
     };
-    // Checks the replicas match and copies rank 0's weights to every rank.
-    ddp::DistributedDataParallel<wine::SimpleNN> ddp_model(model, group);
-    torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3));
 
     // Each rank sees its own 1/world_size of every epoch.
     ddp::DistributedSampler sampler(
@@ -82,7 +95,7 @@ int main(int argc, char** argv) {
         if (is_master) std::fprintf(stderr, "warning: skipping a snapshot: %s\n", why.c_str());
       }
       if (snapshot) {
-        ddp::restore_snapshot(*snapshot, *model, optimizer);
+        strategy->restore(*snapshot);
         first_epoch = snapshot->sampler_epoch;
         step = snapshot->step;
         if (is_master) std::printf("Resuming after epoch %lld from %s\n", static_cast<long long>(snapshot->epoch),
@@ -101,17 +114,17 @@ int main(int argc, char** argv) {
       double total_loss = 0;
       int64_t batches = 0;
       for (const auto& batch : ddp::make_batches(sampler.indices(), args.batch_size)) {
-        at::Tensor idx = at::tensor(batch, at::kLong);
-        optimizer.zero_grad();
+        at::Tensor idx = at::tensor(batch, at::kLong).to(device);
+        strategy->zero_grad();
         at::Tensor loss = torch::nn::functional::cross_entropy(
-            ddp_model.forward(data.train.features.index_select(0, idx)), data.train.labels.index_select(0, idx));
+            strategy->forward(data.train.features.index_select(0, idx)), data.train.labels.index_select(0, idx));
         // All ranks agree on a NaN anywhere, so they skip or stop together.
         if (!ddp::check_loss_is_finite(loss, *group, nonfinite_policy,
                                        "epoch " + std::to_string(epoch) + ", step " + std::to_string(step))) {
           continue;
         }
         loss.backward();  // returns with gradients averaged across ranks
-        optimizer.step();
+        strategy->step();
         ++step;
         total_loss += loss.item<double>();
         ++batches;
@@ -123,28 +136,36 @@ int main(int argc, char** argv) {
       group->all_reduce(mean_loss);
       double epoch_loss = mean_loss.item<double>() / group->size();
 
+      // 36 test samples: measuring them every epoch costs next to nothing.
+      const double accuracy = args.metrics.empty() ? 0.0 : test_accuracy();
+      // Gathering the model and Adam's state takes every rank (FSDP, ZeRO);
+      // rank 0 writes them.
+      const bool save_model = epoch % args.save_every == 0;
+      const bool save_snapshot = save_model || epoch + 1 == args.total_epochs;
+      ddp::StateDict model_state = save_snapshot ? strategy->model_state() : ddp::StateDict{};
+      c10::IValue optimizer_state = save_snapshot ? strategy->optimizer_state() : c10::IValue();
       if (is_master) {
         std::printf("Epoch %lld, Loss: %.4f\n", static_cast<long long>(epoch), epoch_loss);
         if (!args.metrics.empty()) {
-          // 36 test samples: measuring them every epoch costs next to nothing.
-          metrics.write({epoch, epoch_loss, test_accuracy(), progress.epoch_samples_per_second(),
-                         progress.elapsed_seconds()});
+          metrics.write({epoch, epoch_loss, accuracy, progress.epoch_samples_per_second(), progress.elapsed_seconds()});
         }
-        if (epoch % args.save_every == 0) {
+        if (save_model) {
           std::string path = args.checkpoint_dir + "/model_" + std::to_string(epoch) + ".pt";
-          ddp::save_state_dict(ddp::state_dict(*model), path);
+          ddp::save_state_dict(model_state, path);
           std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
         }
-        if (epoch % args.save_every == 0 || epoch + 1 == args.total_epochs) {
-          ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+        if (save_snapshot) {
+          ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(model_state, optimizer_state, epoch, step));
         }
         std::fflush(stdout);
       }
     }
 
+    ddp::StateDict final_state = strategy->model_state();
+    const double accuracy = test_accuracy();
     if (is_master) {
-      ddp::save_state_dict(ddp::state_dict(*model), args.checkpoint_dir + "/model_final.pt");
-      std::printf("Test accuracy: %.4f\n", test_accuracy());
+      ddp::save_state_dict(final_state, args.checkpoint_dir + "/model_final.pt");
+      std::printf("Test accuracy: %.4f\n", accuracy);
     }
     group->barrier();  // no rank leaves while rank 0 may still need it
   } catch (const c10::Error& e) {

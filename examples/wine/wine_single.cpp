@@ -8,6 +8,7 @@
 #include "wine_data.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize.h>
@@ -42,12 +43,20 @@ int main(int argc, char** argv) {
       data = {wine::read_csv(args.train_csv), wine::read_csv(args.test_csv)};
     }
     wine::standardize(data.train, data.test);
+    const bool use_cuda = args.device == "cuda" || (args.device == "auto" && torch::cuda::is_available());
+    TORCH_CHECK(!use_cuda || torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+    const torch::Device device(use_cuda ? torch::kCUDA : torch::kCPU);
+    for (auto* set : {&data.train, &data.test}) {
+      set->features = set->features.to(device);
+      set->labels = set->labels.to(device);
+    }
 
     torch::manual_seed(42);
     wine::SimpleNN model;
     if (!args.init_state.empty()) {
       torch::load(model, args.init_state);
     }
+    model->to(device);
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
 
     for (int64_t epoch = 0; epoch < args.total_epochs; ++epoch) {
@@ -57,7 +66,7 @@ int main(int argc, char** argv) {
       double total_loss = 0;
       int64_t batches = 0;
       for (int64_t start = 0; start < data.train.size(); start += args.batch_size) {
-        at::Tensor idx = order.narrow(0, start, std::min(args.batch_size, data.train.size() - start));
+        at::Tensor idx = order.narrow(0, start, std::min(args.batch_size, data.train.size() - start)).to(device);
         optimizer.zero_grad();
         at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(data.train.features.index_select(0, idx)),
                                                                data.train.labels.index_select(0, idx));

@@ -31,6 +31,9 @@ enum class BackendKind {
 BackendKind parse_backend(const std::string& name);
 /// The name parse_backend accepts for `backend`.
 std::string to_string(BackendKind backend);
+/// What `backend` means for tensors on `device`: kAuto is NCCL for a CUDA
+/// device and Gloo otherwise; the others stay as they are.
+BackendKind resolve_backend(BackendKind backend, const c10::Device& device);
 
 /// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
 /// environment if set, else 30 minutes (PyTorch's default for Gloo).
@@ -48,7 +51,10 @@ std::string default_run_id();
 struct ProcessGroupOptions {
   /// Which collective library to use.
   TORCH_ARG(BackendKind, backend) = BackendKind::kAuto;
-  /// The device the tensors live on; decides what kAuto means.
+  /// The device the tensors live on; decides what kAuto means. For NCCL, a
+  /// CUDA device with an index is the GPU this rank's communicator uses
+  /// (init_device() in device.h picks it); without an index, the GPU of
+  /// the rank's local rank.
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
   /// How long rendezvous and each collective may take before they fail.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
@@ -87,11 +93,26 @@ class ProcessGroup {
   void broadcast(at::Tensor& tensor, int root = 0);
   /// Returns every rank's `tensor`, indexed by rank. Shapes must match.
   std::vector<at::Tensor> all_gather(const at::Tensor& tensor);
+  /// Starts gathering every rank's `input` into `output` (world size times
+  /// as long, rank r's part at r * input.numel()). Wait before reading.
+  c10::intrusive_ptr<c10d::Work> all_gather_into_async(at::Tensor& output, at::Tensor& input);
+  /// Starts a reduce-scatter: `input` (world size times as long as `output`)
+  /// is summed over ranks and rank r receives part r in `output`.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_async(at::Tensor& output, at::Tensor& input,
+                                                      c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// Starts sending `tensor` to rank `to`, matched by a recv_async with the
+  /// same tag there. Keep `tensor` alive and unchanged until waited for.
+  c10::intrusive_ptr<c10d::Work> send_async(at::Tensor& tensor, int to, int tag = 0);
+  /// Starts receiving into `tensor` from rank `from`.
+  c10::intrusive_ptr<c10d::Work> recv_async(at::Tensor& tensor, int from, int tag = 0);
   /// Returns when every rank has reached it.
   void barrier();
 
   /// Waits for `work`; on failure throws an error that names `operation`,
-  /// this rank and the timeout.
+  /// this rank and the timeout. With NCCL this does not block the host: the
+  /// current CUDA stream waits for the collective (read the result with
+  /// .item() or .cpu(), which synchronise, or keep using it on the GPU), and
+  /// NCCL's watchdog enforces the timeout.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const;
 
   /// The rendezvous store, shared by all ranks (keys live under "ddp/").

@@ -53,6 +53,12 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IV
 /// The state after `epoch` completed; the sampler resumes at epoch + 1.
 Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
                           int64_t step);
+/// The same from state gathered elsewhere: a full model state dict (FSDP's
+/// full_state_dict, say) and optimizer state in Python's layout (FSDP's
+/// full_optim_state_dict, ZeRO's consolidate_state_dict).
+Snapshot capture_snapshot(StateDict model, c10::IValue optimizer, int64_t epoch, int64_t step);
+/// Puts back the RNG state a snapshot carries (restore_snapshot does too).
+void restore_rng_state(const Snapshot& snapshot);
 /// Loads the model, the optimizer and the RNG state.
 void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 

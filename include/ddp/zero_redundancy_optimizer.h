@@ -60,6 +60,11 @@ class ZeroRedundancyOptimizer {
   /// Python's optimizer.state_dict() with global parameter indices, for
   /// saving. Other ranks get None. Collective.
   c10::IValue consolidate_state_dict(int to_rank = 0);
+  /// Loads a full optimizer state (what consolidate_state_dict returned, or
+  /// Python's optimizer.state_dict() for the same parameters, or an FSDP
+  /// full_optim_state_dict) from any world size: each rank keeps its shard's
+  /// entries. Every rank needs the whole state.
+  void load_state_dict(const c10::IValue& state);
 
  private:
   std::vector<at::Tensor> params_;

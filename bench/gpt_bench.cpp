@@ -1,0 +1,332 @@
+// Step time of a GPT-2-style decoder (124M parameters by default) trained
+// with ddp's DistributedDataParallel, against the same model without DDP.
+// The Python twin is bench/python_gpt_bench.py (same model, names, init,
+// data, optimizer and timing); bench/gpu_check.sh runs both side by side.
+//
+//   ddprun --standalone --nproc-per-node 1 build/bin/gpt_bench --mode ddp
+//   build/bin/gpt_bench --mode local
+//   build/bin/gpt_bench --device cpu --layers 2 --d-model 64 --heads 2 --seq 32 --vocab 256 --steps 2
+//
+// Prints one JSON line (rank 0): the median step time over --steps timed
+// steps after --warmup, tokens/s, and the model FLOPs utilisation against
+// --peak-tflops per GPU (an H200's dense bf16 peak by default), with
+// FLOPs per token = 6 * parameters + 12 * layers * d_model * seq.
+
+#include <ddp/autocast.h>
+#include <ddp/device.h>
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/process_group.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/adamw.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Config {
+  std::string mode = "ddp";      // ddp | local
+  std::string device = "auto";   // auto | cpu | cuda
+  std::string backend = "auto";  // auto | gloo | nccl
+  std::string amp = "auto";      // auto (bf16 on CUDA, off on CPU) | bf16 | off
+  bool share_devices = false;
+  bool tied = true;
+  int64_t layers = 12, d_model = 768, heads = 12, vocab = 50257, seq = 1024, batch = 8;
+  int64_t steps = 20, warmup = 5, threads = 0;
+  uint64_t seed = 1234;
+  double lr = 3e-4, peak_tflops = 989.5;
+};
+
+void print_usage(const char* program) {
+  Config d;
+  std::cerr << "usage: " << program << " [options]\n"
+            << "  --mode ddp|local        DistributedDataParallel, or the bare model (default " << d.mode << ")\n"
+            << "  --device auto|cpu|cuda  auto: cuda:<local rank> when CUDA is available (default " << d.device << ")\n"
+            << "  --backend auto|gloo|nccl  auto: nccl on CUDA, gloo on CPU (default " << d.backend << ")\n"
+            << "  --share-devices         let ranks share GPUs (rank r on GPU r % count; gloo only)\n"
+            << "  --amp auto|bf16|off     bf16 autocast; auto: on for CUDA, off for CPU (default " << d.amp << ")\n"
+            << "  --layers N              decoder blocks (default " << d.layers << ")\n"
+            << "  --d-model N             width (default " << d.d_model << ")\n"
+            << "  --heads N               attention heads (default " << d.heads << ")\n"
+            << "  --vocab N               vocabulary (default " << d.vocab << ", GPT-2's)\n"
+            << "  --seq N                 context length (default " << d.seq << ")\n"
+            << "  --batch N               sequences per rank per step (default " << d.batch << ")\n"
+            << "  --untied                own LM head instead of sharing the token embedding\n"
+            << "  --steps N               timed steps (default " << d.steps << ")\n"
+            << "  --warmup N              untimed steps first (default " << d.warmup << ")\n"
+            << "  --lr X                  AdamW learning rate (default " << d.lr << ")\n"
+            << "  --seed N                init and data seed (default " << d.seed << ")\n"
+            << "  --threads N             CPU intra-op threads; 0: torch's default (default 0)\n"
+            << "  --peak-tflops X         per-GPU peak for MFU (default " << d.peak_tflops
+            << ", H200 dense bf16)\n"
+            << "  -h, --help              show this help\n";
+}
+
+Config parse(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
+      return argv[++i];
+    };
+    if (k == "-h" || k == "--help") {
+      print_usage(argv[0]);
+      std::exit(0);
+    } else if (k == "--mode") c.mode = value();
+    else if (k == "--device") c.device = value();
+    else if (k == "--backend") c.backend = value();
+    else if (k == "--amp") c.amp = value();
+    else if (k == "--share-devices") c.share_devices = true;
+    else if (k == "--untied") c.tied = false;
+    else if (k == "--layers") c.layers = std::stoll(value());
+    else if (k == "--d-model") c.d_model = std::stoll(value());
+    else if (k == "--heads") c.heads = std::stoll(value());
+    else if (k == "--vocab") c.vocab = std::stoll(value());
+    else if (k == "--seq") c.seq = std::stoll(value());
+    else if (k == "--batch") c.batch = std::stoll(value());
+    else if (k == "--steps") c.steps = std::stoll(value());
+    else if (k == "--warmup") c.warmup = std::stoll(value());
+    else if (k == "--threads") c.threads = std::stoll(value());
+    else if (k == "--lr") c.lr = std::stod(value());
+    else if (k == "--seed") c.seed = std::stoull(value());
+    else if (k == "--peak-tflops") c.peak_tflops = std::stod(value());
+    else throw std::invalid_argument("unknown flag " + k + " (see --help)");
+  }
+  if (c.mode != "ddp" && c.mode != "local") throw std::invalid_argument("--mode must be ddp or local");
+  if (c.amp != "auto" && c.amp != "bf16" && c.amp != "off") throw std::invalid_argument("--amp must be auto, bf16 or off");
+  if (c.layers < 1 || c.heads < 1 || c.d_model % c.heads != 0 || c.steps < 1 || c.warmup < 0 || c.batch < 1) {
+    throw std::invalid_argument("need layers, heads, steps, batch >= 1, warmup >= 0 and d_model divisible by heads");
+  }
+  return c;
+}
+
+// The model. Names and registration order are GPT-2's (and the Python
+// twin's), so both sides draw the same initial weights from the same seed.
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(int64_t d, int64_t heads) : heads(heads) {
+    c_attn = register_module("c_attn", torch::nn::Linear(d, 3 * d));
+    c_proj = register_module("c_proj", torch::nn::Linear(d, d));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+    auto qkv = c_attn(x).split(d, 2);
+    auto heads_of = [&](const at::Tensor& y) { return y.view({b, t, heads, d / heads}).transpose(1, 2); };
+    // Flash or memory-efficient attention where the device has one.
+    at::Tensor y = at::scaled_dot_product_attention(heads_of(qkv[0]), heads_of(qkv[1]), heads_of(qkv[2]),
+                                                    /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+    return c_proj(y.transpose(1, 2).contiguous().view({b, t, d}));
+  }
+  int64_t heads;
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(Attention);
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int64_t d) {
+    c_fc = register_module("c_fc", torch::nn::Linear(d, 4 * d));
+    c_proj = register_module("c_proj", torch::nn::Linear(4 * d, d));
+  }
+  at::Tensor forward(const at::Tensor& x) { return c_proj(at::gelu(c_fc(x), "tanh")); }
+  torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d, int64_t heads) {
+    ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    attn = register_module("attn", Attention(d, heads));
+    ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    mlp = register_module("mlp", Mlp(d));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const Config& c) : tied(c.tied) {
+    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.d_model));
+    wpe = register_module("wpe", torch::nn::Embedding(c.seq, c.d_model));
+    h = register_module("h", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.layers; ++i) h->push_back(Block(c.d_model, c.heads));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    if (!tied) lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab).bias(false)));
+  }
+  at::Tensor forward(const at::Tensor& idx) {
+    at::Tensor positions = at::arange(idx.size(1), idx.options());
+    at::Tensor x = wte(idx) + wpe(positions);
+    for (auto& block : *h) x = block->as<Block>()->forward(x);
+    x = ln_f(x);
+    return tied ? at::linear(x, wte->weight) : lm_head(x);
+  }
+  bool tied;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+// GPT-2's init, drawn in registration order from one seeded generator on
+// the CPU: matrices N(0, 0.02), the residual projections scaled down by
+// sqrt(2 * layers), biases 0, LayerNorms 1 and 0.
+void init_weights(Gpt& model, const Config& c) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(c.seed);
+  for (auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    at::Tensor p = item.value();
+    bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
+    if (name.find("ln_") != std::string::npos) {
+      is_bias ? p.zero_() : p.fill_(1.0);
+    } else if (is_bias) {
+      p.zero_();
+    } else {
+      bool residual = name.find("c_proj.weight") != std::string::npos;
+      p.normal_(0.0, residual ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02, generator);
+    }
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string json_list(const std::vector<double>& v) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  out << "]";
+  return out.str();
+}
+
+int run(const Config& c) {
+  if (c.threads > 0) at::set_num_threads(static_cast<int>(c.threads));
+  ddp::World world = ddp::world_from_env();
+  auto device_options = ddp::DeviceOptions().kind(ddp::parse_device_kind(c.device)).share_devices(c.share_devices);
+  c10::Device device = ddp::init_device(world, device_options);
+  bool amp = c.amp == "bf16" || (c.amp == "auto" && device.is_cuda());
+
+  std::shared_ptr<ddp::ProcessGroup> group;
+  if (c.mode == "ddp") {
+    group = ddp::init_process_group(
+        ddp::ProcessGroupOptions().device(device).backend(ddp::parse_backend(c.backend)));
+  }
+
+  // The same weights on every rank and on both sides of the comparison.
+  Gpt model(c);
+  init_weights(model, c);
+  model->to(device);
+  int64_t parameters = 0;
+  for (auto& p : model->parameters()) parameters += p.numel();
+
+  // Synthetic tokens, fixed for the run and different per rank; inputs and
+  // targets are the same rows shifted by one token.
+  auto data_generator = at::make_generator<at::CPUGeneratorImpl>(c.seed + 1 + world.rank);
+  at::Tensor tokens = at::randint(0, c.vocab, {c.batch, c.seq + 1}, data_generator, at::kLong).to(device);
+  at::Tensor inputs = tokens.narrow(1, 0, c.seq).contiguous();
+  at::Tensor targets = tokens.narrow(1, 1, c.seq).reshape({-1});
+
+  std::optional<ddp::DistributedDataParallel<Gpt>> ddp_model;
+  if (group) ddp_model.emplace(model, group);
+  auto forward = [&](const at::Tensor& x) { return ddp_model ? ddp_model->forward(x) : model->forward(x); };
+
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(0.1));
+  std::vector<double> times;
+  std::vector<at::Tensor> losses;
+  using Clock = std::chrono::steady_clock;
+  for (int64_t step = 0; step < c.warmup + c.steps; ++step) {
+    auto start = Clock::now();
+    optimizer.zero_grad();
+    at::Tensor loss;
+    {
+      ddp::AutocastGuard autocast(device.type(), at::kBFloat16, amp);
+      loss = torch::nn::functional::cross_entropy(forward(inputs).view({-1, c.vocab}), targets);
+    }
+    loss.backward();
+    optimizer.step();
+    // The GPU runs behind the host: a step ends when its kernels have.
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    if (step >= c.warmup) times.push_back(ms);
+    losses.push_back(loss.detach());
+  }
+
+  // In local mode under a launcher, every process trains alone: all of
+  // them count, as they share the machine (and, with --share-devices, a GPU).
+  int world_size = group ? group->size() : world.world_size;
+  if (world.rank == 0) {
+    double step_ms = median(times);
+    double tokens_per_s = 1000.0 * world_size * c.batch * c.seq / step_ms;
+    double flops_per_token = 6.0 * parameters + 12.0 * c.layers * c.d_model * c.seq;
+    // Ranks sharing a GPU share its peak.
+    int gpus = device.is_cuda() ? std::min(world_size, ddp::visible_cuda_devices()) : 0;
+    std::string mfu = "null";
+    if (gpus > 0) {
+      std::ostringstream m;
+      m << flops_per_token * tokens_per_s / (gpus * c.peak_tflops * 1e12);
+      mfu = m.str();
+    }
+    std::printf(
+        "{\"impl\":\"cpp\",\"bench\":\"gpt\",\"mode\":\"%s\",\"world\":%d,\"device\":\"%s\",\"backend\":\"%s\","
+        "\"amp\":\"%s\",\"layers\":%lld,\"d_model\":%lld,\"heads\":%lld,\"vocab\":%lld,\"seq\":%lld,"
+        "\"batch_per_rank\":%lld,\"tied\":%s,\"parameters\":%lld,\"steps\":%lld,\"warmup\":%lld,"
+        "\"step_ms_median\":%.4f,\"tokens_per_s\":%.1f,\"flops_per_token\":%.6g,"
+        "\"flops_formula\":\"6*parameters + 12*layers*d_model*seq\",\"gpus\":%d,\"peak_tflops_per_gpu\":%g,"
+        "\"mfu\":%s,\"loss_first\":%.6f,\"loss_last\":%.6f,\"step_ms\":%s}\n",
+        c.mode.c_str(), world_size, device.str().c_str(),
+        group ? ddp::to_string(group->backend()).c_str() : "none", amp ? "bf16" : "off",
+        static_cast<long long>(c.layers), static_cast<long long>(c.d_model), static_cast<long long>(c.heads),
+        static_cast<long long>(c.vocab), static_cast<long long>(c.seq), static_cast<long long>(c.batch),
+        c.tied ? "true" : "false", static_cast<long long>(parameters), static_cast<long long>(c.steps),
+        static_cast<long long>(c.warmup), step_ms, tokens_per_s, flops_per_token, gpus, c.peak_tflops,
+        mfu.c_str(), losses.front().item<double>(), losses.back().item<double>(), json_list(times).c_str());
+    std::fflush(stdout);
+  }
+  if (group) group->barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const c10::Error& e) {
+    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

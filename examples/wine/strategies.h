@@ -1,0 +1,122 @@
+#pragma once
+
+// How wine_ddp spreads the model and Adam over the ranks (--strategy):
+//   ddp           every rank holds everything; gradients all-reduced
+//   zero1         DDP, with Adam's moments sharded (ZeroRedundancyOptimizer)
+//   fsdp-full     FullyShardedDataParallel, FULL_SHARD (ZeRO-3)
+//   fsdp-grad-op  FullyShardedDataParallel, SHARD_GRAD_OP (ZeRO-2)
+// The training loop is the same for all of them. Checkpoints and snapshots
+// are too: the full model's state dict and Adam's state in Python's layout,
+// so a run can resume under another strategy or world size.
+
+#include "simple_nn.h"
+
+#include <ddp/checkpoint.h>
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/fully_sharded_data_parallel.h>
+#include <ddp/snapshot.h>
+#include <ddp/zero_redundancy_optimizer.h>
+
+#include <torch/optim/adam.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace wine {
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual at::Tensor forward(const at::Tensor& features) = 0;
+  virtual void zero_grad() = 0;
+  virtual void step() = 0;
+  /// The full model's state dict, on rank 0 (empty elsewhere). Collective.
+  virtual ddp::StateDict model_state() = 0;
+  /// Adam's state for the full model in Python's layout, on rank 0. Collective.
+  virtual c10::IValue optimizer_state() = 0;
+  /// Loads a snapshot that every rank holds.
+  virtual void restore(const ddp::Snapshot& snapshot) = 0;
+  /// Runs `evaluate` with the full model's parameters present. Collective.
+  virtual double with_full_model(const std::function<double()>& evaluate) { return evaluate(); }
+};
+
+class DdpStrategy : public Strategy {
+ public:
+  DdpStrategy(SimpleNN model, std::shared_ptr<ddp::ProcessGroup> group)
+      : ddp_model(model, group),
+        optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3)) {}
+  at::Tensor forward(const at::Tensor& features) override { return ddp_model.forward(features); }
+  void zero_grad() override { optimizer.zero_grad(); }
+  void step() override { optimizer.step(); }
+  ddp::StateDict model_state() override { return ddp::state_dict(*ddp_model.module()); }
+  c10::IValue optimizer_state() override { return ddp::optimizer_state_dict(optimizer); }
+  void restore(const ddp::Snapshot& snapshot) override {
+    ddp::restore_snapshot(snapshot, *ddp_model.module(), optimizer);
+  }
+
+ private:
+  ddp::DistributedDataParallel<SimpleNN> ddp_model;
+  torch::optim::Adam optimizer;
+};
+
+class ZeroStrategy : public Strategy {
+ public:
+  ZeroStrategy(SimpleNN model, std::shared_ptr<ddp::ProcessGroup> group)
+      : ddp_model(model, group),
+        optimizer(ddp_model->parameters(), group, [](std::vector<at::Tensor> shard) {
+          return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+        }) {}
+  at::Tensor forward(const at::Tensor& features) override { return ddp_model.forward(features); }
+  void zero_grad() override { optimizer.zero_grad(); }
+  void step() override { optimizer.step(); }
+  ddp::StateDict model_state() override { return ddp::state_dict(*ddp_model.module()); }
+  c10::IValue optimizer_state() override { return optimizer.consolidate_state_dict(0); }
+  void restore(const ddp::Snapshot& snapshot) override {
+    ddp::load_state_dict(*ddp_model.module(), snapshot.model);
+    optimizer.load_state_dict(snapshot.optimizer);
+    ddp::restore_rng_state(snapshot);
+  }
+
+ private:
+  ddp::DistributedDataParallel<SimpleNN> ddp_model;
+  ddp::ZeroRedundancyOptimizer optimizer;
+};
+
+// The Wine model is far too small to split into several units: it is one
+// unit, sharded as a whole.
+class FsdpStrategy : public Strategy {
+ public:
+  FsdpStrategy(SimpleNN model, std::shared_ptr<ddp::ProcessGroup> group, ddp::ShardingStrategy sharding)
+      : fsdp_model(model, group, ddp::FSDPOptions().sharding_strategy(sharding)),
+        optimizer(fsdp_model.parameters(), torch::optim::AdamOptions(1e-3)) {}
+  at::Tensor forward(const at::Tensor& features) override { return fsdp_model.forward(features); }
+  void zero_grad() override { optimizer.zero_grad(); }
+  void step() override { optimizer.step(); }
+  ddp::StateDict model_state() override { return fsdp_model.full_state_dict(); }
+  c10::IValue optimizer_state() override { return fsdp_model.full_optim_state_dict(optimizer); }
+  void restore(const ddp::Snapshot& snapshot) override {
+    fsdp_model.load_full_state_dict(snapshot.model);
+    fsdp_model.load_full_optim_state_dict(optimizer, snapshot.optimizer);
+    ddp::restore_rng_state(snapshot);
+  }
+  double with_full_model(const std::function<double()>& evaluate) override {
+    auto gathered = fsdp_model.summon_full_params();
+    return evaluate();
+  }
+
+ private:
+  ddp::FullyShardedDataParallel<SimpleNN> fsdp_model;
+  torch::optim::Adam optimizer;
+};
+
+inline std::unique_ptr<Strategy> make_strategy(const std::string& name, SimpleNN model,
+                                               std::shared_ptr<ddp::ProcessGroup> group) {
+  if (name == "ddp") return std::make_unique<DdpStrategy>(model, group);
+  if (name == "zero1") return std::make_unique<ZeroStrategy>(model, group);
+  if (name == "fsdp-full") return std::make_unique<FsdpStrategy>(model, group, ddp::ShardingStrategy::kFullShard);
+  if (name == "fsdp-grad-op") return std::make_unique<FsdpStrategy>(model, group, ddp::ShardingStrategy::kShardGradOp);
+  TORCH_CHECK(false, "--strategy must be ddp, zero1, fsdp-full or fsdp-grad-op, got '", name, "'");
+}
+
+}  // namespace wine

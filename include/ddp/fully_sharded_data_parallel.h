@@ -1,0 +1,353 @@
+#pragma once
+
+// FullyShardedDataParallel: DDP's memory limit lifted by sharding. Each unit
+// of the model keeps its parameters as one flat tensor split across the
+// ranks; a rank holds 1/N of every unit's parameters, of their gradients and
+// (through an optimizer built over parameters()) of the optimizer state. A
+// unit's full parameters exist only while it computes:
+//
+//   auto group = ddp::init_process_group();
+//   torch::nn::Sequential net(...);                       // 50 Linear layers, say
+//   ddp::FullyShardedDataParallel<torch::nn::Sequential> model(
+//       net, group, ddp::FSDPOptions().min_num_params(10'000'000));
+//   torch::optim::Adam optimizer(model.parameters(), 1e-3);   // this rank's shards
+//   ...
+//   auto loss = torch::nn::functional::cross_entropy(model.forward(x), y);
+//   loss.backward();    // gradients reduce-scattered into each rank's shard
+//   optimizer.step();   // steps this rank's shard only
+//
+// LibTorch modules have no forward hooks, so FSDP cannot intercept a
+// submodule's forward on its own. Units are therefore chosen where FSDP can
+// see them run:
+//  * the children of a torch::nn::Sequential root, grouped by size
+//    (FSDPOptions::min_num_params) or listed by name (FSDPOptions::units);
+//  * any submodule the model wraps with ddp::fsdp_unit(...) where it is built;
+//  * everything else belongs to the root unit, gathered for the whole forward.
+
+#include <ddp/checkpoint.h>
+#include <ddp/process_group.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace ddp {
+
+class RingCollectives;
+
+/// What is sharded; PyTorch's names and meanings.
+enum class ShardingStrategy {
+  kFullShard,    ///< ZeRO-3: parameters, gradients, optimizer state; gathered per unit, freed after use
+  kShardGradOp,  ///< ZeRO-2: as kFullShard, but parameters stay gathered from forward to backward
+  kNoShard,      ///< DDP: everything replicated, gradients all-reduced
+};
+
+/// "full_shard", "shard_grad_op" or "no_shard" (PyTorch's upper-case names
+/// too); throws on anything else.
+ShardingStrategy parse_sharding_strategy(const std::string& name);
+std::string to_string(ShardingStrategy strategy);
+
+/// Options for FullyShardedDataParallel.
+///
+///   ddp::FSDPOptions().sharding_strategy(ddp::ShardingStrategy::kShardGradOp).min_num_params(1'000'000)
+struct FSDPOptions {
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  /// A torch::nn::Sequential root: consecutive children are grouped into
+  /// units of at least this many parameters (size-based auto-wrap). 0: off.
+  TORCH_ARG(int64_t, min_num_params) = 0;
+  /// A torch::nn::Sequential root: these children (by name: "0", "3", ...)
+  /// each become a unit. Combined with min_num_params, listed children are
+  /// units of their own and the rest are grouped by size.
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  /// While a unit runs forward, gather the next unit's parameters.
+  TORCH_ARG(bool, forward_prefetch) = true;
+  /// While a unit runs backward, gather the parameters of the unit whose
+  /// backward comes next.
+  TORCH_ARG(bool, backward_prefetch) = true;
+  /// Check that all ranks built the same model and copy rank 0's parameters
+  /// and buffers to every rank before sharding.
+  TORCH_ARG(bool, sync_module_states) = true;
+};
+
+/// Bytes this rank holds for the model's state right now.
+struct ShardedMemory {
+  int64_t parameter_bytes = 0;  ///< shards, plus any full parameters now gathered
+  int64_t gradient_bytes = 0;   ///< gradients of the shards
+};
+
+namespace detail {
+
+class FsdpState;
+
+/// The part of an fsdp_unit wrapper that is not a template: the unit it
+/// stands for, once a FullyShardedDataParallel has claimed it.
+class FsdpUnitModule : public torch::nn::Module {
+ public:
+  /// Runs before the wrapped module's forward: gathers the unit.
+  void before_forward();
+  /// Runs after it: frees the unit (per strategy) and arranges its gather
+  /// for backward on `outputs`.
+  void after_forward(const std::vector<at::Tensor>& outputs);
+  /// Set by FullyShardedDataParallel; without one the wrapper is a no-op, so
+  /// the same model also runs alone or under DistributedDataParallel.
+  void attach(FsdpState* state, size_t unit) {
+    state_ = state;
+    unit_ = unit;
+  }
+  bool attached() const { return state_ != nullptr; }
+
+ protected:
+  /// Registers the wrapped module's parameters, buffers and children under
+  /// their own names, so that wrapping adds nothing to parameter names and
+  /// state dicts keep the keys of the unwrapped model.
+  void adopt(const std::shared_ptr<torch::nn::Module>& inner);
+
+ private:
+  FsdpState* state_ = nullptr;
+  size_t unit_ = 0;
+};
+
+// The tensors of a forward's result (as DistributedDataParallel collects them).
+inline void output_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void output_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void output_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... items) { (output_tensors(items, out), ...); }, t);
+}
+template <typename T>
+void output_tensors(const T&, std::vector<at::Tensor>&) {
+  static_assert(sizeof(T) == 0, "ddp: FSDP needs forward results made of tensors, to gather for backward");
+}
+
+inline std::shared_ptr<torch::nn::Module> module_ptr(std::shared_ptr<torch::nn::Module> module) { return module; }
+template <typename Impl>
+std::shared_ptr<torch::nn::Module> module_ptr(const torch::nn::ModuleHolder<Impl>& holder) {
+  return holder.ptr();
+}
+
+/// The engine of FullyShardedDataParallel, independent of the module type.
+class FsdpState {
+ public:
+  FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
+  ~FsdpState();
+  FsdpState(const FsdpState&) = delete;
+  FsdpState& operator=(const FsdpState&) = delete;
+
+  void begin_forward();
+  void end_forward(const std::vector<at::Tensor>& outputs);
+  /// The forward of a Sequential root whose children form units.
+  at::Tensor run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input);
+  bool runs_sequential() const { return !sequential_groups_.empty(); }
+
+  void unit_before_forward(size_t unit);
+  void unit_after_forward(size_t unit, const std::vector<at::Tensor>& outputs);
+
+  std::vector<at::Tensor> shards() const;
+  size_t num_units() const;
+  std::vector<std::string> unit_names() const;
+  ShardedMemory memory() const;
+
+  StateDict full_state_dict(bool rank0_only);
+  void load_full_state_dict(const StateDict& state);
+  c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only);
+  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
+  c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer);
+  void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer);
+
+  void gather_all();
+  void free_all();
+  ProcessGroup& group() { return *group_; }
+
+ private:
+  struct Unit;
+  struct Pending;
+  void build_units();
+  void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params);
+  void start_gather(Unit& unit);
+  void finish_gather(Unit& unit);
+  void release(Unit& unit);
+  void prefetch_after(size_t unit, bool forward);
+  void register_pre_backward(size_t unit, const std::vector<at::Tensor>& outputs);
+  void pre_backward(size_t unit);
+  void on_gradient_ready(size_t unit, size_t param);
+  void reduce(Unit& unit);
+  void finish_backward();
+  void reset_backward_state();
+  bool sharded() const;
+
+  std::shared_ptr<torch::nn::Module> root_;
+  std::shared_ptr<ProcessGroup> group_;
+  FSDPOptions options_;
+  std::unique_ptr<RingCollectives> ring_;  // Gloo's reduce-scatter and all-gather
+  std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
+  std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
+  std::vector<size_t> sequential_unit_of_group_;
+  std::vector<size_t> forward_order_;       // this iteration's non-root units, as they ran
+  std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
+  bool callback_queued_ = false;
+  bool in_backward_ = false;
+};
+
+}  // namespace detail
+
+/// A submodule wrapped as its own FSDP unit where the model is built:
+///
+///   block = register_module("block", ddp::fsdp_unit(Block(...)));
+///   ... x = block->forward(x);
+///
+/// Parameter names do not change (no "module." prefix). Outside
+/// FullyShardedDataParallel the wrapper just calls the wrapped module.
+template <typename ModuleType>
+class FsdpUnitImpl : public detail::FsdpUnitModule {
+ public:
+  explicit FsdpUnitImpl(ModuleType module) : module_(std::move(module)) { adopt(detail::module_ptr(module_)); }
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    if (!attached()) return module_->forward(std::forward<Args>(args)...);
+    before_forward();
+    auto result = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> outputs;
+    detail::output_tensors(result, outputs);
+    after_forward(outputs);
+    return result;
+  }
+
+  ModuleType& module() { return module_; }
+
+ private:
+  ModuleType module_;
+};
+
+/// Wraps `module` (a ModuleHolder or a shared_ptr to a Module) as an FSDP unit.
+template <typename ModuleType>
+std::shared_ptr<FsdpUnitImpl<ModuleType>> fsdp_unit(ModuleType module) {
+  return std::make_shared<FsdpUnitImpl<ModuleType>>(std::move(module));
+}
+
+/// Releases full parameters gathered by summon_full_params() when destroyed.
+class FullParamsGuard {
+ public:
+  explicit FullParamsGuard(detail::FsdpState& state) : state_(&state) { state_->gather_all(); }
+  FullParamsGuard(FullParamsGuard&& other) noexcept : state_(other.state_) { other.state_ = nullptr; }
+  FullParamsGuard(const FullParamsGuard&) = delete;
+  FullParamsGuard& operator=(const FullParamsGuard&) = delete;
+  FullParamsGuard& operator=(FullParamsGuard&&) = delete;
+  ~FullParamsGuard() {
+    if (state_) state_->free_all();
+  }
+
+ private:
+  detail::FsdpState* state_;
+};
+
+/// Wraps a module (a ModuleHolder or a shared_ptr to a Module) for fully
+/// sharded data-parallel training over `group`.
+template <typename ModuleType>
+class FullyShardedDataParallel {
+ public:
+  /// Checks that all ranks built the same model, copies rank 0's weights,
+  /// forms the units and keeps only this rank's shard of each. Collective.
+  FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
+      : module_(std::move(module)),
+        group_(group),
+        state_(std::make_unique<detail::FsdpState>(detail::module_ptr(module_), std::move(group), options)) {}
+
+  /// Runs the model's forward with each unit gathered as it runs. All ranks
+  /// must run the same units in the same order.
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    state_->begin_forward();
+    auto result = run(std::forward<Args>(args)...);
+    std::vector<at::Tensor> outputs;
+    detail::output_tensors(result, outputs);
+    state_->end_forward(outputs);
+    return result;
+  }
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// This rank's shards, one flat tensor per unit: what the optimizer must
+  /// be built over (an elementwise optimizer such as SGD, Adam or AdamW then
+  /// steps exactly as it would on the full parameters).
+  std::vector<at::Tensor> parameters() const { return state_->shards(); }
+
+  /// The wrapped module. Its parameters hold data only while gathered (in
+  /// forward, backward, or inside summon_full_params()).
+  ModuleType& module() { return module_; }
+  auto operator->() { return &*module_; }
+
+  /// Gathers every unit's full parameters until the guard is destroyed, for
+  /// evaluation or inspection. Collective.
+  [[nodiscard]] FullParamsGuard summon_full_params() { return FullParamsGuard(*state_); }
+
+  /// The unwrapped model's state dict (same keys, full tensors), on rank 0
+  /// only unless rank0_only is false; other ranks get an empty one.
+  /// Collective.
+  StateDict full_state_dict(bool rank0_only = true) { return state_->full_state_dict(rank0_only); }
+  /// Loads a full state dict (from any world size, or from an unwrapped
+  /// model) on every rank; each keeps its shard.
+  void load_full_state_dict(const StateDict& state) { state_->load_full_state_dict(state); }
+
+  /// `optimizer`'s state (built over parameters()) in the layout of Python's
+  /// optimizer.state_dict() for the unwrapped model: one entry per original
+  /// parameter. Loadable at any world size and by any strategy. Collective.
+  c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only = true) {
+    return state_->full_optim_state_dict(optimizer, rank0_only);
+  }
+  /// Loads what full_optim_state_dict returned (every rank needs it all).
+  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
+    state_->load_full_optim_state_dict(optimizer, state);
+  }
+
+  /// This rank's shards, buffers and (if given) optimizer state: to be saved
+  /// per rank and loaded back into the same world size and units.
+  c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer = nullptr) {
+    return state_->sharded_state_dict(optimizer);
+  }
+  void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer = nullptr) {
+    state_->load_sharded_state_dict(state, optimizer);
+  }
+
+  /// The units, by name ("" is the root unit).
+  std::vector<std::string> unit_names() const { return state_->unit_names(); }
+  ShardedMemory memory() const { return state_->memory(); }
+  const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
+
+ private:
+  template <typename... Args>
+  auto run(Args&&... args) {
+    if constexpr (std::is_same_v<ModuleType, torch::nn::Sequential> && sizeof...(Args) == 1) {
+      if (state_->runs_sequential()) return state_->run_sequential(*module_, std::forward<Args>(args)...);
+    }
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  ModuleType module_;
+  std::shared_ptr<ProcessGroup> group_;
+  std::unique_ptr<detail::FsdpState> state_;
+};
+
+/// Writes `state` (a sharded_state_dict) to DIR/shard_<rank>_of_<world>.pt
+/// atomically, then waits for every rank. Returns the path written.
+std::string save_sharded_checkpoint(const c10::IValue& state, const std::string& dir, ProcessGroup& group);
+/// Reads this rank's file written by save_sharded_checkpoint; a checkpoint of
+/// another world size is refused with an error that says so.
+c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group);
+
+}  // namespace ddp

@@ -1,0 +1,883 @@
+// How FSDP keeps a unit's parameters (see docs/architecture.md, "FSDP"):
+//
+// A unit's parameters are laid out in one flat tensor, `full`, padded to a
+// multiple of the world size. The module's own parameter tensors keep their
+// identity (so autograd, optimizers and the user's references stay valid) but
+// are made views into `full`'s storage. Freeing a unit releases that
+// storage's memory; gathering allocates it again and all-gathers the shards
+// into it. Autograd's saved tensors are views of the same storage, so the
+// backward pass sees the re-gathered values without any bookkeeping.
+//
+// Each rank's `shard` (its 1/N of `full`) is a separate leaf tensor: the
+// optimizer's parameter. Gradients arrive on the module's parameters; once a
+// unit's are all there they are flattened, reduce-scattered, and this rank's
+// part lands in shard.grad().
+
+#include <ddp/fully_sharded_data_parallel.h>
+
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/ring_collectives.h>
+#include <ddp/snapshot.h>
+
+#include <ATen/Functions.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <set>
+
+namespace ddp {
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  std::string lower;
+  for (char c : name) lower.push_back(c == '-' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  if (lower == "full_shard") return ShardingStrategy::kFullShard;
+  if (lower == "shard_grad_op") return ShardingStrategy::kShardGradOp;
+  if (lower == "no_shard") return ShardingStrategy::kNoShard;
+  TORCH_CHECK(false, "ddp: unknown sharding strategy '", name, "'; use full_shard, shard_grad_op or no_shard");
+}
+
+std::string to_string(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::kFullShard: return "full_shard";
+    case ShardingStrategy::kShardGradOp: return "shard_grad_op";
+    case ShardingStrategy::kNoShard: return "no_shard";
+  }
+  return "?";
+}
+
+namespace detail {
+namespace {
+
+// Calls back once a parameter's gradient has been accumulated into .grad.
+class GradientAccumulatedHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit GradientAccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    callback_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> callback_;
+};
+
+// Gives `tensor`'s storage back to its allocator, keeping the StorageImpl
+// (and so every view of it) alive.
+void release_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor.device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  size_t nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  if (storage->nbytes() == nbytes && storage->data() != nullptr) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbytes() > 0; }
+
+}  // namespace
+
+// A collective in flight: the backend's own, or one of RingCollectives'.
+struct FsdpState::Pending {
+  c10::intrusive_ptr<c10d::Work> work;
+  RingCollectives::Pending ring;
+  explicit operator bool() const { return work || ring.valid(); }
+  void wait(ProcessGroup& group, const char* what) {
+    auto work_now = std::move(work);
+    auto ring_now = std::move(ring);
+    work.reset();
+    ring = RingCollectives::Pending();
+    if (work_now) group.wait(work_now, what);
+    if (ring_now.valid()) {
+      try {
+        ring_now.wait();
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "ddp: ", what, " failed: ", e.what_without_backtrace());
+      }
+    }
+  }
+};
+
+struct FsdpState::Unit {
+  std::string name;
+  std::vector<std::string> param_names;  // dotted names in the root module
+  std::vector<at::Tensor> params;        // the module's own leaf tensors
+  std::vector<int64_t> offsets;
+  int64_t numel = 0;        // real elements
+  int64_t padded = 0;       // numel rounded up to a multiple of the world size
+  int64_t shard_numel = 0;  // padded / world size
+  at::Tensor full;          // `padded` elements; memory only while gathered
+  at::Tensor shard;         // this rank's part; the optimizer's parameter
+  bool is_root = false;
+  bool gathered = false;
+  Pending pending_gather;
+  // One backward pass.
+  std::vector<char> ready;
+  size_t ready_count = 0;
+  bool reduced = false;
+  bool pre_backward_ran = false;
+  at::Tensor gradient_flat;
+  at::Tensor gradient_shard;
+  Pending pending_reduce;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+};
+
+FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
+                     FSDPOptions options)
+    : root_(std::move(root)), group_(std::move(group)), options_(std::move(options)) {
+  // Gloo's reduce-scatter and all-gather are slower than rings of
+  // point-to-point sends (see ring_collectives.h); NCCL's are not.
+  if (group_->size() > 1 && group_->backend() == BackendKind::kGloo && sharded()) {
+    ring_ = std::make_unique<RingCollectives>(group_);
+  }
+  TORCH_CHECK(options_.min_num_params() >= 0, "ddp: FSDPOptions::min_num_params must be >= 0, got ",
+              options_.min_num_params());
+  if (options_.sync_module_states() && group_->size() > 1) {
+    verify_replicas_match(*root_, *group_);
+    broadcast_module_state(*root_, *group_, /*parameters=*/true, /*buffers=*/true);
+  }
+  build_units();
+}
+
+FsdpState::~FsdpState() {
+  for (auto& unit : units_) {
+    for (size_t i = 0; i < unit->accumulators.size(); ++i) unit->accumulators[i]->del_post_hook(unit->hook_keys[i]);
+  }
+  // The module outlives us: leave it with real, full parameters. That is a
+  // collective, skipped while an error unwinds (a peer may be dead).
+  if (std::uncaught_exceptions() > 0) return;
+  try {
+    for (auto& unit : units_) {
+      if (!unit->gathered && sharded()) {
+        if (unit->pending_gather) finish_gather(*unit);
+        else {
+          start_gather(*unit);
+          finish_gather(*unit);
+        }
+      }
+    }
+  } catch (...) {
+    // A dead peer: nothing more to gather from.
+  }
+}
+
+bool FsdpState::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
+
+void FsdpState::build_units() {
+  std::set<const at::TensorImpl*> claimed;
+  std::map<const at::TensorImpl*, std::string> name_of;
+  for (const auto& item : root_->named_parameters(true)) name_of[item.value().unsafeGetTensorImpl()] = item.key();
+  auto params_of = [&](const torch::nn::Module& module) {
+    std::vector<std::pair<std::string, at::Tensor>> params;
+    for (const auto& p : module.parameters(true)) {
+      if (!claimed.insert(p.unsafeGetTensorImpl()).second) continue;
+      params.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
+    }
+    return params;
+  };
+
+  // Units wrapped where the model was built. named_modules() lists a
+  // parent before the units nested in it; claiming in reverse lets a nested
+  // unit keep its own parameters.
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> wrapped;
+  for (const auto& item : root_->named_modules("", /*include_self=*/false)) {
+    if (std::dynamic_pointer_cast<FsdpUnitModule>(item.value())) wrapped.emplace_back(item.key(), item.value());
+  }
+  for (auto it = wrapped.rbegin(); it != wrapped.rend(); ++it) {
+    auto params = params_of(*it->second);
+    if (params.empty()) continue;
+    std::dynamic_pointer_cast<FsdpUnitModule>(it->second)->attach(this, units_.size());
+    add_unit(it->first, std::move(params));
+  }
+
+  // A Sequential root: its children grouped into units.
+  auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(root_.get());
+  if (sequential && (options_.min_num_params() > 0 || !options_.units().empty())) {
+    TORCH_CHECK(wrapped.empty(), "ddp: FSDP takes units either from a Sequential root's options or from "
+                "fsdp_unit wrappers, not both");
+    std::set<std::string> listed(options_.units().begin(), options_.units().end());
+    std::vector<std::string> child_names;
+    for (const auto& item : sequential->named_children()) child_names.push_back(item.key());
+    for (const auto& name : listed) {
+      TORCH_CHECK(std::find(child_names.begin(), child_names.end(), name) != child_names.end(),
+                  "ddp: FSDPOptions::units names '", name, "', which is not a child of the Sequential root "
+                  "(its children are named 0 to ", child_names.size() - 1, ")");
+    }
+    std::vector<size_t> group;
+    int64_t group_numel = 0;
+    auto close_group = [&] {
+      if (group.empty()) return;
+      std::vector<std::pair<std::string, at::Tensor>> params;
+      for (size_t child : group) {
+        auto more = params_of(*sequential->ptr(child));
+        params.insert(params.end(), more.begin(), more.end());
+      }
+      std::string name = child_names[group.front()];
+      if (group.size() > 1) name += "-" + child_names[group.back()];
+      sequential_groups_.push_back(group);
+      sequential_unit_of_group_.push_back(params.empty() ? SIZE_MAX : units_.size());
+      if (!params.empty()) add_unit(name, std::move(params));
+      group.clear();
+      group_numel = 0;
+    };
+    for (size_t child = 0; child < child_names.size(); ++child) {
+      int64_t numel = 0;
+      for (const auto& p : sequential->ptr(child)->parameters(true)) numel += p.numel();
+      if (listed.count(child_names[child])) {
+        close_group();
+        group.push_back(child);
+        close_group();
+        continue;
+      }
+      group.push_back(child);
+      group_numel += numel;
+      if (options_.min_num_params() > 0 && group_numel >= options_.min_num_params()) close_group();
+      // Without a size policy, unlisted children belong to no unit: the root
+      // unit gathers their parameters.
+      if (options_.min_num_params() == 0) {
+        sequential_groups_.push_back(group);
+        sequential_unit_of_group_.push_back(SIZE_MAX);
+        group.clear();
+        group_numel = 0;
+      }
+    }
+    // A tail smaller than min_num_params is a unit of its own.
+    close_group();
+  }
+
+  auto rest = params_of(*root_);
+  if (!rest.empty()) {
+    add_unit("", std::move(rest));
+    units_.back()->is_root = true;
+  }
+  TORCH_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with parameters");
+}
+
+void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
+  auto unit = std::make_unique<Unit>();
+  unit->name = std::move(name);
+  const at::Tensor& first = params.front().second;
+  for (const auto& [param_name, param] : params) {
+    TORCH_CHECK(param.requires_grad(), "ddp: FSDP parameter '", param_name,
+                "' does not require grad; frozen parameters are not supported, keep them out of the model "
+                "or make them buffers");
+    TORCH_CHECK(param.scalar_type() == first.scalar_type() && param.device() == first.device(),
+                "ddp: all parameters of an FSDP unit need one dtype and device; '", param_name, "' is ",
+                param.scalar_type(), " on ", param.device(), " but '", params.front().first, "' is ",
+                first.scalar_type(), " on ", first.device());
+    unit->param_names.push_back(param_name);
+    unit->params.push_back(param);
+    unit->offsets.push_back(unit->numel);
+    unit->numel += param.numel();
+  }
+  const int64_t world = group_->size();
+  unit->padded = (unit->numel + world - 1) / world * world;
+  unit->shard_numel = unit->padded / world;
+
+  at::NoGradGuard no_grad;
+  unit->full = at::zeros({unit->padded}, first.options().requires_grad(false));
+  for (size_t j = 0; j < unit->params.size(); ++j) {
+    at::Tensor& param = unit->params[j];
+    at::Tensor slot = unit->full.narrow(0, unit->offsets[j], param.numel());
+    slot.copy_(param.reshape({-1}));
+    // The parameter keeps its identity and autograd metadata; only its data
+    // moves into the flat storage.
+    param.set_data(slot.view(param.sizes()));
+  }
+  if (sharded()) {
+    unit->shard = unit->full.narrow(0, group_->rank() * unit->shard_numel, unit->shard_numel).clone();
+  } else {
+    unit->shard = unit->full.detach();
+  }
+  unit->shard.requires_grad_(true);
+  unit->gathered = true;
+  unit->ready.assign(unit->params.size(), 0);
+
+  size_t index = units_.size();
+  for (size_t j = 0; j < unit->params.size(); ++j) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(unit->params[j]);
+    TORCH_CHECK(accumulator, "ddp: FSDP parameter '", unit->param_names[j], "' has no gradient accumulator");
+    unit->hook_keys.push_back(accumulator->add_post_hook(
+        std::make_unique<GradientAccumulatedHook>([this, index, j] { on_gradient_ready(index, j); })));
+    unit->accumulators.push_back(std::move(accumulator));
+  }
+  units_.push_back(std::move(unit));
+  release(*units_.back());
+}
+
+std::vector<at::Tensor> FsdpState::shards() const {
+  std::vector<at::Tensor> shards;
+  for (const auto& unit : units_) shards.push_back(unit->shard);
+  return shards;
+}
+
+size_t FsdpState::num_units() const { return units_.size(); }
+
+std::vector<std::string> FsdpState::unit_names() const {
+  std::vector<std::string> names;
+  for (const auto& unit : units_) names.push_back(unit->name);
+  return names;
+}
+
+ShardedMemory FsdpState::memory() const {
+  ShardedMemory memory;
+  for (const auto& unit : units_) {
+    int64_t element = unit->full.element_size();
+    if (sharded()) memory.parameter_bytes += unit->shard_numel * element;
+    if (storage_allocated(unit->full)) memory.parameter_bytes += unit->padded * element;
+    if (unit->shard.grad().defined()) memory.gradient_bytes += unit->shard.grad().numel() * element;
+  }
+  return memory;
+}
+
+// --- gathering and freeing -------------------------------------------------
+
+void FsdpState::start_gather(Unit& unit) {
+  if (unit.gathered || unit.pending_gather) return;
+  allocate_storage(unit.full);
+  at::NoGradGuard no_grad;
+  if (group_->size() == 1) {
+    unit.full.copy_(unit.shard.detach());
+    unit.gathered = true;
+    return;
+  }
+  at::Tensor input = unit.shard.detach();
+  if (ring_) {
+    unit.pending_gather.ring = ring_->all_gather(unit.full, input);
+  } else {
+    unit.pending_gather.work = group_->all_gather_into_async(unit.full, input);
+  }
+}
+
+void FsdpState::finish_gather(Unit& unit) {
+  if (unit.gathered) return;
+  if (!unit.pending_gather) start_gather(unit);
+  if (unit.pending_gather) unit.pending_gather.wait(*group_, "FSDP all_gather of parameters");
+  unit.gathered = true;
+}
+
+void FsdpState::release(Unit& unit) {
+  if (!sharded()) return;
+  if (unit.pending_gather) finish_gather(unit);
+  release_storage(unit.full);
+  unit.gathered = false;
+}
+
+void FsdpState::gather_all() {
+  for (auto& unit : units_) start_gather(*unit);
+  for (auto& unit : units_) finish_gather(*unit);
+}
+
+void FsdpState::free_all() {
+  for (auto& unit : units_) release(*unit);
+}
+
+// --- forward ---------------------------------------------------------------
+
+void FsdpState::reset_backward_state() {
+  for (auto& unit : units_) {
+    unit->pre_backward_ran = false;
+    unit->reduced = false;
+    unit->ready_count = 0;
+    std::fill(unit->ready.begin(), unit->ready.end(), 0);
+  }
+  callback_queued_ = false;
+  in_backward_ = false;
+}
+
+void FsdpState::begin_forward() {
+  // Whatever an earlier forward left gathered (one whose backward never ran)
+  // is released, so every forward starts from the current shards.
+  free_all();
+  reset_backward_state();
+  if (!forward_order_.empty()) last_forward_order_ = forward_order_;
+  forward_order_.clear();
+  if (units_.back()->is_root) {
+    start_gather(*units_.back());
+    // The first unit's gather overlaps the root's.
+    if (options_.forward_prefetch() && !last_forward_order_.empty()) start_gather(*units_[last_forward_order_.front()]);
+    finish_gather(*units_.back());
+  }
+}
+
+void FsdpState::unit_before_forward(size_t index) {
+  Unit& unit = *units_[index];
+  size_t position = forward_order_.size();
+  forward_order_.push_back(index);
+  finish_gather(unit);
+  if (options_.forward_prefetch() && position + 1 < last_forward_order_.size() &&
+      last_forward_order_[position] == index) {
+    start_gather(*units_[last_forward_order_[position + 1]]);
+  }
+}
+
+void FsdpState::unit_after_forward(size_t index, const std::vector<at::Tensor>& outputs) {
+  Unit& unit = *units_[index];
+  const bool backward_follows = at::GradMode::is_enabled();
+  if (!backward_follows || options_.sharding_strategy() == ShardingStrategy::kFullShard) release(unit);
+  if (backward_follows) register_pre_backward(index, outputs);
+}
+
+void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
+  const bool backward_follows = at::GradMode::is_enabled() &&
+                                std::any_of(outputs.begin(), outputs.end(),
+                                            [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  if (!backward_follows) {
+    free_all();
+    return;
+  }
+  // The last hook to fire before any unit's backward: make sure the end of
+  // backward is handled even when the model has no root unit.
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    out.register_hook([this](const at::Tensor&) {
+      if (!callback_queued_) {
+        callback_queued_ = true;
+        in_backward_ = true;
+        torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+      }
+    });
+  }
+}
+
+at::Tensor FsdpState::run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor x) {
+  for (size_t g = 0; g < sequential_groups_.size(); ++g) {
+    size_t unit = sequential_unit_of_group_[g];
+    if (unit != SIZE_MAX) unit_before_forward(unit);
+    for (size_t child : sequential_groups_[g]) x = (sequential.begin() + child)->forward(x);
+    if (unit != SIZE_MAX) unit_after_forward(unit, {x});
+  }
+  return x;
+}
+
+// --- backward --------------------------------------------------------------
+
+void FsdpState::register_pre_backward(size_t index, const std::vector<at::Tensor>& outputs) {
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    out.register_hook([this, index](const at::Tensor&) { pre_backward(index); });
+  }
+}
+
+void FsdpState::pre_backward(size_t index) {
+  Unit& unit = *units_[index];
+  if (unit.pre_backward_ran) return;
+  unit.pre_backward_ran = true;
+  finish_gather(unit);
+  if (!options_.backward_prefetch()) return;
+  // Backward runs the units in reverse forward order: gather the next one.
+  auto it = std::find(forward_order_.begin(), forward_order_.end(), index);
+  if (it != forward_order_.end() && it != forward_order_.begin()) start_gather(*units_[*(it - 1)]);
+}
+
+void FsdpState::on_gradient_ready(size_t index, size_t param) {
+  if (!in_backward_) return;  // a backward that did not start from our forward
+  Unit& unit = *units_[index];
+  if (unit.reduced || unit.ready[param]) return;
+  unit.ready[param] = 1;
+  if (++unit.ready_count == unit.params.size()) reduce(unit);
+}
+
+void FsdpState::reduce(Unit& unit) {
+  at::NoGradGuard no_grad;
+  const int64_t world = group_->size();
+  unit.gradient_flat = at::empty({unit.padded}, unit.full.options());
+  if (unit.padded > unit.numel) unit.gradient_flat.narrow(0, unit.numel, unit.padded - unit.numel).zero_();
+  for (size_t j = 0; j < unit.params.size(); ++j) {
+    at::Tensor slot = unit.gradient_flat.narrow(0, unit.offsets[j], unit.params[j].numel());
+    at::Tensor& grad = unit.params[j].mutable_grad();
+    if (grad.defined()) {
+      slot.copy_(grad.reshape({-1}));
+      grad.reset();  // the full gradient is not kept: only the shard's part
+    } else {
+      slot.zero_();  // unused in this forward: a zero gradient, as DDP would send
+    }
+  }
+  // Averaged over ranks, like DDP's gradients; dividing first keeps the
+  // sum in range for low-precision types.
+  if (world > 1) unit.gradient_flat.div_(world);
+  if (world == 1) {
+    unit.gradient_shard = unit.gradient_flat;
+  } else if (sharded()) {
+    unit.gradient_shard = at::empty({unit.shard_numel}, unit.full.options());
+    if (ring_) {
+      unit.pending_reduce.ring = ring_->reduce_scatter(unit.gradient_shard, unit.gradient_flat);
+    } else {
+      unit.pending_reduce.work = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);
+    }
+  } else {
+    unit.gradient_shard = unit.gradient_flat;
+    unit.pending_reduce.work = group_->all_reduce_async(unit.gradient_flat);
+  }
+  unit.reduced = true;
+  // The unit's backward is over: give back its full parameters (the root's
+  // too, so that between steps only shards are held).
+  release(unit);
+}
+
+void FsdpState::finish_backward() {
+  // Units whose gradients never all arrived (parameters unused this time)
+  // are reduced now, in one fixed order on every rank.
+  for (size_t i = units_.size(); i-- > 0;) {
+    if (!units_[i]->reduced) reduce(*units_[i]);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    if (unit->pending_reduce) {
+      unit->pending_reduce.wait(*group_, sharded() ? "FSDP reduce_scatter of gradients" : "FSDP all_reduce of gradients");
+    }
+    at::Tensor& grad = unit->shard.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(unit->gradient_shard);  // accumulation over several backward passes
+    } else {
+      grad = unit->gradient_shard;
+    }
+    unit->gradient_flat.reset();
+    unit->gradient_shard.reset();
+  }
+  // Ready for another backward through the same graph (retain_graph).
+  reset_backward_state();
+}
+
+void FsdpUnitModule::before_forward() { state_->unit_before_forward(unit_); }
+
+void FsdpUnitModule::after_forward(const std::vector<at::Tensor>& outputs) {
+  state_->unit_after_forward(unit_, outputs);
+}
+
+void FsdpUnitModule::adopt(const std::shared_ptr<torch::nn::Module>& inner) {
+  for (const auto& item : inner->named_parameters(/*recurse=*/false)) {
+    register_parameter(item.key(), item.value(), item.value().requires_grad());
+  }
+  for (const auto& item : inner->named_buffers(/*recurse=*/false)) register_buffer(item.key(), item.value());
+  for (const auto& item : inner->named_children()) register_module(item.key(), item.value());
+}
+
+// --- state dicts -----------------------------------------------------------
+
+StateDict FsdpState::full_state_dict(bool rank0_only) {
+  const bool keep = !rank0_only || group_->rank() == 0;
+  std::map<std::string, at::Tensor> gathered;
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    at::Tensor full;
+    if (unit->gathered) {
+      full = unit->full;
+    } else {
+      full = at::empty({unit->padded}, unit->full.options());
+      at::Tensor input = unit->shard.detach();
+      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather for the full state dict");
+    }
+    if (!keep) continue;
+    for (size_t j = 0; j < unit->params.size(); ++j) {
+      gathered[unit->param_names[j]] =
+          full.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()).clone();
+    }
+  }
+  StateDict state;
+  if (!keep) return state;
+  for (const auto& item : root_->named_parameters(true)) state.emplace_back(item.key(), gathered.at(item.key()));
+  for (const auto& item : root_->named_buffers(true)) state.emplace_back(item.key(), item.value().detach().clone());
+  return state;
+}
+
+void FsdpState::load_full_state_dict(const StateDict& state) {
+  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
+  auto take = [&](const std::string& name, c10::IntArrayRef sizes) {
+    auto it = by_name.find(name);
+    TORCH_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name, "' that the model needs");
+    TORCH_CHECK(it->second.sizes() == sizes, "ddp: state dict entry '", name, "' has shape ", it->second.sizes(),
+                " but the model's has shape ", sizes);
+    at::Tensor value = it->second;
+    by_name.erase(it);
+    return value;
+  };
+  at::NoGradGuard no_grad;
+  // Check everything before changing anything.
+  std::vector<std::vector<at::Tensor>> values(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t j = 0; j < units_[u]->params.size(); ++j) {
+      values[u].push_back(take(units_[u]->param_names[j], units_[u]->params[j].sizes()));
+    }
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
+  for (const auto& item : root_->named_buffers(true)) buffers.emplace_back(item.value(), take(item.key(), item.value().sizes()));
+  TORCH_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first, "' that the model lacks");
+
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    at::Tensor flat = at::zeros({unit.padded}, unit.full.options());
+    for (size_t j = 0; j < unit.params.size(); ++j) {
+      flat.narrow(0, unit.offsets[j], unit.params[j].numel()).copy_(values[u][j].reshape({-1}));
+    }
+    unit.shard.detach().copy_(flat.narrow(0, sharded() ? group_->rank() * unit.shard_numel : 0, unit.shard_numel));
+    if (unit.gathered && sharded()) unit.full.copy_(flat);
+  }
+  for (auto& [target, value] : buffers) target.copy_(value);
+}
+
+namespace {
+
+at::Tensor as_tensor_or_null(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
+
+c10::impl::GenericDict new_string_dict() { return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get()); }
+
+// The optimizer must be built over parameters(), one group, in order.
+void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& shards) {
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer.param_groups()) params.insert(params.end(), group.params().begin(), group.params().end());
+  bool same = params.size() == shards.size();
+  for (size_t i = 0; same && i < params.size(); ++i) same = params[i].is_same(shards[i]);
+  TORCH_CHECK(same, "ddp: the optimizer must be built over FullyShardedDataParallel::parameters(), in order (it has ",
+              params.size(), " parameters, the model has ", shards.size(), " shards)");
+}
+
+}  // namespace
+
+c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
+  check_optimizer_layout(optimizer, shards());
+  const bool keep = !rank0_only || group_->rank() == 0;
+  auto local = optimizer_state_dict(optimizer).toGenericDict();
+  auto local_state = local.at("state").toGenericDict();
+  std::map<std::string, int64_t> index_of;
+  int64_t count = 0;
+  for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
+
+  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    auto found = local_state.find(static_cast<int64_t>(u));
+    if (found == local_state.end()) continue;  // not stepped yet: the same on every rank
+    auto entry = found->value().toGenericDict();
+    // One dict each: copies of a GenericDict would share their contents.
+    std::vector<c10::impl::GenericDict> per_param;
+    for (size_t j = 0; j < unit.params.size(); ++j) per_param.push_back(new_string_dict());
+    for (const auto& item : entry) {
+      const std::string key = item.key().toStringRef();
+      at::Tensor tensor = as_tensor_or_null(item.value());
+      if (tensor.defined() && tensor.dim() == 1 && tensor.numel() == unit.shard_numel && unit.shard_numel > 1) {
+        at::Tensor full = tensor;
+        if (sharded() && group_->size() > 1) {
+          full = at::empty({unit.padded}, tensor.options());
+          at::Tensor input = tensor.contiguous();
+          group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
+        }
+        for (size_t j = 0; j < unit.params.size(); ++j) {
+          per_param[j].insert(key, full.narrow(0, unit.offsets[j], unit.params[j].numel())
+                                       .view(unit.params[j].sizes()).clone());
+        }
+      } else {
+        for (size_t j = 0; j < unit.params.size(); ++j) {
+          per_param[j].insert(key, tensor.defined() ? c10::IValue(tensor.clone()) : item.value());
+        }
+      }
+    }
+    if (!keep) continue;
+    for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.param_names[j]), per_param[j]);
+  }
+  if (!keep) return c10::IValue();
+
+  // Python orders the state by parameter index.
+  c10::impl::GenericDict ordered(c10::AnyType::get(), c10::AnyType::get());
+  for (int64_t i = 0; i < count; ++i) {
+    auto it = state.find(i);
+    if (it != state.end()) ordered.insert(i, it->value());
+  }
+  auto groups = local.at("param_groups").toList();
+  TORCH_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
+  auto group = groups.get(0).toGenericDict().copy();
+  c10::impl::GenericList indices(c10::AnyType::get());  // an IntList would pickle as a TorchScript global
+  for (int64_t i = 0; i < count; ++i) indices.push_back(i);
+  group.insert_or_assign("params", indices);
+  c10::impl::GenericList new_groups(c10::AnyType::get());
+  new_groups.push_back(group);
+  auto result = new_string_dict();
+  result.insert("state", ordered);
+  result.insert("param_groups", new_groups);
+  return result;
+}
+
+void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
+  check_optimizer_layout(optimizer, shards());
+  TORCH_CHECK(full.isGenericDict(), "ddp: optimizer state must be a dict with 'state' and 'param_groups'");
+  auto dict = full.toGenericDict();
+  TORCH_CHECK(dict.contains("state") && dict.contains("param_groups"),
+              "ddp: optimizer state needs 'state' and 'param_groups' entries");
+  auto full_state = dict.at("state").toGenericDict();
+  auto groups = dict.at("param_groups").toList();
+  TORCH_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
+  std::map<std::string, int64_t> index_of;
+  int64_t count = 0;
+  for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
+  auto group = groups.get(0).toGenericDict().copy();
+  TORCH_CHECK(static_cast<int64_t>(group.at("params").toListRef().size()) == count, "ddp: the optimizer state has ",
+              group.at("params").toListRef().size(), " parameters but the model has ", count);
+
+  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    std::vector<c10::impl::GenericDict> entries;
+    for (const auto& name : unit.param_names) {
+      auto it = full_state.find(index_of.at(name));
+      if (it != full_state.end()) entries.push_back(it->value().toGenericDict());
+    }
+    if (entries.empty()) continue;
+    TORCH_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
+                unit.name, "'; FSDP needs all or none");
+    auto entry = new_string_dict();
+    for (const auto& item : entries.front()) {
+      const std::string key = item.key().toStringRef();
+      at::Tensor first = as_tensor_or_null(item.value());
+      if (first.defined() && first.sizes() == unit.params.front().sizes() && unit.params.front().numel() > 1 &&
+          key != "step") {
+        at::Tensor flat = at::zeros({unit.padded}, first.options());
+        for (size_t j = 0; j < unit.params.size(); ++j) {
+          at::Tensor value = as_tensor_or_null(entries[j].at(key));
+          TORCH_CHECK(value.defined() && value.sizes() == unit.params[j].sizes(), "ddp: optimizer state '", key,
+                      "' of parameter '", unit.param_names[j], "' does not match its shape ", unit.params[j].sizes());
+          flat.narrow(0, unit.offsets[j], unit.params[j].numel()).copy_(value.reshape({-1}));
+        }
+        entry.insert(key, flat.narrow(0, sharded() ? group_->rank() * unit.shard_numel : 0, unit.shard_numel).clone());
+      } else {
+        entry.insert(key, item.value());
+      }
+    }
+    state.insert(static_cast<int64_t>(u), entry);
+  }
+  c10::impl::GenericList indices(c10::AnyType::get());  // an IntList would pickle as a TorchScript global
+  for (size_t u = 0; u < units_.size(); ++u) indices.push_back(static_cast<int64_t>(u));
+  group.insert_or_assign("params", indices);
+  c10::impl::GenericList new_groups(c10::AnyType::get());
+  new_groups.push_back(group);
+  auto sharded_dict = new_string_dict();
+  sharded_dict.insert("state", state);
+  sharded_dict.insert("param_groups", new_groups);
+  load_optimizer_state_dict(optimizer, sharded_dict);
+}
+
+c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
+  auto result = new_string_dict();
+  result.insert("format", std::string("ddp.fsdp.sharded/1"));
+  result.insert("world_size", static_cast<int64_t>(group_->size()));
+  result.insert("rank", static_cast<int64_t>(group_->rank()));
+  result.insert("strategy", to_string(options_.sharding_strategy()));
+  c10::impl::GenericList units(c10::AnyType::get());
+  for (const auto& unit : units_) {
+    auto entry = new_string_dict();
+    entry.insert("name", unit->name);
+    entry.insert("numel", unit->numel);
+    c10::impl::GenericList names(c10::AnyType::get());
+    for (const auto& n : unit->param_names) names.push_back(n);
+    entry.insert("param_names", names);
+    entry.insert("shard", unit->shard.detach().clone());
+    units.push_back(entry);
+  }
+  result.insert("units", units);
+  auto buffers = new_string_dict();
+  for (const auto& item : root_->named_buffers(true)) buffers.insert(item.key(), item.value().detach().clone());
+  result.insert("buffers", buffers);
+  if (optimizer) {
+    check_optimizer_layout(*optimizer, shards());
+    result.insert("optimizer", optimizer_state_dict(*optimizer));
+  }
+  return result;
+}
+
+void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::Optimizer* optimizer) {
+  TORCH_CHECK(value.isGenericDict() && value.toGenericDict().contains("format") &&
+                  value.toGenericDict().at("format").isString() &&
+                  value.toGenericDict().at("format").toStringRef() == "ddp.fsdp.sharded/1",
+              "ddp: not an FSDP sharded state dict (no 'format': 'ddp.fsdp.sharded/1')");
+  auto dict = value.toGenericDict();
+  int64_t world = dict.at("world_size").toInt();
+  int64_t rank = dict.at("rank").toInt();
+  TORCH_CHECK(world == group_->size(), "ddp: this sharded checkpoint was written by ", world,
+              " ranks but this job has ", group_->size(),
+              "; a sharded checkpoint reloads only into the same world size: load a full state dict instead");
+  TORCH_CHECK(rank == group_->rank(), "ddp: rank ", group_->rank(), " was given rank ", rank,
+              "'s shard of the checkpoint");
+  auto units = dict.at("units").toList();
+  TORCH_CHECK(units.size() == units_.size(), "ddp: the sharded checkpoint has ", units.size(),
+              " units but the model has ", units_.size(), "; wrap the model the same way as when it was saved");
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto entry = units.get(u).toGenericDict();
+    at::Tensor shard = entry.at("shard").toTensor();
+    TORCH_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
+                    shard.numel() == units_[u]->shard_numel,
+                "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
+                entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
+                units_[u]->numel, " elements)");
+  }
+  auto buffers = dict.at("buffers").toGenericDict();
+  for (const auto& item : root_->named_buffers(true)) {
+    TORCH_CHECK(buffers.contains(item.key()), "ddp: the sharded checkpoint lacks the buffer '", item.key(), "'");
+  }
+  if (optimizer) {
+    TORCH_CHECK(dict.contains("optimizer"), "ddp: the sharded checkpoint holds no optimizer state");
+    check_optimizer_layout(*optimizer, shards());
+    load_optimizer_state_dict(*optimizer, dict.at("optimizer"));
+  }
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    unit.shard.detach().copy_(units.get(u).toGenericDict().at("shard").toTensor());
+    if (unit.gathered && sharded()) {
+      // Keep the gathered copy consistent: gather it again.
+      unit.gathered = false;
+      finish_gather(unit);
+    }
+  }
+  for (const auto& item : root_->named_buffers(true)) item.value().copy_(buffers.at(item.key()).toTensor());
+}
+
+}  // namespace detail
+
+std::string save_sharded_checkpoint(const c10::IValue& state, const std::string& dir, ProcessGroup& group) {
+  std::filesystem::create_directories(dir);
+  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
+  save_value(state, path);
+  group.barrier();
+  return path;
+}
+
+c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group) {
+  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
+  if (!std::filesystem::exists(path)) {
+    std::string found;
+    if (std::filesystem::is_directory(dir)) {
+      for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+        std::string name = entry.path().filename().string();
+        if (name.rfind("shard_", 0) == 0) {
+          found = name;
+          break;
+        }
+      }
+    }
+    TORCH_CHECK(false, "ddp: no sharded checkpoint for rank ", group.rank(), " of ", group.size(), " in '", dir,
+                "' (expected ", path, ")",
+                found.empty() ? std::string()
+                              : "; it holds " + found +
+                                    ", written by another world size: a sharded checkpoint reloads only into the "
+                                    "same world size, load a full state dict instead");
+  }
+  return load_value(path);
+}
+
+}  // namespace ddp
