@@ -173,7 +173,15 @@ fi
 # ---------------------------------------------------------------------------
 # The Wine example on the device, 1 and 2 ranks.
 if [[ $BUILT == 1 && $HAVE_ZLIB == 1 ]]; then
+  GPU_COUNT=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   for n in 1 2; do
+    if [[ $DEVICE == cuda && $n -gt ${GPU_COUNT:-0} ]]; then
+      # wine_ddp puts each rank on its own GPU with NCCL, which refuses two
+      # ranks on one device; the GPT stage covers ranks sharing a GPU.
+      printf 'wine_%srank\t-\t0\tskipped: %s GPU(s): one per rank needed\n' "$n" "$GPU_COUNT" >> "$STAGES"
+      log "wine_${n}rank skipped: $GPU_COUNT GPU(s), one per rank needed"
+      continue
+    fi
     dir=$(mktemp -d)
     stage "wine_${n}rank" 120 "$BIN/ddprun" --standalone --nproc-per-node "$n" \
       "$BIN/wine_ddp" 20 10 --device "$DEVICE" --checkpoint-dir "$dir"

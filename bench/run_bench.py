@@ -63,8 +63,7 @@ def main():
     if args.render_only:
         with open(os.path.join(args.out, "results.json")) as f:
             results = json.load(f)
-        with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
-            f.write(render(results))
+        write_results_md(args.out, render(results))
         chart(results, os.path.join(args.out, "RESULTS.png"))
         return
 
@@ -157,10 +156,26 @@ def main():
 
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
-        f.write(render(results))
+    write_results_md(args.out, render(results))
     chart(results, os.path.join(args.out, "RESULTS.png"))
     print(render(results))
+
+
+# Sections other scripts own (run_memory_bench.py, gpu_check.sh results)
+# live between markers in RESULTS.md; rewriting ours keeps them.
+KEPT_SECTIONS = [("<!-- memory benchmark: begin", "<!-- memory benchmark: end -->"),
+                 ("<!-- gpu check: begin", "<!-- gpu check: end -->")]
+
+
+def write_results_md(out_dir, text):
+    path = os.path.join(out_dir, "RESULTS.md")
+    old = open(path).read() if os.path.exists(path) else ""
+    for begin, end in KEPT_SECTIONS:
+        if begin in old and end in old:
+            kept = old[old.index(begin):old.index(end) + len(end)]
+            text = text.rstrip("\n") + "\n\n" + kept + "\n"
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def chart(r, path):

@@ -140,6 +140,9 @@ struct FsdpState::Unit {
 FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
                      FSDPOptions options)
     : root_(std::move(root)), group_(std::move(group)), options_(std::move(options)) {
+  // One rank has nothing to shard with: gathering would only copy. PyTorch
+  // makes the same switch.
+  if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
   // Gloo's reduce-scatter and all-gather are slower than rings of
   // point-to-point sends (see ring_collectives.h); NCCL's are not.
   if (group_->size() > 1 && group_->backend() == BackendKind::kGloo && sharded()) {

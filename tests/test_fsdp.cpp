@@ -108,6 +108,19 @@ TEST(FullyShardedDataParallel, AdamWAndSgdWithMomentumMatchDdp) {
   }
 }
 
+// Four ranks: three steps around the ring in every reduce-scatter and
+// all-gather.
+TEST(FullyShardedDataParallel, FourRanksMatchDdp) {
+  TempDir dir;
+  auto reference = train(4, {"--strategy", "ddp", "--out", dir / "ddp.pt"});
+  ASSERT_EQ(reference.exit_code, 0) << reference.describe();
+  auto sharded = train(4, {"--strategy", "fsdp-full", "--out", dir / "fsdp.pt"});
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.describe();
+  double diff = max_difference(dir / "ddp.pt", dir / "fsdp.pt");
+  EXPECT_GE(diff, 0);
+  EXPECT_LE(diff, 1e-5);
+}
+
 // N ranks with b rows each against one process with all N·b rows.
 TEST(FullyShardedDataParallel, MatchesOneProcessWithTheWholeBatch) {
   TempDir dir;
