@@ -11,6 +11,7 @@
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
 
 #include "bench_models.h"
+#include "bench_stats.h"
 
 #include <ddp/bucket_assignment.h>
 #include <ddp/distributed_data_parallel.h>
@@ -53,19 +54,8 @@ Config parse(int argc, char** argv) {
   return c;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string json_list(const std::vector<double>& v) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
-  out << "]";
-  return out.str();
-}
+using bench::json_list;
+using bench::median;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start) {

@@ -12,6 +12,8 @@
 // --peak-tflops per GPU (an H200's dense bf16 peak by default), with
 // FLOPs per token = 6 * parameters + 12 * layers * d_model * seq.
 
+#include "bench_stats.h"
+
 #include <ddp/autocast.h>
 #include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
@@ -215,19 +217,8 @@ void init_weights(Gpt& model, const Config& c) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string json_list(const std::vector<double>& v) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
-  out << "]";
-  return out.str();
-}
+using bench::json_list;
+using bench::median;
 
 int run(const Config& c) {
   if (c.threads > 0) at::set_num_threads(static_cast<int>(c.threads));

@@ -9,6 +9,8 @@
 // all-gather of one layer's worth of floats instead: what FSDP's
 // communication costs next to DDP's.
 
+#include "bench_stats.h"
+
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -45,11 +47,6 @@ int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   return bytes;
 }
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values.empty() ? 0.0 : values[values.size() / 2];
-}
-
 // Median milliseconds of all-reduce, reduce-scatter and all-gather moving
 // `numel` floats per rank (reduce-scatter's input and all-gather's output are
 // the full `numel`, as FSDP uses them).
@@ -67,7 +64,7 @@ int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_
       collective();
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
     }
-    return median(ms);
+    return bench::median(ms);
   };
   double all_reduce = time([&] { group.all_reduce(full); });
   double reduce_scatter = time([&] { group.wait(group.reduce_scatter_async(part, full), "reduce_scatter"); });
@@ -174,7 +171,7 @@ int main(int argc, char** argv) {
                 strategy.c_str(), group->size(), group->rank(), static_cast<long long>(numel),
                 static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
                 static_cast<long long>(bucket_bytes), static_cast<long long>(optimizer_bytes),
-                static_cast<long long>(usage.ru_maxrss) * 1024, median(step_ms));
+                static_cast<long long>(usage.ru_maxrss) * 1024, bench::median(step_ms));
     std::fflush(stdout);
     group->barrier();
   } catch (const c10::Error& e) {

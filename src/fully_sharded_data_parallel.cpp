@@ -19,6 +19,8 @@
 #include <ddp/ring_collectives.h>
 #include <ddp/snapshot.h>
 
+#include "autograd_hooks.h"
+
 #include <ATen/Functions.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/engine.h>
@@ -56,20 +58,6 @@ std::string to_string(ShardingStrategy strategy) {
 
 namespace detail {
 namespace {
-
-// Calls back once a parameter's gradient has been accumulated into .grad.
-class GradientAccumulatedHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientAccumulatedHook(std::function<void()> callback) : callback_(std::move(callback)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    callback_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> callback_;
-};
 
 // Gives `tensor`'s storage back to its allocator, keeping the StorageImpl
 // (and so every view of it) alive.
@@ -316,7 +304,7 @@ void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at
     auto accumulator = torch::autograd::impl::grad_accumulator(unit->params[j]);
     TORCH_CHECK(accumulator, "ddp: FSDP parameter '", unit->param_names[j], "' has no gradient accumulator");
     unit->hook_keys.push_back(accumulator->add_post_hook(
-        std::make_unique<GradientAccumulatedHook>([this, index, j] { on_gradient_ready(index, j); })));
+        std::make_unique<GradientReadyHook>([this, index, j] { on_gradient_ready(index, j); })));
     unit->accumulators.push_back(std::move(accumulator));
   }
   units_.push_back(std::move(unit));

@@ -2,6 +2,8 @@
 
 #include <ddp/bucket_assignment.h>
 
+#include "autograd_hooks.h"
+
 #include <ATen/Functions.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -14,20 +16,7 @@
 namespace ddp {
 namespace {
 
-// Runs a callback after a parameter's gradient has been accumulated into
-// .grad, i.e. when the gradient is final for this backward pass.
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientReadyHook(std::function<void()> on_ready) : on_ready_(std::move(on_ready)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    on_ready_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> on_ready_;
-};
+using detail::GradientReadyHook;
 
 size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
 

@@ -25,6 +25,7 @@
 //  * everything else belongs to the root unit, gathered for the whole forward.
 
 #include <ddp/checkpoint.h>
+#include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
 #include <torch/arg.h>
@@ -118,24 +119,15 @@ class FsdpUnitModule : public torch::nn::Module {
   size_t unit_ = 0;
 };
 
-// The tensors of a forward's result (as DistributedDataParallel collects them).
-inline void output_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
-inline void output_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename... Ts>
-void output_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... items) { (output_tensors(items, out), ...); }, t);
-}
+/// The tensors of a forward's result; FSDP hooks them to gather each unit
+/// again for backward, so a result without tensors is an error.
 template <typename T>
-void output_tensors(const T&, std::vector<at::Tensor>&) {
-  static_assert(sizeof(T) == 0, "ddp: FSDP needs forward results made of tensors, to gather for backward");
-}
-
-inline std::shared_ptr<torch::nn::Module> module_ptr(std::shared_ptr<torch::nn::Module> module) { return module; }
-template <typename Impl>
-std::shared_ptr<torch::nn::Module> module_ptr(const torch::nn::ModuleHolder<Impl>& holder) {
-  return holder.ptr();
+std::vector<at::Tensor> forward_outputs(const T& result) {
+  std::vector<at::Tensor> outputs;
+  collect_tensors(result, outputs);
+  TORCH_CHECK(!outputs.empty(), "ddp: FSDP needs forward results made of tensors (a tensor, a vector, tuple or "
+              "pair of them): they carry the hooks that gather each unit for backward");
+  return outputs;
 }
 
 /// The engine of FullyShardedDataParallel, independent of the module type.
@@ -213,16 +205,14 @@ class FsdpState {
 template <typename ModuleType>
 class FsdpUnitImpl : public detail::FsdpUnitModule {
  public:
-  explicit FsdpUnitImpl(ModuleType module) : module_(std::move(module)) { adopt(detail::module_ptr(module_)); }
+  explicit FsdpUnitImpl(ModuleType module) : module_(std::move(module)) { adopt(detail::as_module_ptr(module_)); }
 
   template <typename... Args>
   auto forward(Args&&... args) {
     if (!attached()) return module_->forward(std::forward<Args>(args)...);
     before_forward();
     auto result = module_->forward(std::forward<Args>(args)...);
-    std::vector<at::Tensor> outputs;
-    detail::output_tensors(result, outputs);
-    after_forward(outputs);
+    after_forward(detail::forward_outputs(result));
     return result;
   }
 
@@ -264,7 +254,7 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
       : module_(std::move(module)),
         group_(group),
-        state_(std::make_unique<detail::FsdpState>(detail::module_ptr(module_), std::move(group), options)) {}
+        state_(std::make_unique<detail::FsdpState>(detail::as_module_ptr(module_), std::move(group), options)) {}
 
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
@@ -272,9 +262,7 @@ class FullyShardedDataParallel {
   auto forward(Args&&... args) {
     state_->begin_forward();
     auto result = run(std::forward<Args>(args)...);
-    std::vector<at::Tensor> outputs;
-    detail::output_tensors(result, outputs);
-    state_->end_forward(outputs);
+    state_->end_forward(detail::forward_outputs(result));
     return result;
   }
   template <typename... Args>

@@ -2,6 +2,8 @@
 // with hand-set variables). The first argument picks the scenario; each one
 // prints a marker line the test looks for and exits 0 only on success.
 
+#include "worker_flags.h"
+
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
@@ -43,19 +45,8 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == name) return argv[i + 1];
-  }
-  return fallback;
-}
-
-bool has_flag(int argc, char** argv, const std::string& name) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == name) return true;
-  }
-  return false;
-}
+using worker::flag;
+using worker::has_flag;
 
 // DDP options from the command line, so one scenario covers every option.
 ddp::DDPOptions options_from(int argc, char** argv) {

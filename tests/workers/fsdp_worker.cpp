@@ -10,6 +10,8 @@
 // starts from them. --save-sharded DIR / --load-sharded DIR do the same with
 // per-rank sharded checkpoints (FSDP only).
 
+#include "worker_flags.h"
+
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
@@ -58,12 +60,7 @@ torch::nn::Sequential make_sequential() {
                                torch::nn::Tanh(), torch::nn::Linear(17, 5));
 }
 
-std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback = "") {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == name) return argv[i + 1];
-  }
-  return fallback;
-}
+using worker::flag;
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
   if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));

@@ -7,6 +7,8 @@
 //
 // Each prints a marker line and exits 0 only on success.
 
+#include "worker_flags.h"
+
 #include <ddp/autocast.h>
 #include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
@@ -38,19 +40,8 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-std::string flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (argv[i] == name) return argv[i + 1];
-  }
-  return fallback;
-}
-
-bool has_flag(int argc, char** argv, const std::string& name) {
-  for (int i = 1; i < argc; ++i) {
-    if (argv[i] == name) return true;
-  }
-  return false;
-}
+using worker::flag;
+using worker::has_flag;
 
 struct Setup {
   c10::Device device{c10::kCPU};
