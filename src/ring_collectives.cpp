@@ -1,6 +1,7 @@
 #include <ddp/ring_collectives.h>
 
 #include <ATen/Functions.h>
+#include <c10/util/Exception.h>
 
 namespace ddp {
 
@@ -36,7 +37,15 @@ void RingCollectives::run() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
+      if (stopping_) {
+        // Nobody will wait for what is left: do not talk to the peers again.
+        for (auto& entry : queue_) {
+          entry.second->set_exception(std::make_exception_ptr(
+              c10::Error(std::string("ddp: ring operation cancelled: the FSDP engine was destroyed first"))));
+        }
+        queue_.clear();
+        return;
+      }
       operation = std::move(queue_.front().first);
       promise = std::move(queue_.front().second);
       queue_.pop_front();
@@ -45,11 +54,18 @@ void RingCollectives::run() {
       tag = next_tag_;
       next_tag_ = (next_tag_ + 1) % (1u << 20);
     }
+    // After a failure (a dead peer, a timeout) the ring is broken: later
+    // operations fail at once instead of each waiting out the timeout.
+    if (failure_) {
+      promise->set_exception(failure_);
+      continue;
+    }
     try {
       operation(tag);
       promise->set_value();
     } catch (...) {
-      promise->set_exception(std::current_exception());
+      failure_ = std::current_exception();
+      promise->set_exception(failure_);
     }
   }
 }

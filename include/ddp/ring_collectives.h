@@ -65,6 +65,7 @@ class RingCollectives {
   std::deque<std::pair<std::function<void(uint32_t)>, std::shared_ptr<std::promise<void>>>> queue_;
   bool stopping_ = false;
   uint32_t next_tag_ = 0;
+  std::exception_ptr failure_;  // the first failed operation's error; the worker thread's alone
   std::thread worker_;
 };
 
