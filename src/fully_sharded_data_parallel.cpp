@@ -172,7 +172,11 @@ bool FsdpState::sharded() const { return options_.sharding_strategy() != Shardin
 void FsdpState::build_units() {
   std::set<const at::TensorImpl*> claimed;
   std::map<const at::TensorImpl*, std::string> name_of;
-  for (const auto& item : root_->named_parameters(true)) name_of[item.value().unsafeGetTensorImpl()] = item.key();
+  for (const auto& item : root_->named_parameters(true)) {
+    auto [it, fresh] = name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    TORCH_CHECK(fresh, "ddp: parameters '", it->second, "' and '", item.key(),
+                "' are one tensor (tied weights); FullyShardedDataParallel does not support tied parameters");
+  }
   auto params_of = [&](const torch::nn::Module& module) {
     std::vector<std::pair<std::string, at::Tensor>> params;
     for (const auto& p : module.parameters(true)) {

@@ -121,6 +121,21 @@ TEST(FullyShardedDataParallel, FourRanksMatchDdp) {
   EXPECT_LE(diff, 1e-5);
 }
 
+// Two backward passes before each step: each one's gradients are
+// reduce-scattered and added into the shards' gradients.
+TEST(FullyShardedDataParallel, GradientAccumulationOverMicroBatchesMatchesDdp) {
+  TempDir dir;
+  auto reference = train(2, {"--strategy", "ddp", "--out", dir / "ddp.pt"});
+  ASSERT_EQ(reference.exit_code, 0) << reference.describe();
+  for (const std::string strategy : {"fsdp-full", "fsdp-grad-op"}) {
+    auto r = train(2, {"--strategy", strategy, "--micro-batches", "2", "--out", dir / "s.pt"});
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    double diff = max_difference(dir / "ddp.pt", dir / "s.pt");
+    EXPECT_GE(diff, 0);
+    EXPECT_LE(diff, 1e-5) << strategy;
+  }
+}
+
 // N ranks with b rows each against one process with all N·b rows.
 TEST(FullyShardedDataParallel, MatchesOneProcessWithTheWholeBatch) {
   TempDir dir;

@@ -5,6 +5,8 @@
 //
 //   ddprun --standalone --nproc-per-node 3 fsdp_worker --strategy fsdp-full --model seq --steps 6 --out w.pt
 //
+// --micro-batches M accumulates M backward passes per optimizer step.
+//
 // Checkpoint round trips: --save-full PREFIX writes PREFIX.model.pt and
 // PREFIX.optim.pt (full, any world size) after the steps; --load-full PREFIX
 // starts from them. --save-sharded DIR / --load-sharded DIR do the same with
@@ -182,6 +184,7 @@ int main(int argc, char** argv) {
     const int64_t steps = std::stoll(flag(argc, argv, "--steps", "6"));
     const std::string out = flag(argc, argv, "--out");
     const int64_t init_seed = std::stoll(flag(argc, argv, "--init-seed", "0"));
+    const int64_t micro_batches = std::stoll(flag(argc, argv, "--micro-batches", "1"));
 
     auto group = ddp::init_process_group();
     const int rank = group->rank(), world = group->size();
@@ -212,12 +215,17 @@ int main(int argc, char** argv) {
         y = y.index_select(0, rows);
       }
       trainer->zero_grad();
-      at::Tensor loss = torch::nn::functional::mse_loss(trainer->forward(x), y);
-      if (is_fsdp && step == first_step + 1) {
-        std::printf("rank %d after forward holds %lld parameter bytes\n", rank,
-                    static_cast<long long>(trainer->memory().parameter_bytes));
+      // Gradient accumulation: several backward passes, one optimizer step.
+      for (const auto& rows : at::arange(x.size(0)).tensor_split(micro_batches)) {
+        at::Tensor loss = torch::nn::functional::mse_loss(trainer->forward(x.index_select(0, rows)),
+                                                          y.index_select(0, rows)) *
+                          (static_cast<double>(rows.numel()) / static_cast<double>(x.size(0)));
+        if (is_fsdp && step == first_step + 1) {
+          std::printf("rank %d after forward holds %lld parameter bytes\n", rank,
+                      static_cast<long long>(trainer->memory().parameter_bytes));
+        }
+        loss.backward();
       }
-      loss.backward();
       trainer->step();
     }
     if (is_fsdp) {
