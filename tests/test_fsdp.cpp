@@ -49,6 +49,14 @@ double max_difference(const std::string& a, const std::string& b, std::string* w
   return std::stod(r.out);
 }
 
+// Both state dicts hold the same tensors within float tolerance.
+void expect_same_weights(const std::string& a, const std::string& b, const std::string& label) {
+  std::string why;
+  double diff = max_difference(a, b, &why);
+  EXPECT_GE(diff, 0) << label << ": " << why;
+  EXPECT_LE(diff, 1e-5) << label;
+}
+
 std::vector<long long> numbers_after(const std::string& out, const std::string& prefix) {
   std::vector<long long> values;
   std::regex pattern(prefix + " ([0-9]+)");
@@ -70,10 +78,7 @@ void expect_every_strategy_matches_ddp(int ranks) {
     for (const std::string strategy : {"zero1", "fsdp-full", "fsdp-grad-op", "fsdp-no-shard"}) {
       auto r = train(ranks, {"--model", model, "--strategy", strategy, "--out", dir / "s.pt"});
       ASSERT_EQ(r.exit_code, 0) << model << " " << strategy << ": " << r.describe();
-      std::string why;
-      double diff = max_difference(dir / "ddp.pt", dir / "s.pt", &why);
-      EXPECT_GE(diff, 0) << model << " " << strategy << ": " << why;
-      EXPECT_LE(diff, 1e-5) << model << " " << strategy << " at " << ranks << " ranks";
+      expect_same_weights(dir / "ddp.pt", dir / "s.pt", model + " " + strategy + " at " + std::to_string(ranks) + " ranks");
       if (strategy.rfind("fsdp", 0) == 0) {
         // The units the model asked for: three size-based groups of the
         // Sequential, or the two wrapped submodules plus the root's head.
@@ -101,9 +106,7 @@ TEST(FullyShardedDataParallel, AdamWAndSgdWithMomentumMatchDdp) {
     for (const std::string strategy : {"zero1", "fsdp-full", "fsdp-grad-op"}) {
       auto r = train(2, {"--optimizer", optimizer, "--strategy", strategy, "--out", dir / "s.pt"});
       ASSERT_EQ(r.exit_code, 0) << r.describe();
-      double diff = max_difference(dir / "ddp.pt", dir / "s.pt");
-      EXPECT_GE(diff, 0);
-      EXPECT_LE(diff, 1e-5) << optimizer << " " << strategy;
+      expect_same_weights(dir / "ddp.pt", dir / "s.pt", optimizer + " " + strategy);
     }
   }
 }
@@ -116,9 +119,7 @@ TEST(FullyShardedDataParallel, FourRanksMatchDdp) {
   ASSERT_EQ(reference.exit_code, 0) << reference.describe();
   auto sharded = train(4, {"--strategy", "fsdp-full", "--out", dir / "fsdp.pt"});
   ASSERT_EQ(sharded.exit_code, 0) << sharded.describe();
-  double diff = max_difference(dir / "ddp.pt", dir / "fsdp.pt");
-  EXPECT_GE(diff, 0);
-  EXPECT_LE(diff, 1e-5);
+  expect_same_weights(dir / "ddp.pt", dir / "fsdp.pt", "");
 }
 
 // Two backward passes before each step: each one's gradients are
@@ -130,9 +131,7 @@ TEST(FullyShardedDataParallel, GradientAccumulationOverMicroBatchesMatchesDdp) {
   for (const std::string strategy : {"fsdp-full", "fsdp-grad-op"}) {
     auto r = train(2, {"--strategy", strategy, "--micro-batches", "2", "--out", dir / "s.pt"});
     ASSERT_EQ(r.exit_code, 0) << r.describe();
-    double diff = max_difference(dir / "ddp.pt", dir / "s.pt");
-    EXPECT_GE(diff, 0);
-    EXPECT_LE(diff, 1e-5) << strategy;
+    expect_same_weights(dir / "ddp.pt", dir / "s.pt", strategy);
   }
 }
 
@@ -143,9 +142,7 @@ TEST(FullyShardedDataParallel, MatchesOneProcessWithTheWholeBatch) {
   ASSERT_EQ(single.exit_code, 0) << single.describe();
   auto sharded = train(3, {"--strategy", "fsdp-full", "--out", dir / "fsdp.pt"});
   ASSERT_EQ(sharded.exit_code, 0) << sharded.describe();
-  double diff = max_difference(dir / "single.pt", dir / "fsdp.pt");
-  EXPECT_GE(diff, 0);
-  EXPECT_LE(diff, 1e-5);
+  expect_same_weights(dir / "single.pt", dir / "fsdp.pt", "");
 }
 
 // 1031 parameters padded to 1032: each of 2 ranks keeps 516 floats of
@@ -188,9 +185,7 @@ TEST(FullyShardedDataParallel, FullCheckpointResumesUnderAnyStrategyAndWorldSize
     auto r = train(c.ranks, {"--strategy", c.strategy, "--init-seed", "5", "--load-full", dir / "half",
                              "--first-step", "3", "--steps", "3", "--out", dir / "resumed.pt"});
     ASSERT_EQ(r.exit_code, 0) << c.strategy << ": " << r.describe();
-    double diff = max_difference(dir / "ddp6.pt", dir / "resumed.pt");
-    EXPECT_GE(diff, 0);
-    EXPECT_LE(diff, 1e-5) << c.strategy << " at " << c.ranks << " ranks";
+    expect_same_weights(dir / "ddp6.pt", dir / "resumed.pt", c.strategy + " at " + std::to_string(c.ranks) + " ranks");
   }
   // Python reads both files into the unwrapped model and torch.optim.Adam.
   auto py = run_process({DDP_PYTHON, "-c",
