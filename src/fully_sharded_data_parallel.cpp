@@ -132,7 +132,8 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Pr
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
   // Gloo's reduce-scatter and all-gather are slower than rings of
-  // point-to-point sends (see ring_collectives.h); NCCL's are not.
+  // point-to-point sends (see ring_collectives.h); NCCL's are not. Gloo
+  // sends only CPU tensors, so CUDA units on Gloo use its collectives.
   if (group_->size() > 1 && group_->backend() == BackendKind::kGloo && sharded()) {
     ring_ = std::make_unique<RingCollectives>(group_);
   }
@@ -352,7 +353,7 @@ void FsdpState::start_gather(Unit& unit) {
     return;
   }
   at::Tensor input = unit.shard.detach();
-  if (ring_) {
+  if (ring_ && unit.full.is_cpu()) {
     unit.pending_gather.ring = ring_->all_gather(unit.full, input);
   } else {
     unit.pending_gather.work = group_->all_gather_into_async(unit.full, input);
@@ -510,7 +511,7 @@ void FsdpState::reduce(Unit& unit) {
     unit.gradient_shard = unit.gradient_flat;
   } else if (sharded()) {
     unit.gradient_shard = at::empty({unit.shard_numel}, unit.full.options());
-    if (ring_) {
+    if (ring_ && unit.full.is_cpu()) {
       unit.pending_reduce.ring = ring_->reduce_scatter(unit.gradient_shard, unit.gradient_flat);
     } else {
       unit.pending_reduce.work = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);

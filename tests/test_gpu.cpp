@@ -107,6 +107,28 @@ TEST(Gpu, TwoRanksMatchOneProcess) {
   EXPECT_NE(r.out.find("EQUIVALENCE device=cuda"), std::string::npos) << r.out;
 }
 
+// FSDP's units on the GPU: FULL_SHARD on two ranks (NCCL with two GPUs, or
+// gloo sharing one) lands on DDP's weights computed on the CPU.
+TEST(Gpu, FsdpFullShardOnCudaMatchesDdpOnTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  auto dir = make_temp_dir("ddp_gpu_fsdp");
+  auto reference = run_process(under_ddprun(2, "fsdp_worker", {"--strategy", "ddp", "--out", dir + "/ddp.pt"}),
+                               one_rank({}, std::chrono::seconds(120)));
+  ASSERT_EQ(reference.exit_code, 0) << reference.describe();
+  std::vector<std::string> flags = {"--strategy", "fsdp-full", "--device", "cuda", "--out", dir + "/fsdp.pt"};
+  if (torch::cuda::device_count() < 2) flags.insert(flags.end(), {"--backend", "gloo", "--share-devices", "yes"});
+  auto r = run_process(under_ddprun(2, "fsdp_worker", flags),
+                       one_rank({{"DDP_TIMEOUT_SECONDS", "120"}}, std::chrono::seconds(240)));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto diff = run_process({DDP_PYTHON, "-c",
+                           "import sys, torch\n"
+                           "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
+                           "print(max((a[k] - b[k]).abs().max().item() for k in a))\n",
+                           dir + "/ddp.pt", dir + "/fsdp.pt"});
+  ASSERT_EQ(diff.exit_code, 0) << diff.describe();
+  EXPECT_LE(std::stod(diff.out), 1e-4) << diff.out;
+}
+
 TEST(Gpu, TwoRanksWithNcclNeedTwoGpus) {
   SKIP_WITHOUT_CUDA();
   if (torch::cuda::device_count() < 2) {

@@ -67,7 +67,7 @@ gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess"
 add_executable(ddp_gpu_tests test_gpu.cpp)
 target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_gpu_tests REUSE_FROM ddp)
-add_dependencies(ddp_gpu_tests gpu_worker ddprun)
+add_dependencies(ddp_gpu_tests gpu_worker fsdp_worker ddprun)
 gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
 add_executable(ddp_fsdp_tests test_fsdp.cpp)
 target_link_libraries(ddp_fsdp_tests PRIVATE ddp_test_support GTest::gtest_main)

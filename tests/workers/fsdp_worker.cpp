@@ -6,6 +6,7 @@
 //   ddprun --standalone --nproc-per-node 3 fsdp_worker --strategy fsdp-full --model seq --steps 6 --out w.pt
 //
 // --micro-batches M accumulates M backward passes per optimizer step.
+// --device cuda [--backend gloo --share-devices] trains on the GPU.
 //
 // Checkpoint round trips: --save-full PREFIX writes PREFIX.model.pt and
 // PREFIX.optim.pt (full, any world size) after the steps; --load-full PREFIX
@@ -15,6 +16,7 @@
 #include "worker_flags.h"
 
 #include <ddp/checkpoint.h>
+#include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -186,16 +188,25 @@ int main(int argc, char** argv) {
     const int64_t init_seed = std::stoll(flag(argc, argv, "--init-seed", "0"));
     const int64_t micro_batches = std::stoll(flag(argc, argv, "--micro-batches", "1"));
 
-    auto group = ddp::init_process_group();
+    auto device_options = ddp::DeviceOptions()
+                              .kind(ddp::parse_device_kind(flag(argc, argv, "--device", "cpu")))
+                              .share_devices(flag(argc, argv, "--share-devices", "no") == "yes");
+    const c10::Device device = ddp::init_device(ddp::world_from_env(), device_options);
+    auto group = ddp::init_process_group(ddp::ProcessGroupOptions().device(device).backend(
+        ddp::parse_backend(flag(argc, argv, "--backend", "auto"))));
     const int rank = group->rank(), world = group->size();
     torch::manual_seed(init_seed);
     ddp::FSDPOptions fsdp_options;
     std::unique_ptr<Trainer> trainer;
     if (model_kind == "seq") {
       fsdp_options.min_num_params(std::stoll(flag(argc, argv, "--min-num-params", "200")));
-      trainer = make_trainer(make_sequential(), strategy, group, optim, fsdp_options);
+      auto model = make_sequential();
+      model->to(device);
+      trainer = make_trainer(model, strategy, group, optim, fsdp_options);
     } else if (model_kind == "wrapped") {
-      trainer = make_trainer(WrappedNet(), strategy, group, optim, fsdp_options);
+      WrappedNet model;
+      model->to(device);
+      trainer = make_trainer(model, strategy, group, optim, fsdp_options);
     } else {
       throw std::invalid_argument("--model must be seq or wrapped");
     }
@@ -209,14 +220,17 @@ int main(int argc, char** argv) {
 
     for (int64_t step = first_step; step < first_step + steps; ++step) {
       auto [x, y] = global_batch(step);
+      x = x.to(device);
+      y = y.to(device);
       if (strategy != "single") {
-        at::Tensor rows = at::arange(rank, x.size(0), world);
+        at::Tensor rows = at::arange(rank, x.size(0), world, at::TensorOptions().dtype(at::kLong).device(device));
         x = x.index_select(0, rows);
         y = y.index_select(0, rows);
       }
       trainer->zero_grad();
       // Gradient accumulation: several backward passes, one optimizer step.
-      for (const auto& rows : at::arange(x.size(0)).tensor_split(micro_batches)) {
+      for (const auto& rows : at::arange(x.size(0), at::TensorOptions().dtype(at::kLong).device(device))
+                                  .tensor_split(micro_batches)) {
         at::Tensor loss = torch::nn::functional::mse_loss(trainer->forward(x.index_select(0, rows)),
                                                           y.index_select(0, rows)) *
                           (static_cast<double>(rows.numel()) / static_cast<double>(x.size(0)));
