@@ -1,5 +1,7 @@
 #include "support/subprocess.h"
 
+#include "posix_util.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -35,9 +37,7 @@ constexpr int kExitCheckIntervalMs = 10;
 // describe() keeps assertion messages readable by showing only the end of long output.
 constexpr size_t kDescribeTailBytes = 16 * 1024;
 
-[[noreturn]] void throw_errno(const std::string& what) {
-  throw std::runtime_error(what + ": " + std::strerror(errno));
-}
+using ddprun::throw_errno;
 
 void close_fd(int& fd) {
   if (fd >= 0) ::close(fd);
@@ -279,24 +279,7 @@ std::string make_temp_dir(const std::string& prefix) {
   return pattern;
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("socket");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof address;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    int saved = errno;
-    ::close(fd);
-    errno = saved;
-    throw_errno("free_port");
-  }
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
+int free_port() { return ddprun::free_loopback_port("free_port"); }
 
 BackgroundProcess start_background(const std::vector<std::string>& argv,
                                    const RunOptions& options) {

@@ -690,24 +690,7 @@ void validate(const LaunchOptions& options) {
   if (options.command.empty()) throw std::invalid_argument("missing PROGRAM to run");
 }
 
-int pick_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("socket");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;  // the kernel picks an unused port
-  socklen_t length = sizeof address;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    int saved = errno;
-    ::close(fd);
-    errno = saved;
-    throw_errno("--standalone could not find a free port on 127.0.0.1");
-  }
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
+int pick_free_port() { return free_loopback_port("--standalone could not find a free port on 127.0.0.1"); }
 
 int count_visible_gpus() {
   int installed = 0;

@@ -1,8 +1,10 @@
 #include "posix_util.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -139,6 +141,25 @@ FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
 void FileDescriptor::reset() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+}
+
+int free_loopback_port(const std::string& what) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno(what);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;  // the kernel picks an unused port
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    int saved = errno;
+    ::close(fd);
+    errno = saved;
+    throw_errno(what);
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
 }
 
 void throw_errno(const std::string& what) {

@@ -44,6 +44,10 @@ class FileDescriptor {
   int fd_ = -1;
 };
 
+// A TCP port on 127.0.0.1 that nothing listens on right now (the kernel's
+// choice). Throws std::runtime_error naming `what` if there is none.
+int free_loopback_port(const std::string& what);
+
 // std::runtime_error with "<what>: <strerror(errno)>".
 [[noreturn]] void throw_errno(const std::string& what);
 
