@@ -667,7 +667,9 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
     for (const auto& item : entry) {
       const std::string key = item.key().toStringRef();
       at::Tensor tensor = as_tensor_or_null(item.value());
-      if (tensor.defined() && tensor.dim() == 1 && tensor.numel() == unit.shard_numel && unit.shard_numel > 1) {
+      if (is_per_element_state(key)) {
+        TORCH_CHECK(tensor.defined() && tensor.numel() == unit.shard_numel, "ddp: optimizer state '", key,
+                    "' of unit '", unit.name, "' is not a tensor of the shard's ", unit.shard_numel, " elements");
         at::Tensor full = tensor;
         if (sharded() && group_->size() > 1) {
           full = at::empty({unit.padded}, tensor.options());
@@ -741,8 +743,9 @@ void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, c
     for (const auto& item : entries.front()) {
       const std::string key = item.key().toStringRef();
       at::Tensor first = as_tensor_or_null(item.value());
-      if (first.defined() && first.sizes() == unit.params.front().sizes() && unit.params.front().numel() > 1 &&
-          key != "step") {
+      if (is_per_element_state(key)) {
+        TORCH_CHECK(first.defined(), "ddp: optimizer state '", key, "' of parameter '", unit.param_names.front(),
+                    "' is not a tensor");
         at::Tensor flat = at::zeros({unit.padded}, first.options());
         for (size_t j = 0; j < unit.params.size(); ++j) {
           at::Tensor value = as_tensor_or_null(entries[j].at(key));

@@ -265,6 +265,8 @@ c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
   return result;
 }
 
+bool is_per_element_state(const std::string& key) { return key != "step"; }
+
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& value) {
   TORCH_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
   GenericDict dict = value.toGenericDict();

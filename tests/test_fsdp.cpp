@@ -103,7 +103,7 @@ TEST(FullyShardedDataParallel, AdamWAndSgdWithMomentumMatchDdp) {
   for (const std::string optimizer : {"adamw", "sgd"}) {
     auto reference = train(2, {"--optimizer", optimizer, "--strategy", "ddp", "--out", dir / "ddp.pt"});
     ASSERT_EQ(reference.exit_code, 0) << reference.describe();
-    for (const std::string strategy : {"zero1", "fsdp-full", "fsdp-grad-op"}) {
+    for (const std::string strategy : {"zero1", "fsdp-full", "fsdp-grad-op", "fsdp-no-shard"}) {
       auto r = train(2, {"--optimizer", optimizer, "--strategy", strategy, "--out", dir / "s.pt"});
       ASSERT_EQ(r.exit_code, 0) << r.describe();
       expect_same_weights(dir / "ddp.pt", dir / "s.pt", optimizer + " " + strategy);
@@ -123,24 +123,26 @@ TEST(FullyShardedDataParallel, FourRanksMatchDdp) {
 }
 
 // Two backward passes before each step: each one's gradients are
-// reduce-scattered and added into the shards' gradients.
+// reduce-scattered and added into the shards' gradients. SGD, unlike Adam,
+// would notice gradients off by a constant factor.
 TEST(FullyShardedDataParallel, GradientAccumulationOverMicroBatchesMatchesDdp) {
   TempDir dir;
-  auto reference = train(2, {"--strategy", "ddp", "--out", dir / "ddp.pt"});
+  auto reference = train(2, {"--optimizer", "sgd", "--strategy", "ddp", "--out", dir / "ddp.pt"});
   ASSERT_EQ(reference.exit_code, 0) << reference.describe();
   for (const std::string strategy : {"fsdp-full", "fsdp-grad-op"}) {
-    auto r = train(2, {"--strategy", strategy, "--micro-batches", "2", "--out", dir / "s.pt"});
+    auto r = train(2, {"--optimizer", "sgd", "--strategy", strategy, "--micro-batches", "2", "--out", dir / "s.pt"});
     ASSERT_EQ(r.exit_code, 0) << r.describe();
     expect_same_weights(dir / "ddp.pt", dir / "s.pt", strategy);
   }
 }
 
-// N ranks with b rows each against one process with all N·b rows.
+// N ranks with b rows each against one process with all N·b rows (SGD:
+// the gradients must be averages, not sums).
 TEST(FullyShardedDataParallel, MatchesOneProcessWithTheWholeBatch) {
   TempDir dir;
-  auto single = train(1, {"--strategy", "single", "--out", dir / "single.pt"});
+  auto single = train(1, {"--optimizer", "sgd", "--strategy", "single", "--out", dir / "single.pt"});
   ASSERT_EQ(single.exit_code, 0) << single.describe();
-  auto sharded = train(3, {"--strategy", "fsdp-full", "--out", dir / "fsdp.pt"});
+  auto sharded = train(3, {"--optimizer", "sgd", "--strategy", "fsdp-full", "--out", dir / "fsdp.pt"});
   ASSERT_EQ(sharded.exit_code, 0) << sharded.describe();
   expect_same_weights(dir / "single.pt", dir / "fsdp.pt", "");
 }
@@ -199,6 +201,20 @@ TEST(FullyShardedDataParallel, FullCheckpointResumesUnderAnyStrategyAndWorldSize
                          dir / "half"});
   ASSERT_EQ(py.exit_code, 0) << py.describe();
   EXPECT_NE(py.out.find("steps 3"), std::string::npos) << py.out;
+}
+
+// One-element shards and one-element parameters: the optimizer state is
+// still split per element, not mistaken for a per-parameter scalar.
+TEST(FullyShardedDataParallel, FullCheckpointOfTinyUnitsResumesAtAnotherWorldSize) {
+  TempDir dir;
+  auto reference = train(2, {"--model", "tiny", "--strategy", "ddp", "--steps", "6", "--out", dir / "ddp6.pt"});
+  ASSERT_EQ(reference.exit_code, 0) << reference.describe();
+  auto first = train(2, {"--model", "tiny", "--strategy", "fsdp-full", "--steps", "3", "--save-full", dir / "half"});
+  ASSERT_EQ(first.exit_code, 0) << first.describe();
+  auto resumed = train(3, {"--model", "tiny", "--strategy", "fsdp-full", "--init-seed", "5", "--load-full",
+                           dir / "half", "--first-step", "3", "--steps", "3", "--out", dir / "resumed.pt"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.describe();
+  expect_same_weights(dir / "ddp6.pt", dir / "resumed.pt", "tiny units, 2 ranks then 3");
 }
 
 TEST(FullyShardedDataParallel, ShardedCheckpointResumesExactlyAndOnlyAtTheSameWorldSize) {

@@ -46,6 +46,10 @@ struct Snapshot {
 /// {"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}.
 /// Supports Adam, AdamW and SGD.
 c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
+/// Whether the entry `key` of a parameter's optimizer state holds one value
+/// per element of the parameter (exp_avg, momentum_buffer, ...) rather than
+/// one for the whole parameter ("step"): what sharding must split.
+bool is_per_element_state(const std::string& key);
 /// Restores what optimizer_state_dict returned. Parameters are matched by
 /// position; counts and shapes must agree.
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);

@@ -203,12 +203,18 @@ int main(int argc, char** argv) {
       auto model = make_sequential();
       model->to(device);
       trainer = make_trainer(model, strategy, group, optim, fsdp_options);
+    } else if (model_kind == "tiny") {
+      // Units of 4 and 2 elements: one-element shards and one-element parameters.
+      fsdp_options.min_num_params(1);
+      auto model = torch::nn::Sequential(torch::nn::Linear(10, 1), torch::nn::Tanh(), torch::nn::Linear(1, 1));
+      model->to(device);
+      trainer = make_trainer(model, strategy, group, optim, fsdp_options);
     } else if (model_kind == "wrapped") {
       WrappedNet model;
       model->to(device);
       trainer = make_trainer(model, strategy, group, optim, fsdp_options);
     } else {
-      throw std::invalid_argument("--model must be seq or wrapped");
+      throw std::invalid_argument("--model must be seq, tiny or wrapped");
     }
     const bool is_fsdp = strategy.rfind("fsdp-", 0) == 0;
     if (is_fsdp && rank == 0) std::printf("units:%s\n", trainer->units().c_str());
