@@ -14,7 +14,6 @@
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
-#include <ddp/ring_collectives.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -24,6 +23,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <sys/resource.h>
 
@@ -67,11 +67,21 @@ int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_
     return bench::median(ms);
   };
   double all_reduce = time([&] { group.all_reduce(full); });
-  double reduce_scatter = time([&] { group.wait(group.reduce_scatter_async(part, full), "reduce_scatter"); });
-  double all_gather = time([&] { group.wait(group.all_gather_into_async(full, part), "all_gather"); });
-  ddp::RingCollectives ring(group_ptr);
-  double ring_reduce_scatter = time([&] { ring.reduce_scatter(part, full).wait(); });
-  double ring_all_gather = time([&] { ring.all_gather(full, part).wait(); });
+  // Gloo's own, called on the c10d backend directly.
+  const auto& backend = group.c10d_backend();
+  double reduce_scatter = time([&] {
+    c10d::ReduceScatterOptions opts;
+    opts.timeout = group.timeout();
+    group.wait(backend->_reduce_scatter_base(part, full, opts), "reduce_scatter");
+  });
+  double all_gather = time([&] {
+    c10d::AllgatherOptions opts;
+    opts.timeout = group.timeout();
+    group.wait(backend->_allgather_base(full, part, opts), "all_gather");
+  });
+  // ProcessGroup's, which are the rings of send/recv on Gloo CPU tensors.
+  double ring_reduce_scatter = time([&] { group.wait(group.reduce_scatter_async(part, full), "reduce_scatter"); });
+  double ring_all_gather = time([&] { group.wait(group.all_gather_into_async(full, part), "all_gather"); });
   std::printf("{\"strategy\":\"collectives\",\"world\":%d,\"rank\":%d,\"numel\":%lld,\"all_reduce_ms\":%.2f,"
               "\"reduce_scatter_ms\":%.2f,\"all_gather_ms\":%.2f,\"ring_reduce_scatter_ms\":%.2f,"
               "\"ring_all_gather_ms\":%.2f}\n",

@@ -5,6 +5,7 @@
 // libtorch through shared_ptr, and every call goes to a function defined in
 // libtorch_cpu. tests/test_gloo_headers.cpp checks that at the symbol level.
 #define USE_C10D_GLOO 1
+#include <ddp/error.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "backends.h"
@@ -63,7 +64,7 @@ std::string local_address_towards(const std::string& host, int port) {
 int gloo_threads(const World& world) {
   if (const char* text = std::getenv("DDP_GLOO_THREADS")) {
     int threads = std::atoi(text);
-    TORCH_CHECK(threads >= 1 && threads <= 64, "ddp: DDP_GLOO_THREADS='", text,
+    DDP_CHECK(threads >= 1 && threads <= 64, "ddp: DDP_GLOO_THREADS='", text,
                 "' must be a number of threads in [1, 64]");
     return threads;
   }
@@ -83,7 +84,7 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   } else {
     std::string local = local_address_towards(world.master_addr, world.master_port);
-    TORCH_CHECK(!local.empty(), "ddp: no network route from this host to MASTER_ADDR=",
+    DDP_CHECK(!local.empty(), "ddp: no network route from this host to MASTER_ADDR=",
                 world.master_addr, "; set GLOO_SOCKET_IFNAME to the interface to use");
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
   }

@@ -1,5 +1,6 @@
 // NCCL process groups for CUDA tensors. Compiled with NCCL support when the
 // CUDA toolkit and nccl.h are found at configure time (DDP_WITH_NCCL).
+#include <ddp/error.h>
 #include "backends.h"
 
 #ifdef DDP_WITH_NCCL
@@ -21,7 +22,7 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
                                                     const World& world, const c10::Device& device,
                                                     std::chrono::milliseconds timeout) {
 #ifdef DDP_WITH_NCCL
-  TORCH_CHECK(device.is_cuda() && device.has_index(), "ddp: the NCCL backend needs a CUDA device with an index, got ",
+  DDP_CHECK(device.is_cuda() && device.has_index(), "ddp: the NCCL backend needs a CUDA device with an index, got ",
               device.str());
   c10::cuda::set_device(device.index());
   auto options = c10d::ProcessGroupNCCL::Options::create();
@@ -32,7 +33,7 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
   backend->setBoundDeviceId(device);
   return backend;
 #else
-  TORCH_CHECK(false, "ddp: this build of ddp has no NCCL support (no CUDA toolkit or nccl.h was ",
+  DDP_CHECK(false, "ddp: this build of ddp has no NCCL support (no CUDA toolkit or nccl.h was ",
               "found when it was configured); use the gloo backend or rebuild with CUDA");
 #endif
 }

@@ -1,5 +1,7 @@
 #include <ddp/bucket_assignment.h>
 
+#include <ddp/error.h>
+
 #include <c10/util/Exception.h>
 
 #include <map>
@@ -23,10 +25,10 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<Buc
                                                            size_t bucket_cap_bytes) {
   std::vector<char> seen(params.size(), 0);
   for (size_t k : visit_order) {
-    TORCH_CHECK(k < params.size() && !seen[k], "ddp: bucket visit order must list each parameter once");
+    DDP_CHECK(k < params.size() && !seen[k], "ddp: bucket visit order must list each parameter once");
     seen[k] = 1;
   }
-  TORCH_CHECK(visit_order.size() == params.size(), "ddp: bucket visit order must list every parameter");
+  DDP_CHECK(visit_order.size() == params.size(), "ddp: bucket visit order must list every parameter");
   // One open bucket per (device type, device index, dtype).
   using Kind = std::tuple<int, int, int>;
   struct OpenBucket {

@@ -1,12 +1,16 @@
 #include <ddp/checkpoint.h>
 
+#include <ddp/error.h>
+
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/safe_numerics.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/api/module.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -31,7 +35,7 @@ void write_all(int fd, const char* data, size_t size, const std::string& path) {
   while (size > 0) {
     ssize_t n = ::write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno));
+    DDP_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno));
     data += n;
     size -= static_cast<size_t>(n);
   }
@@ -99,7 +103,7 @@ class WeightsOnlyUnpickler {
         case 0x80: read_u8(); break;                   // PROTO
         case 0x95: read_bytes(8); break;               // FRAME
         case '.': {                                    // STOP
-          TORCH_CHECK(stack_.size() == 1, fail("the pickle ends with ", stack_.size(), " values"));
+          DDP_CHECK(stack_.size() == 1, fail("the pickle ends with ", stack_.size(), " values"));
           return stack_.back();
         }
         case 'c': {                                    // GLOBAL
@@ -153,7 +157,7 @@ class WeightsOnlyUnpickler {
         case 'u': {
           auto values = pop_to_mark();
           auto dict = expect(top(), PyObject::Kind::kDict, "SETITEMS");
-          TORCH_CHECK(values.size() % 2 == 0, fail("SETITEMS with an odd number of values"));
+          DDP_CHECK(values.size() % 2 == 0, fail("SETITEMS with an odd number of values"));
           for (size_t k = 0; k < values.size(); k += 2) {
             deepen(dict, values[k]);
             deepen(dict, values[k + 1]);
@@ -185,7 +189,7 @@ class WeightsOnlyUnpickler {
           break;
         }
         default:
-          TORCH_CHECK(false, fail("unsupported pickle opcode 0x", std::hex, static_cast<int>(op),
+          DDP_CHECK(false, fail("unsupported pickle opcode 0x", std::hex, static_cast<int>(op),
                                   "; only weights-only checkpoints can be loaded"));
       }
     }
@@ -198,7 +202,7 @@ class WeightsOnlyUnpickler {
   }
 
   void need(size_t n) const {
-    TORCH_CHECK(pos_ + n <= size_, fail("the pickle is truncated"));
+    DDP_CHECK(pos_ + n <= size_, fail("the pickle is truncated"));
   }
   uint8_t read_u8() { need(1); return static_cast<uint8_t>(data_[pos_++]); }
   uint16_t read_u16() { auto s = read_bytes(2); return static_cast<uint16_t>(static_cast<uint8_t>(s[0]) | (static_cast<uint8_t>(s[1]) << 8)); }
@@ -209,7 +213,7 @@ class WeightsOnlyUnpickler {
     return v;
   }
   int64_t read_long(size_t n) {
-    TORCH_CHECK(n <= 8, fail("integer of ", n, " bytes is too large"));
+    DDP_CHECK(n <= 8, fail("integer of ", n, " bytes is too large"));
     auto s = read_bytes(n);
     uint64_t v = 0;
     for (size_t k = n; k-- > 0;) v = (v << 8) | static_cast<uint8_t>(s[k]);
@@ -233,7 +237,7 @@ class WeightsOnlyUnpickler {
   std::string read_line() {
     size_t end = pos_;
     while (end < size_ && data_[end] != '\n') ++end;
-    TORCH_CHECK(end < size_, fail("the pickle is truncated"));
+    DDP_CHECK(end < size_, fail("the pickle is truncated"));
     std::string s(data_ + pos_, end - pos_);
     pos_ = end + 1;
     return s;
@@ -241,18 +245,18 @@ class WeightsOnlyUnpickler {
 
   void push(PyRef v) { stack_.push_back(std::move(v)); }
   PyRef pop() {
-    TORCH_CHECK(!stack_.empty(), fail("malformed pickle (stack underflow)"));
+    DDP_CHECK(!stack_.empty(), fail("malformed pickle (stack underflow)"));
     PyRef v = stack_.back();
     stack_.pop_back();
     return v;
   }
   PyRef top() {
-    TORCH_CHECK(!stack_.empty(), fail("malformed pickle (empty stack)"));
+    DDP_CHECK(!stack_.empty(), fail("malformed pickle (empty stack)"));
     return stack_.back();
   }
   PyRef memo(size_t key) {
     auto it = memo_.find(key);
-    TORCH_CHECK(it != memo_.end(), fail("malformed pickle (memo ", key, " unset)"));
+    DDP_CHECK(it != memo_.end(), fail("malformed pickle (memo ", key, " unset)"));
     return it->second;
   }
   std::vector<PyRef> pop_to_mark() {
@@ -265,7 +269,7 @@ class WeightsOnlyUnpickler {
     return {values.rbegin(), values.rend()};
   }
   PyRef expect(PyRef v, PyObject::Kind kind, const char* op) {
-    TORCH_CHECK(v->kind == kind, fail("malformed pickle (", op, " on the wrong type)"));
+    DDP_CHECK(v->kind == kind, fail("malformed pickle (", op, " on the wrong type)"));
     return v;
   }
 
@@ -280,7 +284,7 @@ class WeightsOnlyUnpickler {
   // structure deep enough to overflow the stack when it is converted or freed.
   void deepen(const PyRef& container, const PyRef& child) {
     container->depth = std::max(container->depth, child->depth + 1);
-    TORCH_CHECK(container->depth <= kMaxDepth, fail("values are nested more than ", kMaxDepth, " deep"));
+    DDP_CHECK(container->depth <= kMaxDepth, fail("values are nested more than ", kMaxDepth, " deep"));
   }
   static constexpr int kMaxDepth = 200;
   static PyRef boolean(bool b) { auto o = PyObject::make(PyObject::Kind::kBool); o->b = b; return o; }
@@ -307,21 +311,21 @@ class WeightsOnlyUnpickler {
         return o;
       }
     }
-    TORCH_CHECK(false, fail("it refers to the Python global '", name,
+    DDP_CHECK(false, fail("it refers to the Python global '", name,
                             "', which a weights-only checkpoint (a dict of tensors) never contains"));
   }
 
   PyRef call(const PyRef& callable, const PyRef& args) {
-    TORCH_CHECK(callable->kind == PyObject::Kind::kGlobal && args->kind == PyObject::Kind::kTuple,
+    DDP_CHECK(callable->kind == PyObject::Kind::kGlobal && args->kind == PyObject::Kind::kTuple,
                 fail("malformed pickle (REDUCE on a non-callable)"));
     const auto& a = args->items;
     if (callable->s == "collections.OrderedDict") return PyObject::make(PyObject::Kind::kDict);
     if (callable->s == "torch._utils._rebuild_tensor_v2") {
-      TORCH_CHECK(a.size() >= 4 && a[0]->kind == PyObject::Kind::kStorage,
+      DDP_CHECK(a.size() >= 4 && a[0]->kind == PyObject::Kind::kStorage,
                   fail("malformed _rebuild_tensor_v2 call"));
       auto sizes = int_list(a[2]);
       auto strides = int_list(a[3]);
-      TORCH_CHECK(a[1]->kind == PyObject::Kind::kInt && sizes.size() == strides.size(),
+      DDP_CHECK(a[1]->kind == PyObject::Kind::kInt && sizes.size() == strides.size(),
                   fail("malformed _rebuild_tensor_v2 call"));
       int64_t offset = a[1]->i;
       const at::Tensor& storage = a[0]->tensor;
@@ -338,22 +342,22 @@ class WeightsOnlyUnpickler {
           ok = !c10::mul_overflows(sizes[d] - 1, strides[d], &reach) && !c10::add_overflows(last, reach, &last);
         }
       }
-      TORCH_CHECK(ok && (empty || last < storage.numel()), fail("a tensor reaches past the end of its storage"));
+      DDP_CHECK(ok && (empty || last < storage.numel()), fail("a tensor reaches past the end of its storage"));
       auto o = PyObject::make(PyObject::Kind::kTensor);
       o->tensor = storage.as_strided(sizes, strides, offset);
       return o;
     }
     // _rebuild_parameter(data, requires_grad, backward_hooks[, state]).
-    TORCH_CHECK(!a.empty() && a[0]->kind == PyObject::Kind::kTensor, fail("malformed parameter"));
+    DDP_CHECK(!a.empty() && a[0]->kind == PyObject::Kind::kTensor, fail("malformed parameter"));
     return a[0];
   }
 
   std::vector<int64_t> int_list(const PyRef& v) {
-    TORCH_CHECK(v->kind == PyObject::Kind::kTuple || v->kind == PyObject::Kind::kList,
+    DDP_CHECK(v->kind == PyObject::Kind::kTuple || v->kind == PyObject::Kind::kList,
                 fail("malformed tensor shape"));
     std::vector<int64_t> out;
     for (const auto& item : v->items) {
-      TORCH_CHECK(item->kind == PyObject::Kind::kInt, fail("malformed tensor shape"));
+      DDP_CHECK(item->kind == PyObject::Kind::kInt, fail("malformed tensor shape"));
       out.push_back(item->i);
     }
     return out;
@@ -362,23 +366,23 @@ class WeightsOnlyUnpickler {
   // ('storage', StorageType, key, location, numel) -> the storage's data,
   // read from the archive's data/<key> record.
   PyRef persistent_load(const PyRef& id) {
-    TORCH_CHECK(id->kind == PyObject::Kind::kTuple && id->items.size() >= 5 &&
+    DDP_CHECK(id->kind == PyObject::Kind::kTuple && id->items.size() >= 5 &&
                     id->items[0]->s == "storage" && id->items[1]->kind == PyObject::Kind::kStorageType,
                 fail("unsupported persistent id"));
     const std::string& key = id->items[2]->s;
     auto cached = storages_.find(key);
     if (cached != storages_.end()) return cached->second;
     c10::ScalarType dtype = id->items[1]->dtype;
-    TORCH_CHECK(id->items[4]->kind == PyObject::Kind::kInt && id->items[4]->i >= 0, fail("malformed storage size"));
+    DDP_CHECK(id->items[4]->kind == PyObject::Kind::kInt && id->items[4]->i >= 0, fail("malformed storage size"));
     int64_t numel = id->items[4]->i;
     std::string record = "data/" + key;
-    TORCH_CHECK(archive_.hasRecord(record), fail("the archive lacks the record '", record,
+    DDP_CHECK(archive_.hasRecord(record), fail("the archive lacks the record '", record,
                                                  "' (the file is incomplete)"));
     auto [data, size] = archive_.getRecord(record);
-    TORCH_CHECK(static_cast<uint64_t>(numel) <= size / c10::elementSize(dtype),
+    DDP_CHECK(static_cast<uint64_t>(numel) <= size / c10::elementSize(dtype),
                 fail("record '", record, "' holds ", size, " bytes, too few for ", numel, " elements"));
     size_t expected = static_cast<size_t>(numel) * c10::elementSize(dtype);
-    TORCH_CHECK(size >= expected, fail("record '", record, "' holds ", size, " bytes, but ", expected,
+    DDP_CHECK(size >= expected, fail("record '", record, "' holds ", size, " bytes, but ", expected,
                                        " are needed"));
     auto o = PyObject::make(PyObject::Kind::kStorage);
     o->tensor = at::empty({numel}, at::TensorOptions().dtype(dtype));
@@ -400,7 +404,7 @@ class WeightsOnlyUnpickler {
 c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
   using Kind = PyObject::Kind;
   // A container that (through the memo) holds itself never bottoms out.
-  TORCH_CHECK(depth <= 2 * 200, "ddp: cannot load '", path, "': its values refer to themselves");
+  DDP_CHECK(depth <= 2 * 200, "ddp: cannot load '", path, "': its values refer to themselves");
   switch (v->kind) {
     case Kind::kNone: return c10::IValue();
     case Kind::kBool: return c10::IValue(v->b);
@@ -424,7 +428,7 @@ c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
       return dict;
     }
     default:
-      TORCH_CHECK(false, "ddp: cannot load '", path, "': it holds a bare storage or global");
+      DDP_CHECK(false, "ddp: cannot load '", path, "': it holds a bare storage or global");
   }
 }
 
@@ -433,11 +437,11 @@ c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
   std::string temporary = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
+  DDP_CHECK(fd >= 0, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
               " (does the directory exist and is it writable?)");
   try {
     write_all(fd, bytes.data(), bytes.size(), temporary);
-    TORCH_CHECK(::fsync(fd) == 0, "ddp: fsync of '", temporary, "' failed: ", std::strerror(errno));
+    DDP_CHECK(::fsync(fd) == 0, "ddp: fsync of '", temporary, "' failed: ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
     ::unlink(temporary.c_str());
@@ -447,7 +451,7 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   if (::rename(temporary.c_str(), path.c_str()) != 0) {
     int saved = errno;
     ::unlink(temporary.c_str());
-    TORCH_CHECK(false, "ddp: cannot rename '", temporary, "' to '", path, "': ", std::strerror(saved));
+    DDP_CHECK(false, "ddp: cannot rename '", temporary, "' to '", path, "': ", std::strerror(saved));
   }
   // The rename is durable only once the directory entry is on disk.
   int dir = ::open(directory_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -490,10 +494,10 @@ c10::IValue load_archive(caffe2::serialize::PyTorchStreamReader& archive, const 
   if (archive.hasRecord("byteorder")) {
     auto [data, size] = archive.getRecord("byteorder");
     std::string order(static_cast<const char*>(data.get()), size);
-    TORCH_CHECK(order == "little", "ddp: cannot load '", name, "': it was written on a ", order,
+    DDP_CHECK(order == "little", "ddp: cannot load '", name, "': it was written on a ", order,
                 "-endian machine");
   }
-  TORCH_CHECK(archive.hasRecord("data.pkl"), "ddp: cannot load '", name,
+  DDP_CHECK(archive.hasRecord("data.pkl"), "ddp: cannot load '", name,
               "': it has no data.pkl record; it is not a torch.save file (TorchScript archives ",
               "from torch::save(module) are not state dicts)");
   auto [data, size] = archive.getRecord("data.pkl");
@@ -506,7 +510,7 @@ std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source sour
   try {
     return std::make_unique<caffe2::serialize::PyTorchStreamReader>(source);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ddp: cannot load '", name, "': it is not a complete torch.save file (",
+    DDP_CHECK(false, "ddp: cannot load '", name, "': it is not a complete torch.save file (",
                 e.what_without_backtrace(), ")");
   }
 }
@@ -515,7 +519,7 @@ std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source sour
 
 c10::IValue load_value(const std::string& path) {
   struct stat info {};
-  TORCH_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
+  DDP_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
   auto archive = open_archive(path, path);
   return load_archive(*archive, path);
 }
@@ -537,38 +541,76 @@ void save_state_dict(const StateDict& state, const std::string& path) {
 
 StateDict load_state_dict(const std::string& path) {
   c10::IValue value = load_value(path);
-  TORCH_CHECK(value.isGenericDict(), "ddp: '", path, "' does not hold a state dict (a dict of tensors)");
+  DDP_CHECK(value.isGenericDict(), "ddp: '", path, "' does not hold a state dict (a dict of tensors)");
   StateDict state;
   for (const auto& item : value.toGenericDict()) {
-    TORCH_CHECK(item.key().isString() && item.value().isTensor(), "ddp: '", path,
+    DDP_CHECK(item.key().isString() && item.value().isTensor(), "ddp: '", path,
                 "' is not a state dict: every key must be a string and every value a tensor");
     state.emplace_back(item.key().toStringRef(), item.value().toTensor());
   }
   return state;
 }
 
+namespace {
+// Python's Module.state_dict(): a module's own parameters, then its own
+// buffers, then each child's, depth first.
+void append_state(const torch::nn::Module& module, const std::string& prefix, StateDict& state) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) state.emplace_back(prefix + item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) state.emplace_back(prefix + item.key(), item.value());
+  for (const auto& child : module.named_children()) append_state(*child.value(), prefix + child.key() + ".", state);
+}
+
+void append_state(const torch::jit::Module& module, const std::string& prefix, StateDict& state) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) state.emplace_back(prefix + item.name, item.value);
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) state.emplace_back(prefix + item.name, item.value);
+  for (const auto& child : module.named_children()) append_state(child.value, prefix + child.name + ".", state);
+}
+}  // namespace
+
 StateDict state_dict(const torch::nn::Module& module) {
   StateDict state;
-  for (const auto& item : module.named_parameters(true)) state.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers(true)) state.emplace_back(item.key(), item.value());
+  append_state(module, "", state);
   return state;
 }
 
-void load_state_dict(torch::nn::Module& module, const StateDict& state) {
+StateDict state_dict(const torch::jit::Module& module) {
+  StateDict state;
+  append_state(module, "", state);
+  return state;
+}
+
+namespace detail {
+void copy_state_into(const StateDict& targets, const StateDict& state) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
-  auto targets = state_dict(module);
   at::NoGradGuard no_grad;
-  for (auto& [name, target] : targets) {
+  for (const auto& [name, target] : targets) {
     auto it = by_name.find(name);
-    TORCH_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name,
+    DDP_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name,
                 "' that the model needs");
-    TORCH_CHECK(it->second.sizes() == target.sizes(), "ddp: state dict entry '", name, "' has shape ",
+    DDP_CHECK(it->second.sizes() == target.sizes(), "ddp: state dict entry '", name, "' has shape ",
                 it->second.sizes(), " but the model's has shape ", target.sizes());
-    target.copy_(it->second);
+    at::Tensor destination = target;
+    destination.copy_(it->second);
     by_name.erase(it);
   }
-  TORCH_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first,
+  DDP_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first,
               "' that the model lacks");
 }
+}  // namespace detail
+
+void load_state_dict(torch::nn::Module& module, const StateDict& state) {
+  detail::copy_state_into(state_dict(module), state);
+}
+
+void load_state_dict(const torch::jit::Module& module, const StateDict& state) {
+  detail::copy_state_into(state_dict(module), state);
+}
+
+void save(const torch::nn::Module& module, const std::string& path) { save_state_dict(state_dict(module), path); }
+void save(const torch::jit::Module& module, const std::string& path) { save_state_dict(state_dict(module), path); }
+void save(const torch::nn::AnyModule& module, const std::string& path) { save(*module.ptr(), path); }
+void load(torch::nn::Module& module, const std::string& path) { load_state_dict(module, load_state_dict(path)); }
+void load(const torch::jit::Module& module, const std::string& path) { load_state_dict(module, load_state_dict(path)); }
+void load(torch::nn::AnyModule& module, const std::string& path) { load(*module.ptr(), path); }
 
 }  // namespace ddp

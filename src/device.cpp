@@ -1,5 +1,7 @@
 #include <ddp/device.h>
 
+#include <ddp/error.h>
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
@@ -10,20 +12,20 @@ DeviceKind parse_device_kind(const std::string& name) {
   if (name == "auto") return DeviceKind::kAuto;
   if (name == "cpu") return DeviceKind::kCpu;
   if (name == "cuda") return DeviceKind::kCuda;
-  TORCH_CHECK(false, "ddp: unknown device '", name, "'; use auto, cpu or cuda");
+  DDP_CHECK(false, "ddp: unknown device '", name, "'; use auto, cpu or cuda");
 }
 
 c10::Device device_for_local_rank(int local_rank, int cuda_device_count, DeviceOptions options) {
-  TORCH_CHECK(local_rank >= 0, "ddp: local rank must be non-negative, got ", local_rank);
+  DDP_CHECK(local_rank >= 0, "ddp: local rank must be non-negative, got ", local_rank);
   if (options.kind() == DeviceKind::kCpu) return c10::Device(c10::kCPU);
   if (cuda_device_count <= 0) {
-    TORCH_CHECK(options.kind() != DeviceKind::kCuda, "ddp: CUDA was asked for, but no CUDA device is ",
+    DDP_CHECK(options.kind() != DeviceKind::kCuda, "ddp: CUDA was asked for, but no CUDA device is ",
                 "visible to this process (check CUDA_VISIBLE_DEVICES and the driver, and that torch was ",
                 "built with CUDA); ask for the CPU or auto instead");
     return c10::Device(c10::kCPU);
   }
   if (local_rank >= cuda_device_count) {
-    TORCH_CHECK(options.share_devices(), "ddp: local rank ", local_rank, " has no GPU of its own: only ",
+    DDP_CHECK(options.share_devices(), "ddp: local rank ", local_rank, " has no GPU of its own: only ",
                 cuda_device_count, " CUDA device(s) are visible (after CUDA_VISIBLE_DEVICES). Start at most ",
                 cuda_device_count, " rank(s) per node (ddprun --nproc-per-node ", cuda_device_count,
                 "), or pass DeviceOptions().share_devices(true) to put several ranks on one GPU (gloo only: ",
@@ -41,7 +43,7 @@ int visible_cuda_devices() {
 
 void set_current_device(const c10::Device& device) {
   if (!device.is_cuda()) return;
-  TORCH_CHECK(device.has_index(), "ddp: set_current_device needs a GPU index, got ", device.str());
+  DDP_CHECK(device.has_index(), "ddp: set_current_device needs a GPU index, got ", device.str());
   // The guard registry is libtorch_cpu's; libc10_cuda registers CUDA's
   // implementation when it is loaded, so no CUDA header is needed here.
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);

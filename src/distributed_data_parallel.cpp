@@ -1,8 +1,12 @@
 #include <ddp/distributed_data_parallel.h>
 
+#include <ddp/error.h>
+
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/nn/modules/embedding.h>
 
 #include <map>
 #include <sstream>
@@ -39,19 +43,17 @@ struct TensorSignature {
   std::string shape_text() const { return c10::str(c10::IntArrayRef(shape)); }
 };
 
-std::vector<TensorSignature> signatures_of(const torch::nn::Module& module) {
+std::vector<TensorSignature> signatures_of(const ModuleTensors& module) {
   std::vector<TensorSignature> result;
-  for (const auto& item : module.named_parameters(true)) {
-    const at::Tensor& t = item.value();
+  for (const auto& [name, t] : module.named_parameters()) {
     // A frozen parameter on one rank only would give ranks different buckets.
     std::string dtype = "(" + std::string(c10::toString(t.scalar_type())) + ", " +
                         (t.requires_grad() ? "trainable" : "frozen") + ", " +
                         c10::DeviceTypeName(t.device().type(), /*lower_case=*/true) + ")";
-    result.push_back({"parameter", item.key(), dtype, t.sizes().vec()});
+    result.push_back({"parameter", name, dtype, t.sizes().vec()});
   }
-  for (const auto& item : module.named_buffers(true)) {
-    const at::Tensor& t = item.value();
-    result.push_back({"buffer", item.key(), std::string(c10::toString(t.scalar_type())), t.sizes().vec()});
+  for (const auto& [name, t] : module.named_buffers()) {
+    result.push_back({"buffer", name, std::string(c10::toString(t.scalar_type())), t.sizes().vec()});
   }
   return result;
 }
@@ -113,9 +115,99 @@ std::string describe_difference(const std::vector<TensorSignature>& root, int ot
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
+class NativeModuleTensors : public ModuleTensors {
+ public:
+  explicit NativeModuleTensors(std::shared_ptr<torch::nn::Module> module)
+      : owner_(std::move(module)), module_(owner_.get()) {}
+  // A view that does not own the module, for the duration of one call.
+  explicit NativeModuleTensors(const torch::nn::Module& module)
+      : module_(const_cast<torch::nn::Module*>(&module)) {}
+  StateDict named_parameters() const override {
+    StateDict out;
+    for (const auto& item : module_->named_parameters(true)) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+  StateDict named_buffers() const override {
+    StateDict out;
+    for (const auto& item : module_->named_buffers(true)) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+  StateDict state_dict() const override { return ddp::state_dict(*module_); }
+  std::vector<std::string> sparse_gradient_parameters() const override {
+    if (!owner_) return {};
+    std::vector<std::string> sparse;
+    for (const auto& item : module_->named_modules()) {
+      const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+      if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(item.value().get())) {
+        if (embedding->options.sparse()) sparse.push_back(prefix + "weight");
+      } else if (auto* bag = dynamic_cast<torch::nn::EmbeddingBagImpl*>(item.value().get())) {
+        if (bag->options.sparse()) sparse.push_back(prefix + "weight");
+      }
+    }
+    return sparse;
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> owner_;
+  torch::nn::Module* module_;
+};
+
+// A jit::Module is a handle: copies share the module, so holding one keeps
+// the tensors we see the ones training changes.
+class ScriptModuleTensors : public ModuleTensors {
+ public:
+  explicit ScriptModuleTensors(torch::jit::Module module) : module_(std::move(module)) {}
+  StateDict named_parameters() const override {
+    StateDict out;
+    for (const auto& item : module_.named_parameters(true)) out.emplace_back(item.name, item.value);
+    return out;
+  }
+  StateDict named_buffers() const override {
+    StateDict out;
+    for (const auto& item : module_.named_buffers(true)) out.emplace_back(item.name, item.value);
+    return out;
+  }
+  StateDict state_dict() const override { return ddp::state_dict(module_); }
+
+ private:
+  torch::jit::Module module_;
+};
+
 }  // namespace
 
+std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module> module) {
+  DDP_CHECK(module, "ddp: DistributedDataParallel got a null module");
+  return std::make_shared<NativeModuleTensors>(std::move(module));
+}
+
+std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module) {
+  return std::make_shared<ScriptModuleTensors>(module);
+}
+
+void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
+  if (value.isTensor()) {
+    out.push_back(value.toTensor());
+  } else if (value.isTuple()) {
+    for (const auto& item : value.toTupleRef().elements()) collect_tensors(item, out);
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) collect_tensors(item, out);
+  } else if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) collect_tensors(item.value(), out);
+  }
+}
+
 void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group) {
+  NativeModuleTensors view(module);
+  verify_replicas_match(static_cast<const ModuleTensors&>(view), group);
+}
+
+void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters, bool buffers,
+                            int root) {
+  NativeModuleTensors view(module);
+  broadcast_module_state(static_cast<const ModuleTensors&>(view), group, parameters, buffers, root);
+}
+
+void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
   if (group.size() == 1) return;
   std::string prefix = group.unique_store_prefix("replica_check");
 
@@ -138,20 +230,20 @@ void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group)
   };
   auto root = fetch(0);
   int other = differing.front();
-  TORCH_CHECK(false, "ddp: DistributedDataParallel needs the same model on every rank, but ",
+  DDP_CHECK(false, "ddp: DistributedDataParallel needs the same model on every rank, but ",
               describe_difference(root, other, fetch(other)), " (", differing.size(),
               " rank(s) differ from rank 0). Build the model identically on every rank.");
 }
 
-void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
+void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bool parameters,
                             bool buffers, int root) {
   if (group.size() == 1) return;
   std::vector<at::Tensor> tensors;
   if (parameters) {
-    for (auto& p : module.parameters(true)) tensors.push_back(p);
+    for (auto& [name, p] : module.named_parameters()) tensors.push_back(p);
   }
   if (buffers) {
-    for (auto& b : module.buffers(true)) tensors.push_back(b);
+    for (auto& [name, b] : module.named_buffers()) tensors.push_back(b);
   }
   // One broadcast per dtype and device instead of one per tensor.
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
@@ -172,24 +264,56 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool
   }
 }
 
-DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
+DataParallelCore::DataParallelCore(std::shared_ptr<ModuleTensors> module,
                                    std::shared_ptr<ProcessGroup> group, DDPOptions options)
     : module_(std::move(module)), group_(std::move(group)), options_(options) {
-  TORCH_CHECK(module_, "ddp: DistributedDataParallel got a null module");
-  TORCH_CHECK(group_, "ddp: DistributedDataParallel got a null process group");
+  DDP_CHECK(module_, "ddp: DistributedDataParallel got a null module");
+  DDP_CHECK(group_, "ddp: DistributedDataParallel got a null process group");
+  // Refused on every rank alike before any collective, so none waits.
+  auto sparse = module_->sparse_gradient_parameters();
+  DDP_CHECK(sparse.empty(), "ddp: parameter '", sparse.empty() ? "" : sparse.front(),
+            "' would get sparse gradients (an Embedding or EmbeddingBag built with sparse(true)), but ",
+            "DistributedDataParallel averages dense gradients only. Build it with sparse(false).");
   verify_replicas_match(*module_, *group_);
   broadcast_module_state(*module_, *group_, /*parameters=*/true, /*buffers=*/true);
-  has_buffers_ = !module_->buffers(true).empty();
+  has_buffers_ = !module_->named_buffers().empty();
 
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
-  for (const auto& item : module_->named_parameters(true)) {
-    if (!item.value().requires_grad()) continue;
-    params.push_back(item.value());
-    names.push_back(item.key());
+  for (const auto& [name, p] : module_->named_parameters()) {
+    if (!p.requires_grad()) continue;
+    params.push_back(p);
+    names.push_back(name);
   }
   reducer_ = std::make_unique<GradientReducer>(std::move(params), std::move(names), group_,
                                                options_.reducer_options());
+  // Also in a world of one, so the mistake shows before the job scales out.
+  if (options_.broadcast_buffers() && has_buffers_) {
+    reducer_->warn_on_backward_without_forward(
+        "ddp: warning: a backward pass ran without DistributedDataParallel's forward, so this step's buffers "
+        "(BatchNorm statistics, say) were not synchronised across ranks. Call model.forward(x) or model(x), "
+        "not model->forward(x). (Shown once.)");
+  }
+}
+
+void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group, const std::string& path) {
+  // Every rank learns whether rank 0's load worked, so a bad file fails
+  // everywhere with its cause instead of leaving the others in a broadcast.
+  std::string error;
+  if (group.rank() == 0) {
+    try {
+      copy_state_into(module.state_dict(), load_state_dict(path));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, group.control_options().dtype(at::kInt));
+  group.broadcast(failed, 0);
+  if (failed.item<int>() != 0) {
+    DDP_CHECK(group.rank() != 0, error);
+    DDP_CHECK(false, "ddp: rank 0 could not load '", path, "'; see rank 0's error");
+  }
+  broadcast_module_state(module, group, /*parameters=*/true, /*buffers=*/true, 0);
 }
 
 void DataParallelCore::before_forward() {
@@ -211,7 +335,7 @@ void DataParallelCore::shadow_step() {
 }  // namespace detail
 
 int Join::step() {
-  TORCH_CHECK(!finished_, "ddp: Join::step() after finish()");
+  DDP_CHECK(!finished_, "ddp: Join::step() after finish()");
   at::Tensor active = at::ones({1}, group_.control_options().dtype(at::kInt));
   group_.all_reduce(active);
   ++steps_;
@@ -219,7 +343,7 @@ int Join::step() {
 }
 
 void Join::finish() {
-  TORCH_CHECK(!finished_, "ddp: Join::finish() called twice");
+  DDP_CHECK(!finished_, "ddp: Join::finish() called twice");
   finished_ = true;
   while (true) {
     at::Tensor active = at::zeros({1}, group_.control_options().dtype(at::kInt));
@@ -235,7 +359,7 @@ void Join::finish() {
   at::Tensor source = at::full({1}, steps_ == longest.item<int64_t>() ? group_.rank() : -1,
                                group_.control_options().dtype(at::kLong));
   group_.all_reduce(source, c10d::ReduceOp::MAX);
-  detail::broadcast_module_state(core_.module(), group_, /*parameters=*/true, /*buffers=*/true,
+  detail::broadcast_module_state(core_.tensors(), group_, /*parameters=*/true, /*buffers=*/true,
                                  static_cast<int>(source.item<int64_t>()));
 }
 }  // namespace ddp

@@ -1,5 +1,7 @@
 #include <ddp/env.h>
 
+#include <ddp/error.h>
+
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -20,7 +22,7 @@ std::optional<int> lookup_int(const EnvLookup& lookup, const std::string& name) 
 
 int require_int(const EnvLookup& lookup, const std::string& name, const std::string& because) {
   auto value = lookup_int(lookup, name);
-  TORCH_CHECK(value.has_value(), "ddp: environment variable ", name, " is not set, but ", because,
+  DDP_CHECK(value.has_value(), "ddp: environment variable ", name, " is not set, but ", because,
               " is. Launch with ddprun or torchrun, or set ", name, ".");
   return *value;
 }
@@ -54,22 +56,22 @@ bool is_loopback_only_job(int world_size, int local_world_size) {
 }
 
 void validate(const World& w) {
-  TORCH_CHECK(w.world_size >= 1, "ddp: the world size (", w.source, ") is ", w.world_size,
+  DDP_CHECK(w.world_size >= 1, "ddp: the world size (", w.source, ") is ", w.world_size,
               " but must be at least 1");
-  TORCH_CHECK(w.rank >= 0 && w.rank < w.world_size, "ddp: the rank (", w.source, ") is ", w.rank,
+  DDP_CHECK(w.rank >= 0 && w.rank < w.world_size, "ddp: the rank (", w.source, ") is ", w.rank,
               " but must be in [0, ", w.world_size, "): RANK must be less than WORLD_SIZE");
-  TORCH_CHECK(w.local_world_size >= 1 && w.local_world_size <= w.world_size,
+  DDP_CHECK(w.local_world_size >= 1 && w.local_world_size <= w.world_size,
               "ddp: the local world size (", w.source, ") is ", w.local_world_size,
               " but must be in [1, ", w.world_size, "]");
-  TORCH_CHECK(w.local_rank >= 0 && w.local_rank < w.local_world_size, "ddp: the local rank (",
+  DDP_CHECK(w.local_rank >= 0 && w.local_rank < w.local_world_size, "ddp: the local rank (",
               w.source, ") is ", w.local_rank, " but must be in [0, ", w.local_world_size, ")");
-  TORCH_CHECK(w.node_rank >= 0, "ddp: the node rank (", w.source, ") is ", w.node_rank,
+  DDP_CHECK(w.node_rank >= 0, "ddp: the node rank (", w.source, ") is ", w.node_rank,
               " but must not be negative");
   if (w.world_size > 1) {
-    TORCH_CHECK(!w.master_addr.empty(), "ddp: MASTER_ADDR is not set, but the world size is ",
+    DDP_CHECK(!w.master_addr.empty(), "ddp: MASTER_ADDR is not set, but the world size is ",
                 w.world_size, " (", w.source,
                 "). Set MASTER_ADDR (and MASTER_PORT) to rank 0's host, or launch with ddprun.");
-    TORCH_CHECK(w.master_port >= 1 && w.master_port <= 65535, "ddp: MASTER_PORT is ",
+    DDP_CHECK(w.master_port >= 1 && w.master_port <= 65535, "ddp: MASTER_PORT is ",
                 w.master_port, " but must be in [1, 65535]");
   }
 }
@@ -85,15 +87,19 @@ World from_torchrun(const EnvLookup& lookup) {
   w.rank = require_int(lookup, "RANK", "WORLD_SIZE");
   w.world_size = require_int(lookup, "WORLD_SIZE", "RANK");
   w.local_rank = lookup_int(lookup, "LOCAL_RANK").value_or(w.rank);
+  // WORLD_SIZE first: LOCAL_WORLD_SIZE defaults to it, and a bad value must
+  // be reported under the name the user set.
+  DDP_CHECK(w.world_size >= 1, "ddp: environment variable WORLD_SIZE=", w.world_size,
+            " must be at least 1 (it counts the processes of the whole job)");
   w.local_world_size = lookup_int(lookup, "LOCAL_WORLD_SIZE").value_or(w.world_size);
-  TORCH_CHECK(w.local_world_size >= 1, "ddp: environment variable LOCAL_WORLD_SIZE=", w.local_world_size,
+  DDP_CHECK(w.local_world_size >= 1, "ddp: environment variable LOCAL_WORLD_SIZE=", w.local_world_size,
               " must be at least 1");
   auto group_rank = lookup_int(lookup, "GROUP_RANK");
   w.node_rank = group_rank ? *group_rank : w.rank / w.local_world_size;
   w.master_addr = lookup("MASTER_ADDR").value_or("");
   auto port = lookup("MASTER_PORT");
   if (w.world_size > 1) {
-    TORCH_CHECK(port.has_value(), "ddp: MASTER_PORT is not set, but WORLD_SIZE=", w.world_size,
+    DDP_CHECK(port.has_value(), "ddp: MASTER_PORT is not set, but WORLD_SIZE=", w.world_size,
                 ". Set MASTER_PORT to a free port on rank 0's host, or launch with ddprun.");
   }
   w.master_port = port ? parse_int_env("MASTER_PORT", *port) : 0;
@@ -137,8 +143,10 @@ World from_mpi(const EnvLookup& lookup, const std::string& source, const char* r
   w.rank = require_int(lookup, rank_var, size_var);
   w.world_size = require_int(lookup, size_var, rank_var);
   w.local_rank = lookup_int(lookup, local_rank_var).value_or(w.rank);
+  DDP_CHECK(w.world_size >= 1, "ddp: environment variable ", size_var, "=", w.world_size,
+            " must be at least 1 (it counts the processes of the whole job)");
   w.local_world_size = lookup_int(lookup, local_size_var).value_or(w.world_size);
-  TORCH_CHECK(w.local_world_size >= 1, "ddp: environment variable ", local_size_var, "=", w.local_world_size,
+  DDP_CHECK(w.local_world_size >= 1, "ddp: environment variable ", local_size_var, "=", w.local_world_size,
               " must be at least 1");
   w.node_rank = w.rank / w.local_world_size;
   // All ranks on one host: rank 0 is on this host too.
@@ -159,7 +167,7 @@ int parse_int_env(const std::string& name, const std::string& value) {
       ok = false;
     }
   }
-  TORCH_CHECK(ok && used == value.size() && parsed >= INT32_MIN && parsed <= INT32_MAX,
+  DDP_CHECK(ok && used == value.size() && parsed >= INT32_MIN && parsed <= INT32_MAX,
               "ddp: environment variable ", name, "='", value, "' is not an integer");
   return static_cast<int>(parsed);
 }
@@ -180,7 +188,7 @@ std::string first_host_of_slurm_nodelist(const std::string& nodelist) {
   size_t open = host.find('[');
   if (open == std::string::npos) return host;
   size_t close = host.find(']', open);
-  TORCH_CHECK(close != std::string::npos, "ddp: cannot parse SLURM node list '", nodelist, "'");
+  DDP_CHECK(close != std::string::npos, "ddp: cannot parse SLURM node list '", nodelist, "'");
   std::string ranges = host.substr(open + 1, close - open - 1);
   size_t stop = ranges.find_first_of(",-");
   return host.substr(0, open) + ranges.substr(0, stop) + host.substr(close + 1);

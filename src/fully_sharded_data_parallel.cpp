@@ -13,10 +13,10 @@
 // unit's are all there they are flattened, reduce-scattered, and this rank's
 // part lands in shard.grad().
 
+#include <ddp/error.h>
 #include <ddp/fully_sharded_data_parallel.h>
 
 #include <ddp/distributed_data_parallel.h>
-#include <ddp/ring_collectives.h>
 #include <ddp/snapshot.h>
 
 #include "autograd_hooks.h"
@@ -35,6 +35,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <unordered_set>
 
 namespace ddp {
 
@@ -44,7 +45,7 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
   if (lower == "full_shard") return ShardingStrategy::kFullShard;
   if (lower == "shard_grad_op") return ShardingStrategy::kShardGradOp;
   if (lower == "no_shard") return ShardingStrategy::kNoShard;
-  TORCH_CHECK(false, "ddp: unknown sharding strategy '", name, "'; use full_shard, shard_grad_op or no_shard");
+  DDP_CHECK(false, "ddp: unknown sharding strategy '", name, "'; use full_shard, shard_grad_op or no_shard");
 }
 
 std::string to_string(ShardingStrategy strategy) {
@@ -79,27 +80,6 @@ bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbyte
 
 }  // namespace
 
-// A collective in flight: the backend's own, or one of RingCollectives'.
-struct FsdpState::Pending {
-  c10::intrusive_ptr<c10d::Work> work;
-  RingCollectives::Pending ring;
-  explicit operator bool() const { return work || ring.valid(); }
-  void wait(ProcessGroup& group, const char* what) {
-    auto work_now = std::move(work);
-    auto ring_now = std::move(ring);
-    work.reset();
-    ring = RingCollectives::Pending();
-    if (work_now) group.wait(work_now, what);
-    if (ring_now.valid()) {
-      try {
-        ring_now.wait();
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "ddp: ", what, " failed: ", e.what_without_backtrace());
-      }
-    }
-  }
-};
-
 struct FsdpState::Unit {
   std::string name;
   std::vector<std::string> param_names;  // dotted names in the root module
@@ -112,7 +92,7 @@ struct FsdpState::Unit {
   at::Tensor shard;         // this rank's part; the optimizer's parameter
   bool is_root = false;
   bool gathered = false;
-  Pending pending_gather;
+  c10::intrusive_ptr<c10d::Work> pending_gather;
   // One backward pass.
   std::vector<char> ready;
   size_t ready_count = 0;
@@ -120,7 +100,10 @@ struct FsdpState::Unit {
   bool pre_backward_ran = false;
   at::Tensor gradient_flat;
   at::Tensor gradient_shard;
-  Pending pending_reduce;
+  // no_sync(): the sum of the unsharded gradients of backward passes whose
+  // reduce-scatter was skipped, reduced with the next synchronised one.
+  at::Tensor unsynced_gradient;
+  c10::intrusive_ptr<c10d::Work> pending_reduce;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
 };
@@ -131,13 +114,7 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Pr
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
-  // Gloo's reduce-scatter and all-gather are slower than rings of
-  // point-to-point sends (see ring_collectives.h); NCCL's are not. Gloo
-  // sends only CPU tensors, so CUDA units on Gloo use its collectives.
-  if (group_->size() > 1 && group_->backend() == BackendKind::kGloo && sharded()) {
-    ring_ = std::make_unique<RingCollectives>(group_);
-  }
-  TORCH_CHECK(options_.min_num_params() >= 0, "ddp: FSDPOptions::min_num_params must be >= 0, got ",
+  DDP_CHECK(options_.min_num_params() >= 0, "ddp: FSDPOptions::min_num_params must be >= 0, got ",
               options_.min_num_params());
   if (options_.sync_module_states() && group_->size() > 1) {
     verify_replicas_match(*root_, *group_);
@@ -175,7 +152,7 @@ void FsdpState::build_units() {
   std::map<const at::TensorImpl*, std::string> name_of;
   for (const auto& item : root_->named_parameters(true)) {
     auto [it, fresh] = name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    TORCH_CHECK(fresh, "ddp: parameters '", it->second, "' and '", item.key(),
+    DDP_CHECK(fresh, "ddp: parameters '", it->second, "' and '", item.key(),
                 "' are one tensor (tied weights); FullyShardedDataParallel does not support tied parameters");
   }
   auto params_of = [&](const torch::nn::Module& module) {
@@ -204,13 +181,13 @@ void FsdpState::build_units() {
   // A Sequential root: its children grouped into units.
   auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(root_.get());
   if (sequential && (options_.min_num_params() > 0 || !options_.units().empty())) {
-    TORCH_CHECK(wrapped.empty(), "ddp: FSDP takes units either from a Sequential root's options or from "
+    DDP_CHECK(wrapped.empty(), "ddp: FSDP takes units either from a Sequential root's options or from "
                 "fsdp_unit wrappers, not both");
     std::set<std::string> listed(options_.units().begin(), options_.units().end());
     std::vector<std::string> child_names;
     for (const auto& item : sequential->named_children()) child_names.push_back(item.key());
     for (const auto& name : listed) {
-      TORCH_CHECK(std::find(child_names.begin(), child_names.end(), name) != child_names.end(),
+      DDP_CHECK(std::find(child_names.begin(), child_names.end(), name) != child_names.end(),
                   "ddp: FSDPOptions::units names '", name, "', which is not a child of the Sequential root "
                   "(its children are named 0 to ", child_names.size() - 1, ")");
     }
@@ -261,7 +238,7 @@ void FsdpState::build_units() {
     add_unit("", std::move(rest));
     units_.back()->is_root = true;
   }
-  TORCH_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with parameters");
+  DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with parameters");
 }
 
 void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
@@ -269,10 +246,10 @@ void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at
   unit->name = std::move(name);
   const at::Tensor& first = params.front().second;
   for (const auto& [param_name, param] : params) {
-    TORCH_CHECK(param.requires_grad(), "ddp: FSDP parameter '", param_name,
+    DDP_CHECK(param.requires_grad(), "ddp: FSDP parameter '", param_name,
                 "' does not require grad; frozen parameters are not supported, keep them out of the model "
                 "or make them buffers");
-    TORCH_CHECK(param.scalar_type() == first.scalar_type() && param.device() == first.device(),
+    DDP_CHECK(param.scalar_type() == first.scalar_type() && param.device() == first.device(),
                 "ddp: all parameters of an FSDP unit need one dtype and device; '", param_name, "' is ",
                 param.scalar_type(), " on ", param.device(), " but '", params.front().first, "' is ",
                 first.scalar_type(), " on ", first.device());
@@ -307,7 +284,7 @@ void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at
   size_t index = units_.size();
   for (size_t j = 0; j < unit->params.size(); ++j) {
     auto accumulator = torch::autograd::impl::grad_accumulator(unit->params[j]);
-    TORCH_CHECK(accumulator, "ddp: FSDP parameter '", unit->param_names[j], "' has no gradient accumulator");
+    DDP_CHECK(accumulator, "ddp: FSDP parameter '", unit->param_names[j], "' has no gradient accumulator");
     unit->hook_keys.push_back(accumulator->add_post_hook(
         std::make_unique<GradientReadyHook>([this, index, j] { on_gradient_ready(index, j); })));
     unit->accumulators.push_back(std::move(accumulator));
@@ -322,8 +299,6 @@ std::vector<at::Tensor> FsdpState::shards() const {
   return shards;
 }
 
-size_t FsdpState::num_units() const { return units_.size(); }
-
 std::vector<std::string> FsdpState::unit_names() const {
   std::vector<std::string> names;
   for (const auto& unit : units_) names.push_back(unit->name);
@@ -337,6 +312,7 @@ ShardedMemory FsdpState::memory() const {
     if (sharded()) memory.parameter_bytes += unit->shard_numel * element;
     if (storage_allocated(unit->full)) memory.parameter_bytes += unit->padded * element;
     if (unit->shard.grad().defined()) memory.gradient_bytes += unit->shard.grad().numel() * element;
+    if (unit->unsynced_gradient.defined()) memory.gradient_bytes += unit->unsynced_gradient.numel() * element;
   }
   return memory;
 }
@@ -353,17 +329,17 @@ void FsdpState::start_gather(Unit& unit) {
     return;
   }
   at::Tensor input = unit.shard.detach();
-  if (ring_ && unit.full.is_cpu()) {
-    unit.pending_gather.ring = ring_->all_gather(unit.full, input);
-  } else {
-    unit.pending_gather.work = group_->all_gather_into_async(unit.full, input);
-  }
+  unit.pending_gather = group_->all_gather_into_async(unit.full, input);
 }
 
 void FsdpState::finish_gather(Unit& unit) {
   if (unit.gathered) return;
   if (!unit.pending_gather) start_gather(unit);
-  if (unit.pending_gather) unit.pending_gather.wait(*group_, "FSDP all_gather of parameters");
+  if (unit.pending_gather) {
+    auto work = std::move(unit.pending_gather);
+    unit.pending_gather.reset();
+    group_->wait(work, "FSDP all_gather of parameters");
+  }
   unit.gathered = true;
 }
 
@@ -391,12 +367,28 @@ void FsdpState::reset_backward_state() {
     unit->reduced = false;
     unit->ready_count = 0;
     std::fill(unit->ready.begin(), unit->ready.end(), 0);
+    // Left by a backward that failed part-way; nobody waits for them now.
+    unit->pending_reduce.reset();
+    unit->gradient_flat.reset();
+    unit->gradient_shard.reset();
   }
+  reduce_order_.clear();
+  next_reduce_ = 0;
   callback_queued_ = false;
   in_backward_ = false;
 }
 
 void FsdpState::begin_forward() {
+  if (in_backward_) {
+    // The engine never ran finish_backward, or it threw: a backward pass
+    // failed part-way, and some reduce-scatters may have been started on
+    // this rank only.
+    reset_backward_state();
+    DDP_CHECK(false, "ddp: the previous backward pass through FullyShardedDataParallel on rank ", group_->rank(),
+              " did not finish (an error was raised inside it), so its gradient reduce-scatters may not match the "
+              "other ranks' and the shards' gradients are incomplete. Stop this rank and restart the job (ddprun "
+              "--max-restarts resumes from the newest snapshot or checkpoint)");
+  }
   // Whatever an earlier forward left gathered (one whose backward never ran)
   // is released, so every forward starts from the current shards.
   free_all();
@@ -437,18 +429,70 @@ void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
     free_all();
     return;
   }
-  // The last hook to fire before any unit's backward: make sure the end of
-  // backward is handled even when the model has no root unit.
+  find_unreachable(outputs);
+  // The first hook to fire in backward, before any unit's: fixes the launch
+  // order and queues the end of backward.
   for (const auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
     out.register_hook([this](const at::Tensor&) {
-      if (!callback_queued_) {
-        callback_queued_ = true;
-        in_backward_ = true;
-        torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
-      }
+      if (!callback_queued_) begin_backward();
     });
   }
+}
+
+// The parameters the forward's graph cannot reach get no gradient in this
+// backward on this rank: they are marked ready (as zeros) when it starts,
+// so their units launch mid-backward, as DDP's find_unused_parameters does.
+void FsdpState::find_unreachable(const std::vector<at::Tensor>& outputs) {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    auto node = out.grad_fn() ? out.grad_fn() : torch::autograd::impl::try_get_grad_accumulator(out);
+    if (node && seen.insert(node.get()).second) stack.push_back(node.get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    }
+  }
+  unreachable_.clear();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t j = 0; j < units_[u]->accumulators.size(); ++j) {
+      if (!seen.count(units_[u]->accumulators[j].get())) unreachable_.emplace_back(u, j);
+    }
+  }
+}
+
+void FsdpState::begin_backward() {
+  callback_queued_ = true;
+  in_backward_ = true;
+  // Reverse forward order (backward's), then units that did not run, the
+  // root unit last: the same on every rank, since all ranks run the same
+  // units in the same order.
+  reduce_order_.clear();
+  next_reduce_ = 0;
+  std::vector<char> placed(units_.size(), 0);
+  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
+    if (!placed[*it] && !units_[*it]->is_root) {
+      placed[*it] = 1;
+      reduce_order_.push_back(*it);
+    }
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!placed[u]) reduce_order_.push_back(u);
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  for (const auto& [u, j] : unreachable_) {
+    Unit& unit = *units_[u];
+    if (!unit.ready[j]) {
+      unit.ready[j] = 1;
+      ++unit.ready_count;
+    }
+  }
+  launch_ready_in_order();
 }
 
 at::Tensor FsdpState::run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor x) {
@@ -472,7 +516,7 @@ void FsdpState::register_pre_backward(size_t index, const std::vector<at::Tensor
 
 void FsdpState::pre_backward(size_t index) {
   Unit& unit = *units_[index];
-  if (unit.pre_backward_ran) return;
+  if (unit.pre_backward_ran || unit.reduced) return;
   unit.pre_backward_ran = true;
   finish_gather(unit);
   if (!options_.backward_prefetch()) return;
@@ -486,7 +530,22 @@ void FsdpState::on_gradient_ready(size_t index, size_t param) {
   Unit& unit = *units_[index];
   if (unit.reduced || unit.ready[param]) return;
   unit.ready[param] = 1;
-  if (++unit.ready_count == unit.params.size()) reduce(unit);
+  if (++unit.ready_count == unit.params.size()) launch_ready_in_order();
+}
+
+// Like the gradient reducer's buckets: a unit whose gradients are complete
+// waits for every unit before it in reduce_order_, so that all ranks start
+// their reduce-scatters in one order although a parameter unused on one rank
+// completes that rank's units in another.
+void FsdpState::launch_ready_in_order() {
+  while (next_reduce_ < reduce_order_.size()) {
+    Unit& unit = *units_[reduce_order_[next_reduce_]];
+    if (!unit.reduced) {
+      if (unit.ready_count < unit.params.size()) return;
+      reduce(unit);
+    }
+    ++next_reduce_;
+  }
 }
 
 void FsdpState::reduce(Unit& unit) {
@@ -504,6 +563,20 @@ void FsdpState::reduce(Unit& unit) {
       slot.zero_();  // unused in this forward: a zero gradient, as DDP would send
     }
   }
+  if (!require_sync_) {
+    // Accumulating without synchronisation: no collective; the full
+    // gradient is kept (as PyTorch's FSDP does) until a synced backward.
+    if (unit.unsynced_gradient.defined()) unit.unsynced_gradient.add_(unit.gradient_flat);
+    else unit.unsynced_gradient = unit.gradient_flat;
+    unit.gradient_flat.reset();
+    unit.reduced = true;
+    release(unit);
+    return;
+  }
+  if (unit.unsynced_gradient.defined()) {
+    unit.gradient_flat.add_(unit.unsynced_gradient);
+    unit.unsynced_gradient.reset();
+  }
   // Averaged over ranks, like DDP's gradients; dividing first keeps the
   // sum in range for low-precision types.
   if (world > 1) unit.gradient_flat.div_(world);
@@ -511,14 +584,10 @@ void FsdpState::reduce(Unit& unit) {
     unit.gradient_shard = unit.gradient_flat;
   } else if (sharded()) {
     unit.gradient_shard = at::empty({unit.shard_numel}, unit.full.options());
-    if (ring_ && unit.full.is_cpu()) {
-      unit.pending_reduce.ring = ring_->reduce_scatter(unit.gradient_shard, unit.gradient_flat);
-    } else {
-      unit.pending_reduce.work = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);
-    }
+    unit.pending_reduce = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);
   } else {
     unit.gradient_shard = unit.gradient_flat;
-    unit.pending_reduce.work = group_->all_reduce_async(unit.gradient_flat);
+    unit.pending_reduce = group_->all_reduce_async(unit.gradient_flat);
   }
   unit.reduced = true;
   // The unit's backward is over: give back its full parameters (the root's
@@ -527,16 +596,21 @@ void FsdpState::reduce(Unit& unit) {
 }
 
 void FsdpState::finish_backward() {
-  // Units whose gradients never all arrived (parameters unused this time)
-  // are reduced now, in one fixed order on every rank.
-  for (size_t i = units_.size(); i-- > 0;) {
-    if (!units_[i]->reduced) reduce(*units_[i]);
+  // Units whose gradients never all arrived (parameters unused this time
+  // on this rank) are reduced now, with zeros for what is missing, in the
+  // order every rank uses. All are launched before any wait can throw.
+  for (; next_reduce_ < reduce_order_.size(); ++next_reduce_) {
+    Unit& unit = *units_[reduce_order_[next_reduce_]];
+    if (!unit.reduced) reduce(unit);
   }
   at::NoGradGuard no_grad;
   for (auto& unit : units_) {
     if (unit->pending_reduce) {
-      unit->pending_reduce.wait(*group_, sharded() ? "FSDP reduce_scatter of gradients" : "FSDP all_reduce of gradients");
+      auto work = std::move(unit->pending_reduce);
+      unit->pending_reduce.reset();
+      group_->wait(work, sharded() ? "FSDP reduce_scatter of gradients" : "FSDP all_reduce of gradients");
     }
+    if (!unit->gradient_shard.defined()) continue;  // no_sync(): kept in unsynced_gradient
     at::Tensor& grad = unit->shard.mutable_grad();
     if (grad.defined()) {
       grad.add_(unit->gradient_shard);  // accumulation over several backward passes
@@ -587,8 +661,11 @@ StateDict FsdpState::full_state_dict(bool rank0_only) {
   }
   StateDict state;
   if (!keep) return state;
-  for (const auto& item : root_->named_parameters(true)) state.emplace_back(item.key(), gathered.at(item.key()));
-  for (const auto& item : root_->named_buffers(true)) state.emplace_back(item.key(), item.value().detach().clone());
+  // In the unwrapped model's order (ddp::state_dict's, Python's).
+  for (const auto& [name, tensor] : ddp::state_dict(*root_)) {
+    auto it = gathered.find(name);
+    state.emplace_back(name, it != gathered.end() ? it->second : tensor.detach().clone());
+  }
   return state;
 }
 
@@ -596,8 +673,8 @@ void FsdpState::load_full_state_dict(const StateDict& state) {
   std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
   auto take = [&](const std::string& name, c10::IntArrayRef sizes) {
     auto it = by_name.find(name);
-    TORCH_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name, "' that the model needs");
-    TORCH_CHECK(it->second.sizes() == sizes, "ddp: state dict entry '", name, "' has shape ", it->second.sizes(),
+    DDP_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name, "' that the model needs");
+    DDP_CHECK(it->second.sizes() == sizes, "ddp: state dict entry '", name, "' has shape ", it->second.sizes(),
                 " but the model's has shape ", sizes);
     at::Tensor value = it->second;
     by_name.erase(it);
@@ -613,7 +690,7 @@ void FsdpState::load_full_state_dict(const StateDict& state) {
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
   for (const auto& item : root_->named_buffers(true)) buffers.emplace_back(item.value(), take(item.key(), item.value().sizes()));
-  TORCH_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first, "' that the model lacks");
+  DDP_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first, "' that the model lacks");
 
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
@@ -639,7 +716,7 @@ void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vecto
   for (auto& group : optimizer.param_groups()) params.insert(params.end(), group.params().begin(), group.params().end());
   bool same = params.size() == shards.size();
   for (size_t i = 0; same && i < params.size(); ++i) same = params[i].is_same(shards[i]);
-  TORCH_CHECK(same, "ddp: the optimizer must be built over FullyShardedDataParallel::parameters(), in order (it has ",
+  DDP_CHECK(same, "ddp: the optimizer must be built over FullyShardedDataParallel::parameters(), in order (it has ",
               params.size(), " parameters, the model has ", shards.size(), " shards)");
 }
 
@@ -668,7 +745,7 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
       const std::string key = item.key().toStringRef();
       at::Tensor tensor = as_tensor_or_null(item.value());
       if (is_per_element_state(key)) {
-        TORCH_CHECK(tensor.defined() && tensor.numel() == unit.shard_numel, "ddp: optimizer state '", key,
+        DDP_CHECK(tensor.defined() && tensor.numel() == unit.shard_numel, "ddp: optimizer state '", key,
                     "' of unit '", unit.name, "' is not a tensor of the shard's ", unit.shard_numel, " elements");
         at::Tensor full = tensor;
         if (sharded() && group_->size() > 1) {
@@ -698,7 +775,7 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
     if (it != state.end()) ordered.insert(i, it->value());
   }
   auto groups = local.at("param_groups").toList();
-  TORCH_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
+  DDP_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
   auto group = groups.get(0).toGenericDict().copy();
   c10::impl::GenericList indices(c10::AnyType::get());  // an IntList would pickle as a TorchScript global
   for (int64_t i = 0; i < count; ++i) indices.push_back(i);
@@ -713,18 +790,18 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
 
 void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
   check_optimizer_layout(optimizer, shards());
-  TORCH_CHECK(full.isGenericDict(), "ddp: optimizer state must be a dict with 'state' and 'param_groups'");
+  DDP_CHECK(full.isGenericDict(), "ddp: optimizer state must be a dict with 'state' and 'param_groups'");
   auto dict = full.toGenericDict();
-  TORCH_CHECK(dict.contains("state") && dict.contains("param_groups"),
+  DDP_CHECK(dict.contains("state") && dict.contains("param_groups"),
               "ddp: optimizer state needs 'state' and 'param_groups' entries");
   auto full_state = dict.at("state").toGenericDict();
   auto groups = dict.at("param_groups").toList();
-  TORCH_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
+  DDP_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
   std::map<std::string, int64_t> index_of;
   int64_t count = 0;
   for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
   auto group = groups.get(0).toGenericDict().copy();
-  TORCH_CHECK(static_cast<int64_t>(group.at("params").toListRef().size()) == count, "ddp: the optimizer state has ",
+  DDP_CHECK(static_cast<int64_t>(group.at("params").toListRef().size()) == count, "ddp: the optimizer state has ",
               group.at("params").toListRef().size(), " parameters but the model has ", count);
 
   c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
@@ -737,19 +814,19 @@ void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, c
       if (it != full_state.end()) entries.push_back(it->value().toGenericDict());
     }
     if (entries.empty()) continue;
-    TORCH_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
+    DDP_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
                 unit.name, "'; FSDP needs all or none");
     auto entry = new_string_dict();
     for (const auto& item : entries.front()) {
       const std::string key = item.key().toStringRef();
       at::Tensor first = as_tensor_or_null(item.value());
       if (is_per_element_state(key)) {
-        TORCH_CHECK(first.defined(), "ddp: optimizer state '", key, "' of parameter '", unit.param_names.front(),
+        DDP_CHECK(first.defined(), "ddp: optimizer state '", key, "' of parameter '", unit.param_names.front(),
                     "' is not a tensor");
         at::Tensor flat = at::zeros({unit.padded}, first.options());
         for (size_t j = 0; j < unit.params.size(); ++j) {
           at::Tensor value = as_tensor_or_null(entries[j].at(key));
-          TORCH_CHECK(value.defined() && value.sizes() == unit.params[j].sizes(), "ddp: optimizer state '", key,
+          DDP_CHECK(value.defined() && value.sizes() == unit.params[j].sizes(), "ddp: optimizer state '", key,
                       "' of parameter '", unit.param_names[j], "' does not match its shape ", unit.params[j].sizes());
           flat.narrow(0, unit.offsets[j], unit.params[j].numel()).copy_(value.reshape({-1}));
         }
@@ -800,25 +877,25 @@ c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
 }
 
 void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::Optimizer* optimizer) {
-  TORCH_CHECK(value.isGenericDict() && value.toGenericDict().contains("format") &&
+  DDP_CHECK(value.isGenericDict() && value.toGenericDict().contains("format") &&
                   value.toGenericDict().at("format").isString() &&
                   value.toGenericDict().at("format").toStringRef() == "ddp.fsdp.sharded/1",
               "ddp: not an FSDP sharded state dict (no 'format': 'ddp.fsdp.sharded/1')");
   auto dict = value.toGenericDict();
   int64_t world = dict.at("world_size").toInt();
   int64_t rank = dict.at("rank").toInt();
-  TORCH_CHECK(world == group_->size(), "ddp: this sharded checkpoint was written by ", world,
+  DDP_CHECK(world == group_->size(), "ddp: this sharded checkpoint was written by ", world,
               " ranks but this job has ", group_->size(),
               "; a sharded checkpoint reloads only into the same world size: load a full state dict instead");
-  TORCH_CHECK(rank == group_->rank(), "ddp: rank ", group_->rank(), " was given rank ", rank,
+  DDP_CHECK(rank == group_->rank(), "ddp: rank ", group_->rank(), " was given rank ", rank,
               "'s shard of the checkpoint");
   auto units = dict.at("units").toList();
-  TORCH_CHECK(units.size() == units_.size(), "ddp: the sharded checkpoint has ", units.size(),
+  DDP_CHECK(units.size() == units_.size(), "ddp: the sharded checkpoint has ", units.size(),
               " units but the model has ", units_.size(), "; wrap the model the same way as when it was saved");
   for (size_t u = 0; u < units_.size(); ++u) {
     auto entry = units.get(u).toGenericDict();
     at::Tensor shard = entry.at("shard").toTensor();
-    TORCH_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
+    DDP_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
                     shard.numel() == units_[u]->shard_numel,
                 "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
                 entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
@@ -826,10 +903,10 @@ void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::
   }
   auto buffers = dict.at("buffers").toGenericDict();
   for (const auto& item : root_->named_buffers(true)) {
-    TORCH_CHECK(buffers.contains(item.key()), "ddp: the sharded checkpoint lacks the buffer '", item.key(), "'");
+    DDP_CHECK(buffers.contains(item.key()), "ddp: the sharded checkpoint lacks the buffer '", item.key(), "'");
   }
   if (optimizer) {
-    TORCH_CHECK(dict.contains("optimizer"), "ddp: the sharded checkpoint holds no optimizer state");
+    DDP_CHECK(dict.contains("optimizer"), "ddp: the sharded checkpoint holds no optimizer state");
     check_optimizer_layout(*optimizer, shards());
     load_optimizer_state_dict(*optimizer, dict.at("optimizer"));
   }
@@ -869,7 +946,7 @@ c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group)
         }
       }
     }
-    TORCH_CHECK(false, "ddp: no sharded checkpoint for rank ", group.rank(), " of ", group.size(), " in '", dir,
+    DDP_CHECK(false, "ddp: no sharded checkpoint for rank ", group.rank(), " of ", group.size(), " in '", dir,
                 "' (expected ", path, ")",
                 found.empty() ? std::string()
                               : "; it holds " + found +

@@ -1,5 +1,7 @@
 #include <ddp/grad_scaler.h>
 
+#include <ddp/error.h>
+
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>
 
@@ -11,17 +13,17 @@ namespace ddp {
 
 GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<ProcessGroup> group)
     : options_(options), group_(std::move(group)) {
-  TORCH_CHECK(options_.init_scale() > 0, "ddp: GradScaler init_scale must be positive, got ", options_.init_scale());
-  TORCH_CHECK(options_.growth_factor() > 1.0, "ddp: GradScaler growth_factor must be > 1, got ",
+  DDP_CHECK(options_.init_scale() > 0, "ddp: GradScaler init_scale must be positive, got ", options_.init_scale());
+  DDP_CHECK(options_.growth_factor() > 1.0, "ddp: GradScaler growth_factor must be > 1, got ",
               options_.growth_factor());
-  TORCH_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
+  DDP_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
               "ddp: GradScaler backoff_factor must be in (0, 1), got ", options_.backoff_factor());
-  TORCH_CHECK(options_.growth_interval() > 0, "ddp: GradScaler growth_interval must be positive, got ",
+  DDP_CHECK(options_.growth_interval() > 0, "ddp: GradScaler growth_interval must be positive, got ",
               options_.growth_interval());
 }
 
 void GradScaler::check_initialized(const char* caller) const {
-  TORCH_CHECK(scale_.defined(), "ddp: GradScaler::", caller, "() was called before any scale(): scale the loss ",
+  DDP_CHECK(scale_.defined(), "ddp: GradScaler::", caller, "() was called before any scale(): scale the loss ",
               "(scaler.scale(loss).backward()) earlier in the iteration");
 }
 
@@ -40,9 +42,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
   check_initialized("unscale_");
   OptimizerState& state = per_optimizer_[&optimizer];
-  TORCH_CHECK(state.stage != Stage::kUnscaled, "ddp: GradScaler::unscale_() has already been called on this ",
+  DDP_CHECK(state.stage != Stage::kUnscaled, "ddp: GradScaler::unscale_() has already been called on this ",
               "optimizer since the last update(); call it at most once per iteration");
-  TORCH_CHECK(state.stage != Stage::kStepped, "ddp: GradScaler::unscale_() is being called after step(); ",
+  DDP_CHECK(state.stage != Stage::kStepped, "ddp: GradScaler::unscale_() is being called after step(); ",
               "unscale before stepping, and call update() to start the next iteration");
 
   // The reciprocal in double, as in Python: 1/scale is exact in float32 for
@@ -55,7 +57,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     for (auto& param : group.params()) {
       at::Tensor& grad = param.mutable_grad();
       if (!grad.defined()) continue;
-      TORCH_CHECK(grad.layout() == c10::kStrided, "ddp: GradScaler cannot unscale sparse gradients; use dense ",
+      DDP_CHECK(grad.layout() == c10::kStrided, "ddp: GradScaler cannot unscale sparse gradients; use dense ",
                   "gradients (e.g. Embedding with sparse=false)");
       groups[{grad.device().str(), static_cast<int>(grad.scalar_type())}].push_back(grad);
     }
@@ -92,7 +94,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   check_initialized("step");
   OptimizerState& state = per_optimizer_[&optimizer];
-  TORCH_CHECK(state.stage != Stage::kStepped, "ddp: GradScaler::step() has already been called since the last ",
+  DDP_CHECK(state.stage != Stage::kStepped, "ddp: GradScaler::step() has already been called since the last ",
               "update(); call update() once per iteration");
   if (state.stage == Stage::kReady) unscale_(optimizer);
   OptimizerState& unscaled = per_optimizer_[&optimizer];
@@ -111,7 +113,7 @@ void GradScaler::update() {
     if (!state.found_inf.defined()) continue;
     found_inf = found_inf.defined() ? found_inf + state.found_inf : state.found_inf.clone();
   }
-  TORCH_CHECK(found_inf.defined(), "ddp: GradScaler::update() found no inf checks: call step() (or unscale_()) ",
+  DDP_CHECK(found_inf.defined(), "ddp: GradScaler::update() found no inf checks: call step() (or unscale_()) ",
               "on at least one optimizer before update()");
   // In place on the scale's device: no host sync.
   at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor(), options_.backoff_factor(),
@@ -122,7 +124,7 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   check_initialized("update");
-  TORCH_CHECK(new_scale > 0, "ddp: GradScaler::update() needs a positive new scale, got ", new_scale);
+  DDP_CHECK(new_scale > 0, "ddp: GradScaler::update() needs a positive new scale, got ", new_scale);
   scale_.fill_(new_scale);
   per_optimizer_.clear();
 }
@@ -149,12 +151,12 @@ c10::impl::GenericDict GradScaler::state_dict() const {
 
 void GradScaler::load_state_dict(const c10::impl::GenericDict& state) {
   if (!options_.enabled()) return;
-  TORCH_CHECK(!state.empty(), "ddp: GradScaler::load_state_dict() got an empty state, possibly saved from a ",
+  DDP_CHECK(!state.empty(), "ddp: GradScaler::load_state_dict() got an empty state, possibly saved from a ",
               "disabled GradScaler");
   auto number = [&](const char* key) {
-    TORCH_CHECK(state.contains(key), "ddp: GradScaler state has no '", key, "' entry");
+    DDP_CHECK(state.contains(key), "ddp: GradScaler state has no '", key, "' entry");
     const c10::IValue& value = state.at(key);
-    TORCH_CHECK(value.isDouble() || value.isInt(), "ddp: GradScaler state entry '", key, "' must be a number, got ",
+    DDP_CHECK(value.isDouble() || value.isInt(), "ddp: GradScaler state entry '", key, "' must be a number, got ",
                 value.tagKind());
     return value.isDouble() ? value.toDouble() : static_cast<double>(value.toInt());
   };

@@ -1,5 +1,7 @@
 #include <ddp/gradient_reducer.h>
 
+#include <ddp/error.h>
+
 #include <ddp/bucket_assignment.h>
 
 #include "autograd_hooks.h"
@@ -10,6 +12,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdio>
 #include <sstream>
 #include <unordered_set>
 
@@ -43,15 +46,15 @@ std::vector<BucketTensorInfo> infos_of(const std::vector<at::Tensor>& params) {
 GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                                  std::shared_ptr<ProcessGroup> group, ReducerOptions options)
     : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)), options_(options) {
-  TORCH_CHECK(params_.size() == names_.size(), "ddp: GradientReducer needs one name per parameter");
-  TORCH_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
+  DDP_CHECK(params_.size() == names_.size(), "ddp: GradientReducer needs one name per parameter");
+  DDP_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
               "ddp: bucket caps must be positive, got bucket_cap_mb=", options_.bucket_cap_mb(),
               " first_bucket_cap_mb=", options_.first_bucket_cap_mb());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
-    TORCH_CHECK(p.requires_grad() && p.is_leaf(), "ddp: parameter '", names_[i],
+    DDP_CHECK(p.requires_grad() && p.is_leaf(), "ddp: parameter '", names_[i],
                 "' must be a leaf tensor that requires grad");
-    TORCH_CHECK(p.layout() == c10::kStrided, "ddp: parameter '", names_[i],
+    DDP_CHECK(p.layout() == c10::kStrided, "ddp: parameter '", names_[i],
                 "' is not dense; sparse parameters are not supported");
   }
   comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
@@ -66,7 +69,7 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std
   if (group_->size() == 1) return;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(accumulator, "ddp: parameter '", names_[i], "' has no gradient accumulator");
+    DDP_CHECK(accumulator, "ddp: parameter '", names_[i], "' has no gradient accumulator");
     hook_keys_.push_back(
         accumulator->add_post_hook(std::make_unique<GradientReadyHook>([this, i] { on_gradient_ready(i); })));
     accumulators_.push_back(std::move(accumulator));
@@ -141,7 +144,16 @@ void GradientReducer::prepare_for_backward(const std::vector<at::Tensor>& output
   }
 }
 
+void GradientReducer::warn_on_backward_without_forward(std::string warning) {
+  missing_forward_warning_ = std::move(warning);
+}
+
 void GradientReducer::start_round() {
+  if (!forward_seen_ && !missing_forward_warning_.empty() && !warned_missing_forward_) {
+    warned_missing_forward_ = true;
+    std::fprintf(stderr, "%s\n", missing_forward_warning_.c_str());
+  }
+  forward_seen_ = false;
   round_active_ = true;
   next_bucket_to_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -159,11 +171,12 @@ void GradientReducer::start_round() {
 
 void GradientReducer::prepare_for_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  forward_seen_ = true;
   if (!round_active_) return;
   // The engine never ran finish_backward: backward threw part-way.
   round_active_ = false;
   unused_after_forward_.clear();
-  TORCH_CHECK(false, "ddp: the previous backward pass on rank ", group_->rank(),
+  DDP_CHECK(false, "ddp: the previous backward pass on rank ", group_->rank(),
               " did not finish (an error was raised inside it), so its gradient all-reduces may not match ",
               "the other ranks'. Stop this rank and restart the job (ddprun --max-restarts resumes from ",
               "the newest snapshot).");
@@ -182,7 +195,7 @@ void GradientReducer::on_gradient_ready(size_t param_index) {
 }
 
 void GradientReducer::mark_ready(size_t param_index, bool has_gradient) {
-  TORCH_CHECK(!ready_[param_index], "ddp: the gradient of parameter '", names_[param_index],
+  DDP_CHECK(!ready_[param_index], "ddp: the gradient of parameter '", names_[param_index],
               "' became ready twice in one backward pass; reentrant backward is not supported");
   ready_[param_index] = 1;
   used_locally_[param_index] = has_gradient || used_since_sync_[param_index] ? 1 : 0;
@@ -191,6 +204,9 @@ void GradientReducer::mark_ready(size_t param_index, bool has_gradient) {
   at::Tensor slot = slot_of(param_index);
   at::Tensor& param = params_[param_index];
   const at::Tensor& grad = param.grad();
+  DDP_CHECK(!grad.defined() || grad.layout() == c10::kStrided, "ddp: parameter '", names_[param_index],
+            "' got a sparse gradient, but ddp averages dense gradients only. Build the layer without sparse ",
+            "gradients (torch::nn::EmbeddingOptions(...).sparse(false)), or keep it out of the wrapped module.");
   // Into the bucket, divided by the world size on the way: hooks then only
   // sum. A gradient from earlier no_sync() steps counts even if this forward
   // did not use the parameter.
@@ -240,7 +256,7 @@ void GradientReducer::finish_backward() {
       std::ostringstream names;
       for (size_t k = 0; k < missing.size() && k < 10; ++k) names << (k ? ", " : "") << "'" << names_[missing[k]] << "'";
       if (missing.size() > 10) names << " and " << missing.size() - 10 << " more";
-      TORCH_CHECK(false, "ddp: rank ", group_->rank(), " finished backward, but these parameters got ",
+      DDP_CHECK(false, "ddp: rank ", group_->rank(), " finished backward, but these parameters got ",
                   "no gradient: ", names.str(), ". Every parameter must take part in computing the ",
                   "loss on every rank. Pass DDPOptions().find_unused_parameters(true) if some ",
                   "parameters are legitimately unused, or freeze them (requires_grad false) before ",
@@ -265,7 +281,7 @@ void GradientReducer::finish_backward() {
     Bucket& bucket = buckets_[b];
     bucket.reduced->wait();
     if (bucket.reduced->hasError()) {
-      TORCH_CHECK(false, "ddp: reducing gradient bucket ", b, " failed on rank ", group_->rank(), " of ",
+      DDP_CHECK(false, "ddp: reducing gradient bucket ", b, " failed on rank ", group_->rank(), " of ",
                   group_->size(), "; a peer may have died or stopped training. Cause: ",
                   bucket.reduced->tryRetrieveErrorMessage());
     }
@@ -307,7 +323,7 @@ void GradientReducer::shadow_backward() {
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     buckets_[b].reduced->wait();
-    TORCH_CHECK(!buckets_[b].reduced->hasError(), "ddp: shadowing gradient bucket ", b, " failed on rank ",
+    DDP_CHECK(!buckets_[b].reduced->hasError(), "ddp: shadowing gradient bucket ", b, " failed on rank ",
                 group_->rank(), ": ", buckets_[b].reduced->tryRetrieveErrorMessage());
     buckets_[b].reduced.reset();
   }

@@ -1,5 +1,7 @@
 #include <ddp/nonfinite.h>
 
+#include <ddp/error.h>
+
 #include <ATen/Functions.h>
 
 #include <sstream>
@@ -9,7 +11,7 @@ namespace ddp {
 NonFinitePolicy parse_nonfinite_policy(const std::string& name) {
   if (name == "skip") return NonFinitePolicy::kSkipStep;
   if (name == "abort") return NonFinitePolicy::kAbort;
-  TORCH_CHECK(false, "ddp: unknown non-finite policy '", name, "'; use skip or abort");
+  DDP_CHECK(false, "ddp: unknown non-finite policy '", name, "'; use skip or abort");
 }
 
 std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group) {
@@ -34,7 +36,7 @@ bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinite
   if (bad.empty()) return true;
   std::ostringstream ranks;
   for (size_t i = 0; i < bad.size(); ++i) ranks << (i ? ", " : "") << bad[i];
-  TORCH_CHECK(policy != NonFinitePolicy::kAbort, "ddp: the loss is not finite on rank(s) ", ranks.str(),
+  DDP_CHECK(policy != NonFinitePolicy::kAbort, "ddp: the loss is not finite on rank(s) ", ranks.str(),
               " at ", where, "; every rank stops. Lower the learning rate, check the data, or pass a ",
               "skip policy to drop such steps.");
   return false;

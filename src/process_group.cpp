@@ -1,5 +1,7 @@
 #include <ddp/process_group.h>
 
+#include <ddp/error.h>
+
 #include "backends.h"
 
 #include <ddp/device.h>
@@ -9,13 +11,22 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -40,7 +51,7 @@ int listen_on(const std::string& host, int port) {
   addrinfo* result = nullptr;
   std::string port_text = std::to_string(port);
   int rc = getaddrinfo(host.c_str(), port_text.c_str(), &hints, &result);
-  TORCH_CHECK(rc == 0 && result != nullptr, "ddp: cannot resolve MASTER_ADDR=", host, ": ",
+  DDP_CHECK(rc == 0 && result != nullptr, "ddp: cannot resolve MASTER_ADDR=", host, ": ",
               gai_strerror(rc));
   int last_errno = 0;
   int fd = -1;
@@ -58,107 +69,483 @@ int listen_on(const std::string& host, int port) {
     fd = -1;
   }
   freeaddrinfo(result);
-  TORCH_CHECK(last_errno != EADDRINUSE || fd >= 0, "ddp: rank 0 cannot listen on ", host, ":",
+  DDP_CHECK(last_errno != EADDRINUSE || fd >= 0, "ddp: rank 0 cannot listen on ", host, ":",
               port, ": the address is already in use (another job or program holds port ", port,
               "). Pick another MASTER_PORT, or launch with 'ddprun --standalone' to get a free one.");
-  TORCH_CHECK(fd >= 0, "ddp: rank 0 cannot listen on ", host, ":", port, ": ",
+  DDP_CHECK(fd >= 0, "ddp: rank 0 cannot listen on ", host, ":", port, ": ",
               std::strerror(last_errno),
               ". MASTER_ADDR must be an address of rank 0's own host.");
   return fd;
 }
 
-// Waits until rank 0 accepts connections, polling every 10 ms. The store's
-// client retries on its own too, but only once a second: ranks started a
-// moment before rank 0 listens would each lose up to a second.
-bool wait_for_master(const World& world, std::chrono::milliseconds timeout) {
+using Clock = std::chrono::steady_clock;
+
+// How long after the rendezvous deadline the store guard below cuts the
+// store's connection: our own waits end at the deadline and report what they
+// waited for; the guard only catches reads that c10d makes without a limit.
+constexpr std::chrono::milliseconds kGuardGrace{1000};
+
+std::chrono::milliseconds remaining(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "?";
+  return name;
+}
+
+bool env_true(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return false;
+  std::string v(value);
+  return v == "1" || v == "true" || v == "True" || v == "TRUE" || v == "yes";
+}
+
+// torchrun's restart count: with torchrun's store, which lives across
+// restarts, each attempt keeps its keys apart (as Python's env:// does).
+int restart_count() {
+  const char* text = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (text == nullptr || *text == '\0') return 0;
+  return parse_int_env("TORCHELASTIC_RESTART_COUNT", text);
+}
+
+std::string address_of(const World& world) { return world.master_addr + ":" + std::to_string(world.master_port); }
+
+// One connection attempt with a deadline of its own: a non-blocking connect
+// and a poll, so a master whose packets are dropped cannot hold us for the
+// kernel's SYN retries (about two minutes). Empty on success, else why not.
+std::string try_connect(const addrinfo* ai, std::chrono::milliseconds limit) {
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+  if (fd < 0) return std::strerror(errno);
+  std::string problem;
+  if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+    if (errno != EINPROGRESS) {
+      problem = std::strerror(errno);
+    } else {
+      pollfd p{fd, POLLOUT, 0};
+      int ready = poll(&p, 1, static_cast<int>(limit.count()));
+      if (ready == 0) {
+        problem = "no answer to the connection request (are packets to the master dropped by a firewall?)";
+      } else if (ready < 0) {
+        problem = std::strerror(errno);
+      } else {
+        int error = 0;
+        socklen_t length = sizeof(error);
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+        if (error != 0) problem = std::strerror(error);
+      }
+    }
+  }
+  close(fd);
+  return problem;
+}
+
+// Waits until the master accepts connections, retrying every 10 ms until
+// `deadline`; each attempt has its own time limit. The store's client
+// retries on its own too, but only once a second: ranks started a moment
+// before rank 0 listens would each lose up to a second. Returns why the last
+// attempt failed, or an empty string once one succeeded.
+std::string wait_for_master(const World& world, Clock::time_point deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* result = nullptr;
   std::string port_text = std::to_string(world.master_port);
-  if (getaddrinfo(world.master_addr.c_str(), port_text.c_str(), &hints, &result) != 0 || result == nullptr) {
-    return true;  // the store reports unresolvable addresses itself
-  }
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  bool connected = false;
-  while (!connected && std::chrono::steady_clock::now() < deadline) {
-    for (addrinfo* ai = result; ai != nullptr && !connected; ai = ai->ai_next) {
-      int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-      if (fd < 0) continue;
-      connected = connect(fd, ai->ai_addr, ai->ai_addrlen) == 0;
-      close(fd);
+  int rc = getaddrinfo(world.master_addr.c_str(), port_text.c_str(), &hints, &result);
+  if (rc != 0 || result == nullptr) return std::string("cannot resolve MASTER_ADDR: ") + gai_strerror(rc);
+  std::string problem = "no attempt was made";
+  while (Clock::now() < deadline) {
+    for (addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
+      auto limit = std::min(remaining(deadline), std::chrono::milliseconds(2000));
+      problem = try_connect(ai, limit);
+      if (problem.empty()) break;
     }
-    if (!connected) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (problem.empty()) break;
+    std::this_thread::sleep_for(std::min(remaining(deadline), std::chrono::milliseconds(10)));
   }
   freeaddrinfo(result);
-  return connected;
+  return problem;
 }
 
-c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, std::chrono::milliseconds timeout) {
+// Puts a deadline on the store client's reads. c10d's client reads some
+// replies (its handshake's ping, add, get) without a time limit, so a master
+// that accepts the connection and never answers would block a rank forever.
+// When the deadline passes, the guard shuts down this process's connections
+// to MASTER_ADDR:MASTER_PORT; the blocked read returns, c10d throws, and
+// rendezvous reports what it was waiting for.
+class StoreGuard {
+ public:
+  explicit StoreGuard(int master_port) : master_port_(master_port) {}
+  ~StoreGuard() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    changed_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  StoreGuard(const StoreGuard&) = delete;
+  StoreGuard& operator=(const StoreGuard&) = delete;
+
+  // From now until disarm(), a wait for `awaited` that is still going on at
+  // `deadline` is cut.
+  void arm(Clock::time_point deadline, std::string awaited) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      deadline_ = deadline;
+      awaited_ = std::move(awaited);
+      armed_ = true;
+    }
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    changed_.notify_all();
+  }
+  void disarm() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_ = false;
+    changed_.notify_all();
+  }
+  bool expired() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return expired_;
+  }
+  std::string awaited() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return awaited_;
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      if (!armed_ || expired_) {
+        changed_.wait(lock);
+        continue;
+      }
+      if (Clock::now() < deadline_) {
+        changed_.wait_until(lock, deadline_);
+        continue;
+      }
+      expired_ = true;
+      cut_store_connections();
+    }
+  }
+
+  static int port_of(const sockaddr_storage& address) {
+    if (address.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(address).sin_port);
+    if (address.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(address).sin6_port);
+    return -1;
+  }
+
+  // Every TCP connection of this process to the master's port (the store's
+  // clients; rank 0's server side has the master's port as its own).
+  void cut_store_connections() {
+    DIR* directory = opendir("/proc/self/fd");
+    if (directory == nullptr) return;
+    while (dirent* entry = readdir(directory)) {
+      char* end = nullptr;
+      long fd = std::strtol(entry->d_name, &end, 10);
+      if (end == entry->d_name || *end != '\0' || fd == dirfd(directory)) continue;
+      struct stat info {};
+      if (fstat(static_cast<int>(fd), &info) != 0 || !S_ISSOCK(info.st_mode)) continue;
+      sockaddr_storage peer{}, local{};
+      socklen_t peer_length = sizeof(peer), local_length = sizeof(local);
+      if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &peer_length) != 0) continue;
+      if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &local_length) != 0) continue;
+      if (port_of(peer) == master_port_ && port_of(local) != master_port_) {
+        shutdown(static_cast<int>(fd), SHUT_RDWR);
+      }
+    }
+    closedir(directory);
+  }
+
+  const int master_port_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::thread thread_;
+  Clock::time_point deadline_;
+  std::string awaited_;
+  bool armed_ = false;
+  bool expired_ = false;
+  bool stop_ = false;
+};
+
+// What a rank says when the store guard had to cut a wait of c10d's.
+[[noreturn]] void throw_store_did_not_answer(const World& world, std::chrono::milliseconds timeout,
+                                             const StoreGuard& guard, const c10::Error& cause) {
+  DDP_CHECK(false, "ddp: rank ", world.rank, " connected to ", address_of(world), " but waited ", seconds_text(timeout),
+            " for ", guard.awaited(), " without getting it, and gave up. Check that MASTER_PORT is the port of ",
+            "this job's rank 0 (or of its launcher's store), not another program's, and that rank 0 is not ",
+            "stopped or overloaded. (", cause.what_without_backtrace(), ")");
+}
+
+// Connects to the rendezvous store: rank 0 hosts it, unless the launcher
+// (torchrun) already serves one on MASTER_PORT, which every rank then joins
+// as a client.
+c10::intrusive_ptr<c10d::TCPStore> connect_store(const World& world, bool agent_store, Clock::time_point deadline,
+                                                 std::chrono::milliseconds timeout, const StoreGuard& guard) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(world.master_port);
-  store_options.isServer = world.rank == 0;
-  store_options.numWorkers = world.world_size;
-  store_options.waitWorkers = true;
-  store_options.timeout = timeout;
-  int listen_fd = -1;
-  if (world.rank == 0) {
-    listen_fd = listen_on(world.master_addr, world.master_port);
-    store_options.masterListenFd = listen_fd;
+  store_options.isServer = world.rank == 0 && !agent_store;
+  if (!agent_store) store_options.numWorkers = world.world_size;
+  // Arrival is checked by meet() below, per rank, rather than by counting
+  // connections: a foreign client would count as a rank.
+  store_options.waitWorkers = false;
+  if (store_options.isServer) {
+    store_options.masterListenFd = listen_on(world.master_addr, world.master_port);
   } else {
-    TORCH_CHECK(wait_for_master(world, timeout), "ddp: rank ", world.rank, " cannot reach the master at ",
-                world.master_addr, ":", world.master_port, " within ", seconds_text(timeout),
-                ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and that no ",
-                "firewall blocks the port.");
+    std::string problem = wait_for_master(world, deadline);
+    DDP_CHECK(problem.empty(), "ddp: rank ", world.rank, " cannot reach the ",
+              agent_store ? "launcher's store" : "master", " at ", address_of(world), " within ",
+              seconds_text(timeout), ": ", problem, ". Check that ",
+              agent_store ? "the launcher (torchrun) is running" : "rank 0 is running",
+              ", that MASTER_ADDR/MASTER_PORT point at it, and that no firewall blocks the port.");
   }
+  store_options.timeout = remaining(deadline);
   try {
     return c10::make_intrusive<c10d::TCPStore>(world.master_addr, store_options);
   } catch (const c10::Error& e) {
-    std::string cause = e.what_without_backtrace();
-    bool timed_out = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
-    TORCH_CHECK(timed_out, "ddp: rank ", world.rank, " could not set up the rendezvous store at ", world.master_addr,
-                ":", world.master_port, ": ", cause);
-    if (world.rank == 0) {
-      TORCH_CHECK(false, "ddp: rank 0 waited ", seconds_text(timeout), " at ", world.master_addr,
-                  ":", world.master_port, " for the other ", world.world_size - 1,
-                  " rank(s), but not all of them joined. Check that every rank was started with ",
-                  "the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE=", world.world_size,
-                  ". (", e.what_without_backtrace(), ")");
-    }
-    TORCH_CHECK(false, "ddp: rank ", world.rank, " cannot reach the master at ", world.master_addr,
-                ":", world.master_port, " within ", seconds_text(timeout),
-                ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and ",
-                "that no firewall blocks the port. (", e.what_without_backtrace(), ")");
+    if (guard.expired()) throw_store_did_not_answer(world, timeout, guard, e);
+    DDP_CHECK(false, "ddp: rank ", world.rank, " cannot reach the master at ", address_of(world), " within ",
+              seconds_text(timeout), ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, ",
+              "and that no firewall blocks the port. (", e.what_without_backtrace(), ")");
   }
 }
 
-// Rank 0 publishes the job's run id; every other rank must carry the same
-// one. A process of another job that reaches this master (same port, say)
-// fails here instead of joining the wrong job.
-void check_run_id(c10d::Store& store, const World& world, const std::string& run_id) {
-  const std::string key = "ddp/run_id";
-  if (world.rank == 0) {
-    store.set(key, std::vector<uint8_t>(run_id.begin(), run_id.end()));
-    return;
+std::string text_of(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> bytes_of(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+// "0, 2, 5", or "none".
+std::string rank_list(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "none";
+  std::string text;
+  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+// What each rank publishes when it joins: its world size and run id, and
+// where it runs, for messages.
+struct Arrival {
+  int world_size = 0;
+  std::string run_id;
+  std::string host;
+  std::string pid;
+
+  std::string encode() const {
+    return std::to_string(world_size) + "\n" + run_id + "\n" + host + "\n" + pid;
   }
-  auto bytes = store.get(key);
-  std::string master_run_id(bytes.begin(), bytes.end());
-  TORCH_CHECK(master_run_id == run_id, "ddp: rank ", world.rank, " belongs to run '", run_id,
-              "' but the master at ", world.master_addr, ":", world.master_port, " runs '", master_run_id,
+  static Arrival decode(const std::string& text) {
+    Arrival a;
+    std::istringstream in(text);
+    std::string size;
+    std::getline(in, size);
+    std::getline(in, a.run_id);
+    std::getline(in, a.host);
+    std::getline(in, a.pid);
+    try {
+      a.world_size = std::stoi(size);
+    } catch (...) {
+      a.world_size = -1;
+    }
+    return a;
+  }
+  std::string where() const { return "host " + host + ", pid " + pid; }
+};
+
+// The rendezvous after the store is connected, all under one deadline:
+//  - the run id (rank 0's, in the unprefixed store) must be this rank's;
+//  - every rank claims its rank (two processes with one rank fail) and
+//    publishes its world size;
+//  - a rank whose world size differs from rank 0's stops every rank at once
+//    with a message naming both;
+//  - rank 0 waits for every rank's record, then tells the others that all
+//    arrived; a rank that never comes is reported with those that did.
+class Meeting {
+ public:
+  Meeting(c10d::Store& shared, c10d::Store& attempt, const World& world, std::string run_id, bool hosts_store,
+          Clock::time_point deadline, std::chrono::milliseconds timeout)
+      : shared_(shared), store_(attempt), world_(world), run_id_(std::move(run_id)), hosts_store_(hosts_store),
+        deadline_(deadline), timeout_(timeout) {
+    poll_interval_ = std::chrono::milliseconds(std::min(200, 10 + world.world_size / 4));
+  }
+
+  void run() {
+    check_run_id();
+    me_.world_size = world_.world_size;
+    me_.run_id = run_id_;
+    me_.host = host_name();
+    me_.pid = std::to_string(::getpid());
+    if (store_.add(claim_key(world_.rank), 1) > 1) {
+      std::string other = store_.check({rank_key(world_.rank)})
+                              ? " (" + Arrival::decode(text_of(store_.get(rank_key(world_.rank)))).where() + ")"
+                              : "";
+      abort(c10::str("ddp: two processes joined as rank ", world_.rank, " at ", address_of(world_), ": this one (",
+                     me_.where(), ") and an earlier one", other,
+                     ". Every process of a job needs its own RANK; check the launcher's variables, and that no ",
+                     "other job uses this MASTER_PORT."));
+    }
+    store_.set(rank_key(world_.rank), bytes_of(me_.encode()));
+    if (world_.rank == 0) {
+      gather_everyone();
+    } else {
+      check_against_rank_0();
+      wait_for_all_arrived();
+    }
+  }
+
+ private:
+  static std::string rank_key(int r) { return "rdzv/rank_" + std::to_string(r); }
+  static std::string claim_key(int r) { return "rdzv/claim_" + std::to_string(r); }
+  static constexpr const char* kAbort = "rdzv/abort";
+  static constexpr const char* kComplete = "rdzv/complete";
+  static constexpr const char* kAbortSeen = "rdzv/abort_seen";
+
+  [[noreturn]] void abort(const std::string& message) {
+    try {
+      store_.set(kAbort, bytes_of(message));
+      linger_for_the_others();
+    } catch (const c10::Error&) {
+      // The others then fail at their own deadline.
+    }
+    DDP_CHECK(false, message);
+  }
+
+  // Throws the message of a rank that stopped the rendezvous, if any.
+  void check_abort() {
+    if (!store_.check({kAbort})) return;
+    std::string message = text_of(store_.get(kAbort));
+    try {
+      store_.add(kAbortSeen, 1);
+      linger_for_the_others();
+    } catch (const c10::Error&) {
+    }
+    DDP_CHECK(false, message, " (rank ", world_.rank, " stops too)");
+  }
+
+  // The rank that hosts the store keeps it up until every rank that joined
+  // has read why the rendezvous stopped (at most 2 s): they would otherwise
+  // see only a closed connection.
+  void linger_for_the_others() {
+    if (!hosts_store_) return;
+    int others = 0;
+    for (int r = 1; r < world_.world_size; ++r) others += store_.check({rank_key(r)}) ? 1 : 0;
+    auto until = Clock::now() + std::chrono::seconds(2);
+    while (store_.add(kAbortSeen, 0) < others && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  void sleep_a_little() { std::this_thread::sleep_for(std::min(poll_interval_, remaining(deadline_))); }
+
+  std::string world_size_mismatch(int rank, const Arrival& theirs) const {
+    return c10::str("ddp: the ranks disagree on the world size: rank ", rank, " (", theirs.where(),
+                    ") was started with world size ", theirs.world_size, " but rank ", world_.rank, " (",
+                    me_.where(), ") with world size ", world_.world_size, " (", world_.source,
+                    " variables). Start every rank of the job with the same world size (WORLD_SIZE); ",
+                    "ddprun and torchrun set it for every rank.");
+  }
+
+  void check_run_id() {
+    const std::string key = "ddp/run_id";
+    if (world_.rank == 0) {
+      shared_.set(key, bytes_of(run_id_));
+      return;
+    }
+    while (!shared_.check({key})) {
+      DDP_CHECK(Clock::now() < deadline_, "ddp: rank ", world_.rank, " reached the store at ", address_of(world_),
+                " but rank 0 did not publish its run id there within ", seconds_text(timeout_),
+                ". Check that rank 0 of this job is running and uses this MASTER_ADDR/MASTER_PORT.");
+      sleep_a_little();
+    }
+    std::string master_run_id = text_of(shared_.get(key));
+    DDP_CHECK(master_run_id == run_id_, "ddp: rank ", world_.rank, " belongs to run '", run_id_,
+              "' but the master at ", address_of(world_), " runs '", master_run_id,
               "'. Another job is using this MASTER_PORT; give each job its own port and run id ",
               "(ddprun --rdzv-id, or DDP_RUN_ID).");
-}
+  }
+
+  // Which ranks have published their record, and which have not.
+  void arrivals(std::vector<int>& arrived, std::vector<int>& missing) {
+    for (int r = 0; r < world_.world_size; ++r) (store_.check({rank_key(r)}) ? arrived : missing).push_back(r);
+  }
+
+  std::string not_all_joined(const std::vector<int>& arrived, const std::vector<int>& missing) const {
+    return c10::str("ddp: rank ", world_.rank, " waited ", seconds_text(timeout_), " at ", address_of(world_),
+                    " for the other ", world_.world_size - 1, " rank(s), but not all of them joined: rank(s) ",
+                    rank_list(arrived), " arrived, rank(s) ", rank_list(missing),
+                    " did not. Check that every rank was started with the same MASTER_ADDR/MASTER_PORT and ",
+                    "WORLD_SIZE=", world_.world_size, ", and whether a missing rank failed before it got here.");
+  }
+
+  void gather_everyone() {
+    std::vector<bool> seen(static_cast<size_t>(world_.world_size), false);
+    seen[0] = true;
+    int still_missing = world_.world_size - 1;
+    while (true) {
+      check_abort();
+      for (int r = 1; r < world_.world_size; ++r) {
+        if (seen[static_cast<size_t>(r)] || !store_.check({rank_key(r)})) continue;
+        Arrival theirs = Arrival::decode(text_of(store_.get(rank_key(r))));
+        if (theirs.world_size != world_.world_size) abort(world_size_mismatch(r, theirs));
+        seen[static_cast<size_t>(r)] = true;
+        --still_missing;
+      }
+      if (still_missing == 0) break;
+      if (Clock::now() >= deadline_) {
+        std::vector<int> arrived, missing;
+        for (int r = 0; r < world_.world_size; ++r) (seen[static_cast<size_t>(r)] ? arrived : missing).push_back(r);
+        abort(not_all_joined(arrived, missing));
+      }
+      sleep_a_little();
+    }
+    store_.set(kComplete, bytes_of("1"));
+  }
+
+  void check_against_rank_0() {
+    while (!store_.check({rank_key(0)})) {
+      check_abort();
+      DDP_CHECK(Clock::now() < deadline_, "ddp: rank ", world_.rank, " waited ", seconds_text(timeout_), " at ",
+                address_of(world_), " for rank 0 to join, but it did not. Check that rank 0 of this job is running.");
+      sleep_a_little();
+    }
+    Arrival rank0 = Arrival::decode(text_of(store_.get(rank_key(0))));
+    if (rank0.world_size != world_.world_size) abort(world_size_mismatch(0, rank0));
+  }
+
+  void wait_for_all_arrived() {
+    while (!store_.check({kComplete})) {
+      check_abort();
+      if (Clock::now() >= deadline_) {
+        std::vector<int> arrived, missing;
+        arrivals(arrived, missing);
+        DDP_CHECK(false, not_all_joined(arrived, missing));
+      }
+      sleep_a_little();
+    }
+  }
+
+  c10d::Store& shared_;
+  c10d::Store& store_;
+  const World& world_;
+  const std::string run_id_;
+  const bool hosts_store_;
+  const Clock::time_point deadline_;
+  const std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds poll_interval_;
+  Arrival me_;
+};
 
 // The GPU an NCCL rank uses: the one the caller chose, else its local
 // rank's. Checked before rendezvous, so a missing GPU fails with its cause.
 c10::Device nccl_device(const World& world, const c10::Device& requested) {
-  TORCH_CHECK(detail::nccl_available(), "ddp: this build of ddp has no NCCL support (no CUDA headers or nccl.h ",
+  DDP_CHECK(detail::nccl_available(), "ddp: this build of ddp has no NCCL support (no CUDA headers or nccl.h ",
               "were found when it was configured); use the gloo backend or rebuild with CUDA");
   int devices = visible_cuda_devices();
-  TORCH_CHECK(devices > 0, "ddp: the NCCL backend needs a CUDA device, but none is visible ",
+  DDP_CHECK(devices > 0, "ddp: the NCCL backend needs a CUDA device, but none is visible ",
               "(check CUDA_VISIBLE_DEVICES); use the gloo backend for CPU training");
   if (requested.is_cuda() && requested.has_index()) {
-    TORCH_CHECK(requested.index() < devices, "ddp: NCCL was asked to use ", requested.str(), " but only ", devices,
+    DDP_CHECK(requested.index() < devices, "ddp: NCCL was asked to use ", requested.str(), " but only ", devices,
                 " CUDA device(s) are visible");
     return requested;
   }
@@ -185,7 +572,7 @@ BackendKind parse_backend(const std::string& name) {
   if (name == "auto") return BackendKind::kAuto;
   if (name == "gloo") return BackendKind::kGloo;
   if (name == "nccl") return BackendKind::kNccl;
-  TORCH_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo or nccl");
+  DDP_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo or nccl");
 }
 
 std::string to_string(BackendKind backend) {
@@ -201,7 +588,7 @@ std::chrono::milliseconds default_timeout() {
   if (const char* text = std::getenv("DDP_TIMEOUT_SECONDS")) {
     char* end = nullptr;
     double seconds = std::strtod(text, &end);
-    TORCH_CHECK(end != text && *end == '\0' && seconds >= 0.001 && seconds <= 1e9, "ddp: environment variable ",
+    DDP_CHECK(end != text && *end == '\0' && seconds >= 0.001 && seconds <= 1e9, "ddp: environment variable ",
                 "DDP_TIMEOUT_SECONDS='", text, "' must be a number of seconds between 0.001 and 1e9");
     return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   }
@@ -209,7 +596,7 @@ std::chrono::milliseconds default_timeout() {
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGroupOptions options) {
-  TORCH_CHECK(options.timeout().count() > 0, "ddp: the process group timeout must be positive");
+  DDP_CHECK(options.timeout().count() > 0, "ddp: the process group timeout must be positive");
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->world_ = world;
   group->options_ = options;
@@ -221,21 +608,42 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   if (kind == BackendKind::kNccl) device = nccl_device(world, options.device());
   group->control_options_ = at::TensorOptions().device(device);
 
-  if (world.world_size == 1) {
-    // One process: a private in-memory store; collectives are still real
-    // (the backend runs them over a group of one), so code paths match.
-    group->store_ = c10::make_intrusive<c10d::HashStore>();
-  } else {
-    auto shared = rendezvous(world, options.timeout());
-    check_run_id(*shared, world, options.run_id());
-    // Every key of this job lives under its run id, so even a foreign
-    // process that got past the check could not touch them.
-    group->store_ = c10::make_intrusive<c10d::PrefixStore>("run/" + options.run_id(), shared);
+  const std::chrono::milliseconds timeout = options.timeout();
+  // Cuts the store's connection when a wait of c10d's outlives the
+  // rendezvous deadline (see StoreGuard); unused for one process.
+  std::optional<StoreGuard> guard;
+  try {
+    if (world.world_size == 1) {
+      // One process: a private in-memory store; collectives are still real
+      // (the backend runs them over a group of one), so code paths match.
+      group->store_ = c10::make_intrusive<c10d::HashStore>();
+    } else {
+      // Rendezvous as a whole, not each of its waits, takes at most `timeout`.
+      const Clock::time_point deadline = Clock::now() + timeout;
+      const bool agent_store = env_true("TORCHELASTIC_USE_AGENT_STORE");
+      guard.emplace(world.master_port);
+      guard->arm(deadline + kGuardGrace, "an answer to the store's handshake");
+      auto tcp = connect_store(world, agent_store, deadline, timeout, *guard);
+      guard->arm(deadline + kGuardGrace, "the store's answers while the ranks met");
+      // torchrun's store outlives a restart: each attempt keeps its own keys.
+      auto attempt =
+          c10::make_intrusive<c10d::PrefixStore>("ddp/attempt_" + std::to_string(restart_count()), tcp);
+      Meeting(*tcp, *attempt, world, options.run_id(), world.rank == 0 && !agent_store, deadline, timeout).run();
+      tcp->setTimeout(timeout);  // later uses of the store get the full timeout each
+      // Every key of this job lives under its run id, so even a foreign
+      // process that got past the check could not touch them.
+      group->store_ = c10::make_intrusive<c10d::PrefixStore>("run/" + options.run_id(), attempt);
+      guard->arm(Clock::now() + timeout + kGuardGrace, "the store's answers while the backend connected");
+    }
+    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
+    group->backend_ = kind == BackendKind::kNccl
+                          ? detail::make_nccl_backend(backend_store, world, device, timeout)
+                          : detail::make_gloo_backend(backend_store, world, timeout);
+  } catch (const c10::Error& e) {
+    if (!guard || !guard->expired() || dynamic_cast<const Error*>(&e) != nullptr) throw;
+    throw_store_did_not_answer(world, timeout, *guard, e);
   }
-  auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
-  group->backend_ = kind == BackendKind::kNccl
-                        ? detail::make_nccl_backend(backend_store, world, device, options.timeout())
-                        : detail::make_gloo_backend(backend_store, world, options.timeout());
+  if (guard) guard->disarm();
   return group;
 }
 
@@ -252,6 +660,12 @@ std::string ProcessGroup::unique_store_prefix(const std::string& purpose) {
 }
 
 void ProcessGroup::shutdown() {
+  {
+    // The rings talk through backend_: stop them first.
+    std::lock_guard<std::mutex> lock(rings_mutex_);
+    reduce_scatter_ring_.reset();
+    all_gather_ring_.reset();
+  }
   backend_.reset();
   store_.reset();
 }
@@ -268,7 +682,7 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
       work->wait(options_.timeout());
     }
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ddp: ", operation, " failed on rank ", world_.rank, " of ",
+    DDP_CHECK(false, "ddp: ", operation, " failed on rank ", world_.rank, " of ",
                 world_.world_size, " (timeout ", seconds_text(options_.timeout()),
                 "); a peer may have died or stopped calling collectives. Cause: ",
                 e.what_without_backtrace());
@@ -276,7 +690,7 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::all_reduce_async(at::Tensor& tensor, c10d::ReduceOp op) {
-  TORCH_CHECK(backend_, "ddp: all_reduce on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: all_reduce on a process group that was shut down");
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
@@ -289,7 +703,7 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, c10d::ReduceOp op) {
 }
 
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
-  TORCH_CHECK(backend_, "ddp: broadcast on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: broadcast on a process group that was shut down");
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -298,7 +712,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 }
 
 std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
-  TORCH_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
   std::vector<at::Tensor> inputs{tensor.contiguous()};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
@@ -309,9 +723,12 @@ std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& output, at::Tensor& input) {
-  TORCH_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
-  TORCH_CHECK(output.numel() == input.numel() * size(), "ddp: all_gather_into needs an output of ", size(),
+  DDP_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
+  DDP_CHECK(output.numel() == input.numel() * size(), "ddp: all_gather_into needs an output of ", size(),
               " x ", input.numel(), " elements, got ", output.numel());
+  if (uses_rings(output) && output.is_contiguous() && input.is_contiguous()) {
+    return ring_all_gather(output, input);
+  }
   c10d::AllgatherOptions opts;
   opts.timeout = options_.timeout();
   return backend_->_allgather_base(output, input, opts);
@@ -319,9 +736,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& o
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& output, at::Tensor& input,
                                                                   c10d::ReduceOp op) {
-  TORCH_CHECK(backend_, "ddp: reduce_scatter on a process group that was shut down");
-  TORCH_CHECK(input.numel() == output.numel() * size(), "ddp: reduce_scatter needs an input of ", size(),
+  DDP_CHECK(backend_, "ddp: reduce_scatter on a process group that was shut down");
+  DDP_CHECK(input.numel() == output.numel() * size(), "ddp: reduce_scatter needs an input of ", size(),
               " x ", output.numel(), " elements, got ", input.numel());
+  if (uses_rings(input) && op == c10d::ReduceOp::SUM && output.is_contiguous() && input.is_contiguous()) {
+    return ring_reduce_scatter(output, input);
+  }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op;
   opts.timeout = options_.timeout();
@@ -329,19 +749,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& ou
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::send_async(at::Tensor& tensor, int to, int tag) {
-  TORCH_CHECK(backend_, "ddp: send on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: send on a process group that was shut down");
   std::vector<at::Tensor> tensors{tensor};
   return backend_->send(tensors, to, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::recv_async(at::Tensor& tensor, int from, int tag) {
-  TORCH_CHECK(backend_, "ddp: recv on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: recv on a process group that was shut down");
   std::vector<at::Tensor> tensors{tensor};
   return backend_->recv(tensors, from, tag);
 }
 
 void ProcessGroup::barrier() {
-  TORCH_CHECK(backend_, "ddp: barrier on a process group that was shut down");
+  DDP_CHECK(backend_, "ddp: barrier on a process group that was shut down");
   c10d::BarrierOptions opts;
   opts.timeout = options_.timeout();
   wait(backend_->barrier(opts), "barrier");

@@ -1,5 +1,7 @@
 #include <ddp/progress.h>
 
+#include <ddp/error.h>
+
 #include <c10/util/Exception.h>
 
 #include <unistd.h>
@@ -22,7 +24,7 @@ std::optional<std::string> progress_override() {
   const char* mode = std::getenv("DDP_PROGRESS");
   if (mode == nullptr || *mode == '\0') return std::nullopt;
   std::string m(mode);
-  TORCH_CHECK(m == "terminal" || m == "plain" || m == "off", "ddp: DDP_PROGRESS='", m,
+  DDP_CHECK(m == "terminal" || m == "plain" || m == "off", "ddp: DDP_PROGRESS='", m,
               "' must be terminal, plain or off");
   return m;
 }
@@ -45,7 +47,7 @@ std::string format_duration(double seconds) {
 
 ProgressLine::ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options)
     : total_epochs_(total_epochs), steps_per_epoch_(steps_per_epoch), options_(options) {
-  TORCH_CHECK(total_epochs > 0 && steps_per_epoch > 0, "ddp: ProgressLine needs positive epoch and step counts");
+  DDP_CHECK(total_epochs > 0 && steps_per_epoch > 0, "ddp: ProgressLine needs positive epoch and step counts");
   auto mode = progress_override();
   if (mode && *mode == "off") options_.enabled(false);
   if (mode && *mode != "off") {
@@ -141,7 +143,7 @@ void ProgressLine::draw(bool force) {
 MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
   if (path.empty()) return;
   file_ = std::fopen(path.c_str(), append ? "a" : "w");
-  TORCH_CHECK(file_ != nullptr, "ddp: cannot open metrics file '", path, "': ", std::strerror(errno));
+  DDP_CHECK(file_ != nullptr, "ddp: cannot open metrics file '", path, "': ", std::strerror(errno));
 }
 
 MetricsWriter::~MetricsWriter() {
@@ -164,7 +166,7 @@ std::string MetricsWriter::to_json(const EpochMetrics& m) {
 void MetricsWriter::write(const EpochMetrics& metrics) {
   if (!file_) return;
   std::string line = to_json(metrics) + "\n";
-  TORCH_CHECK(std::fputs(line.c_str(), file_) >= 0 && std::fflush(file_) == 0, "ddp: writing metrics file '",
+  DDP_CHECK(std::fputs(line.c_str(), file_) >= 0 && std::fflush(file_) == 0, "ddp: writing metrics file '",
               path_, "' failed: ", std::strerror(errno));
 }
 

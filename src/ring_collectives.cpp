@@ -1,11 +1,35 @@
-#include <ddp/ring_collectives.h>
+#include "ring_collectives.h"
+
+#include <ddp/error.h>
+#include <ddp/process_group.h>
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
-namespace ddp {
+namespace ddp::detail {
 
-RingCollectives::RingCollectives(std::shared_ptr<ProcessGroup> group) : group_(std::move(group)) {
+namespace {
+
+constexpr int64_t kReduceScatter = 1, kAllGather = 2;
+// Tags cycle through this many operations; messages of one operation are
+// never confused with those of the next (every rank numbers them alike).
+constexpr uint64_t kTagCycle = 1u << 19;
+
+const char* kind_name(int64_t kind) {
+  return kind == kReduceScatter ? "reduce_scatter" : kind == kAllGather ? "all_gather" : "an unknown operation";
+}
+
+}  // namespace
+
+// An ordinary c10d Work: wait(timeout) blocks until the ring thread has run
+// the operation and rethrows its error, if any.
+class RingCollectives::RingWork : public c10d::Work {
+ public:
+  RingWork(int rank, c10d::OpType type) : c10d::Work(rank, type) {}
+  void complete(std::exception_ptr error) { finish(std::move(error)); }
+};
+
+RingCollectives::RingCollectives(ProcessGroup& group, uint32_t tag_base) : group_(group), tag_base_(tag_base) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -18,111 +42,165 @@ RingCollectives::~RingCollectives() {
   worker_.join();
 }
 
-RingCollectives::Pending RingCollectives::enqueue(std::function<void(uint32_t)> operation) {
-  auto promise = std::make_shared<std::promise<void>>();
-  Pending pending(promise->get_future().share());
+c10::intrusive_ptr<c10d::Work> RingCollectives::enqueue(Operation operation, c10d::OpType type) {
+  auto work = c10::make_intrusive<RingWork>(group_.rank(), type);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.emplace_back(std::move(operation), std::move(promise));
+    DDP_CHECK(!stopping_, "ddp: ring ", type == c10d::OpType::REDUCE_SCATTER ? "reduce_scatter" : "all_gather",
+              " started on a process group that is shutting down");
+    queue_.emplace_back(std::move(operation), work);
   }
   wake_.notify_one();
-  return pending;
+  return work;
 }
 
 void RingCollectives::run() {
   for (;;) {
-    std::function<void(uint32_t)> operation;
-    std::shared_ptr<std::promise<void>> promise;
-    uint32_t tag;
+    Operation operation;
+    c10::intrusive_ptr<RingWork> work;
+    uint64_t sequence;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (stopping_) {
         // Nobody will wait for what is left: do not talk to the peers again.
         for (auto& entry : queue_) {
-          entry.second->set_exception(std::make_exception_ptr(
-              c10::Error(std::string("ddp: ring operation cancelled: the FSDP engine was destroyed first"))));
+          entry.second->complete(std::make_exception_ptr(
+              Error("ddp: ring operation cancelled: its process group was shut down first")));
         }
         queue_.clear();
         return;
       }
       operation = std::move(queue_.front().first);
-      promise = std::move(queue_.front().second);
+      work = std::move(queue_.front().second);
       queue_.pop_front();
-      // Every rank numbers its operations alike, so tags match across ranks
-      // and keep one operation's messages apart from the next one's.
-      tag = next_tag_;
-      next_tag_ = (next_tag_ + 1) % (1u << 20);
+      sequence = next_sequence_++;
     }
-    // After a failure (a dead peer, a timeout) the ring is broken: later
-    // operations fail at once instead of each waiting out the timeout.
+    // After a failure (a dead peer, a timeout, a mismatch) the ring is
+    // broken: later operations fail at once instead of each waiting out the
+    // timeout.
     if (failure_) {
-      promise->set_exception(failure_);
+      work->complete(failure_);
       continue;
     }
+    // Nothing may escape this thread: an exception here would end the
+    // process with std::terminate. Errors go to the waiter instead.
     try {
-      operation(tag);
-      promise->set_value();
+      operation(tag_base_ + static_cast<uint32_t>(sequence % kTagCycle) * 2, sequence);
+      work->complete(nullptr);
     } catch (...) {
       failure_ = std::current_exception();
-      promise->set_exception(failure_);
+      work->complete(failure_);
     }
   }
 }
 
 // Sends `send` to the next rank while receiving `receive` from the previous.
-void RingCollectives::exchange(at::Tensor& send, at::Tensor& receive, uint32_t tag) {
-  const int world = group_->size(), rank = group_->rank();
-  auto sent = group_->send_async(send, (rank + 1) % world, static_cast<int>(tag));
-  auto received = group_->recv_async(receive, (rank + world - 1) % world, static_cast<int>(tag));
-  group_->wait(received, "ring exchange (receive)");
-  group_->wait(sent, "ring exchange (send)");
+void RingCollectives::exchange(at::Tensor& send, at::Tensor& receive, uint32_t tag, const char* what) {
+  const int world = group_.size(), rank = group_.rank();
+  auto sent = group_.send_async(send, (rank + 1) % world, static_cast<int>(tag));
+  auto received = group_.recv_async(receive, (rank + world - 1) % world, static_cast<int>(tag));
+  group_.wait(received, what);
+  group_.wait(sent, what);
 }
 
-RingCollectives::Pending RingCollectives::reduce_scatter(at::Tensor output, at::Tensor input) {
-  const int64_t world = group_->size();
-  TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && input.numel() == world * output.numel(),
-              "ddp: ring reduce_scatter needs contiguous tensors, the input ", world, " times the output's ",
-              output.numel(), " elements; got ", input.numel());
-  return enqueue([this, output, input](uint32_t tag) mutable {
-    const int64_t world = group_->size(), rank = group_->rank(), part = output.numel();
-    auto chunk = [&](int64_t i) { return input.view({-1}).narrow(0, ((i % world) + world) % world * part, part); };
-    if (world == 1) {
-      output.copy_(input.view_as(output));
-      return;
-    }
-    // Step s passes on the running sum of chunk r-1-s; after N-1 steps the
-    // sum that arrives, plus this rank's own chunk r, is complete.
-    at::Tensor outgoing = chunk(rank - 1).clone();
-    at::Tensor incoming = at::empty_like(outgoing);
-    for (int64_t step = 0; step + 1 < world; ++step) {
-      exchange(outgoing, incoming, tag);
-      at::Tensor mine = chunk(rank - 2 - step);
-      if (step + 2 < world) {
-        at::add_out(outgoing, mine, incoming);
-      } else {
-        at::add_out(output, mine.view_as(output), incoming.view_as(output));
-      }
-    }
-  });
+// The previous rank must be starting the same operation: same kind, size,
+// dtype and number. Sizes that differ would otherwise reach Gloo, which
+// aborts the process on its own thread.
+void RingCollectives::check_header(int64_t kind, int64_t part, at::ScalarType dtype, uint64_t sequence,
+                                   uint32_t tag) {
+  at::Tensor mine = at::tensor({kind, part, static_cast<int64_t>(dtype), static_cast<int64_t>(sequence)}, at::kLong);
+  at::Tensor theirs = at::empty_like(mine);
+  exchange(mine, theirs, tag, "ring collective header exchange");
+  const int64_t* h = theirs.data_ptr<int64_t>();
+  const int previous = (group_.rank() + group_.size() - 1) % group_.size();
+  DDP_CHECK(h[0] == kind && h[1] == part && h[2] == static_cast<int64_t>(dtype) &&
+                h[3] == static_cast<int64_t>(sequence),
+            "ddp: ranks started different collectives: rank ", group_.rank(), "'s ", kind_name(kind), " #",
+            sequence, " of ", part, " ", dtype, " elements per rank met rank ", previous, "'s ", kind_name(h[0]),
+            " #", h[3], " of ", h[1], " ", static_cast<at::ScalarType>(h[2]),
+            " elements per rank. Every rank must start the same collectives in the same order (look for a "
+            "branch that runs on some ranks only)");
 }
 
-RingCollectives::Pending RingCollectives::all_gather(at::Tensor output, at::Tensor input) {
-  const int64_t world = group_->size();
-  TORCH_CHECK(input.is_contiguous() && output.is_contiguous() && output.numel() == world * input.numel(),
-              "ddp: ring all_gather needs contiguous tensors, the output ", world, " times the input's ",
-              input.numel(), " elements; got ", output.numel());
-  return enqueue([this, output, input](uint32_t tag) mutable {
-    const int64_t world = group_->size(), rank = group_->rank(), part = input.numel();
-    auto chunk = [&](int64_t i) { return output.view({-1}).narrow(0, ((i % world) + world) % world * part, part); };
-    chunk(rank).copy_(input.view({-1}));
-    // Step s forwards chunk r-s, which arrived in the step before.
-    for (int64_t step = 0; step + 1 < world; ++step) {
-      at::Tensor outgoing = chunk(rank - step);
-      at::Tensor incoming = chunk(rank - step - 1);
-      exchange(outgoing, incoming, tag);
-    }
-  });
+c10::intrusive_ptr<c10d::Work> RingCollectives::reduce_scatter(at::Tensor output, at::Tensor input) {
+  const int64_t world = group_.size();
+  DDP_CHECK(input.is_contiguous() && output.is_contiguous() && input.numel() == world * output.numel(),
+            "ddp: ring reduce_scatter needs contiguous tensors, the input ", world, " times the output's ",
+            output.numel(), " elements; got ", input.numel());
+  return enqueue(
+      [this, output, input](uint32_t tag, uint64_t sequence) mutable {
+        const int64_t world = group_.size(), rank = group_.rank(), part = output.numel();
+        if (world == 1) {
+          output.copy_(input.view_as(output));
+          return;
+        }
+        check_header(kReduceScatter, part, input.scalar_type(), sequence, tag);
+        auto chunk = [&](int64_t i) { return input.view({-1}).narrow(0, ((i % world) + world) % world * part, part); };
+        // Step s passes on the running sum of chunk r-1-s; after N-1 steps
+        // the sum that arrives, plus this rank's own chunk r, is complete.
+        at::Tensor outgoing = chunk(rank - 1).clone();
+        at::Tensor incoming = at::empty_like(outgoing);
+        for (int64_t step = 0; step + 1 < world; ++step) {
+          exchange(outgoing, incoming, tag + 1, "ring reduce_scatter exchange");
+          at::Tensor mine = chunk(rank - 2 - step);
+          if (step + 2 < world) {
+            at::add_out(outgoing, mine, incoming);
+          } else {
+            at::add_out(output, mine.view_as(output), incoming.view_as(output));
+          }
+        }
+      },
+      c10d::OpType::REDUCE_SCATTER);
+}
+
+c10::intrusive_ptr<c10d::Work> RingCollectives::all_gather(at::Tensor output, at::Tensor input) {
+  const int64_t world = group_.size();
+  DDP_CHECK(input.is_contiguous() && output.is_contiguous() && output.numel() == world * input.numel(),
+            "ddp: ring all_gather needs contiguous tensors, the output ", world, " times the input's ",
+            input.numel(), " elements; got ", output.numel());
+  return enqueue(
+      [this, output, input](uint32_t tag, uint64_t sequence) mutable {
+        const int64_t world = group_.size(), rank = group_.rank(), part = input.numel();
+        auto chunk = [&](int64_t i) { return output.view({-1}).narrow(0, ((i % world) + world) % world * part, part); };
+        chunk(rank).copy_(input.view({-1}));
+        if (world == 1) return;
+        check_header(kAllGather, part, input.scalar_type(), sequence, tag);
+        // Step s forwards chunk r-s, which arrived in the step before.
+        for (int64_t step = 0; step + 1 < world; ++step) {
+          at::Tensor outgoing = chunk(rank - step);
+          at::Tensor incoming = chunk(rank - step - 1);
+          exchange(outgoing, incoming, tag + 1, "ring all_gather exchange");
+        }
+      },
+      c10d::OpType::_ALLGATHER_BASE);
+}
+
+}  // namespace ddp::detail
+
+namespace ddp {
+
+void detail::RingDeleter::operator()(detail::RingCollectives* ring) const { delete ring; }
+
+bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
+  // Gloo sends only CPU tensors; NCCL's own collectives are rings already.
+  return backend_kind_ == BackendKind::kGloo && size() > 1 && tensor.is_cpu();
+}
+
+// Tag spaces of the two rings (send/recv tags; Gloo's collectives use slots
+// of their own).
+constexpr uint32_t kReduceScatterTags = 1u << 24, kAllGatherTags = 2u << 24;
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_reduce_scatter(at::Tensor& output, at::Tensor& input) {
+  std::lock_guard<std::mutex> lock(rings_mutex_);
+  if (!reduce_scatter_ring_) reduce_scatter_ring_.reset(new detail::RingCollectives(*this, kReduceScatterTags));
+  return reduce_scatter_ring_->reduce_scatter(output, input);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_all_gather(at::Tensor& output, at::Tensor& input) {
+  std::lock_guard<std::mutex> lock(rings_mutex_);
+  if (!all_gather_ring_) all_gather_ring_.reset(new detail::RingCollectives(*this, kAllGatherTags));
+  return all_gather_ring_->all_gather(output, input);
 }
 
 }  // namespace ddp

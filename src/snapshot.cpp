@@ -1,5 +1,7 @@
 #include <ddp/snapshot.h>
 
+#include <ddp/error.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/core/Dict.h>
@@ -86,7 +88,7 @@ GenericDict payload_of(const Snapshot& s) {
 
 template <typename... Args>
 [[noreturn]] void reject(const std::string& name, const Args&... args) {
-  TORCH_CHECK(false, "ddp: snapshot '", name, "' is not usable: ", args...);
+  DDP_CHECK(false, "ddp: snapshot '", name, "' is not usable: ", args...);
 }
 
 const c10::IValue& field(const GenericDict& dict, const std::string& key, const std::string& name) {
@@ -127,7 +129,7 @@ Snapshot parse_snapshot(const c10::IValue& value, const std::string& name) {
 
 std::vector<char> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "ddp: cannot open snapshot '", path, "': ", std::strerror(errno));
+  DDP_CHECK(in.good(), "ddp: cannot open snapshot '", path, "': ", std::strerror(errno));
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
@@ -173,10 +175,10 @@ GenericDict adam_state(const State& state) {
 
 // A saved state tensor, checked against its parameter and placed like it.
 at::Tensor state_tensor(const GenericDict& d, const std::string& key, const at::Tensor& param, int64_t index) {
-  TORCH_CHECK(d.contains(key), "ddp: the optimizer state of parameter ", index, " has no '", key,
+  DDP_CHECK(d.contains(key), "ddp: the optimizer state of parameter ", index, " has no '", key,
               "'; was it saved from a different optimizer?");
   at::Tensor t = d.at(key).toTensor();
-  TORCH_CHECK(t.sizes() == param.sizes(), "ddp: optimizer state '", key, "' of parameter ", index, " has shape ",
+  DDP_CHECK(t.sizes() == param.sizes(), "ddp: optimizer state '", key, "' of parameter ", index, " has shape ",
               t.sizes(), " but the parameter has ", param.sizes());
   return t.to(param.options().requires_grad(false), /*non_blocking=*/false, /*copy=*/true);
 }
@@ -184,7 +186,7 @@ at::Tensor state_tensor(const GenericDict& d, const std::string& key, const at::
 template <typename State>
 std::unique_ptr<torch::optim::OptimizerParamState> adam_state_from(const GenericDict& d, const at::Tensor& param,
                                                                    int64_t index) {
-  TORCH_CHECK(d.contains("step"), "ddp: the optimizer state of parameter ", index,
+  DDP_CHECK(d.contains("step"), "ddp: the optimizer state of parameter ", index,
               " has no 'step'; was it saved from a different optimizer?");
   auto state = std::make_unique<State>();
   state->step(static_cast<int64_t>(d.at("step").toTensor().item<double>()));
@@ -236,7 +238,7 @@ c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
       g.insert("weight_decay", sgd->weight_decay());
       g.insert("nesterov", sgd->nesterov());
     } else {
-      TORCH_CHECK(false, "ddp: optimizer_state_dict supports Adam, AdamW and SGD");
+      DDP_CHECK(false, "ddp: optimizer_state_dict supports Adam, AdamW and SGD");
     }
     c10::impl::GenericList params(c10::AnyType::get());  // typed lists pickle as torch.jit globals
     for (auto& p : group.params()) {
@@ -268,13 +270,13 @@ c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
 bool is_per_element_state(const std::string& key) { return key != "step"; }
 
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& value) {
-  TORCH_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
+  DDP_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
   GenericDict dict = value.toGenericDict();
-  TORCH_CHECK(dict.contains("state") && dict.contains("param_groups"),
+  DDP_CHECK(dict.contains("state") && dict.contains("param_groups"),
               "ddp: optimizer state needs 'state' and 'param_groups' entries");
   GenericDict state = dict.at("state").toGenericDict();
   auto groups = dict.at("param_groups").toListRef();
-  TORCH_CHECK(groups.size() == optimizer.param_groups().size(), "ddp: the optimizer state has ",
+  DDP_CHECK(groups.size() == optimizer.param_groups().size(), "ddp: the optimizer state has ",
               groups.size(), " parameter groups but the optimizer has ", optimizer.param_groups().size());
 
   // Everything is read and checked first and applied only at the end, so a
@@ -286,11 +288,11 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IV
     auto& group = optimizer.param_groups()[gi];
     GenericDict g = groups[gi].toGenericDict();
     auto field = [&](const char* key) -> c10::IValue {
-      TORCH_CHECK(g.contains(key), "ddp: parameter group ", gi, " of the optimizer state has no '", key,
+      DDP_CHECK(g.contains(key), "ddp: parameter group ", gi, " of the optimizer state has no '", key,
                   "'; was it saved from a different optimizer?");
       return g.at(key);
     };
-    TORCH_CHECK(field("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
+    DDP_CHECK(field("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
                 " of the optimizer state has ", field("params").toListRef().size(),
                 " parameters but the optimizer's has ", group.params().size());
     auto& options = group.options();
@@ -312,7 +314,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IV
         o->lr(lr).momentum(momentum).dampening(dampening).weight_decay(weight_decay).nesterov(nesterov);
       });
     } else {
-      TORCH_CHECK(false, "ddp: load_optimizer_state_dict supports Adam, AdamW and SGD");
+      DDP_CHECK(false, "ddp: load_optimizer_state_dict supports Adam, AdamW and SGD");
     }
     for (auto& p : group.params()) {
       std::unique_ptr<torch::optim::OptimizerParamState> restored;

@@ -1,5 +1,7 @@
 #include <ddp/zero_redundancy_optimizer.h>
 
+#include <ddp/error.h>
+
 #include <ddp/checkpoint.h>
 #include <ddp/snapshot.h>
 
@@ -16,7 +18,7 @@
 namespace ddp {
 
 std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size) {
-  TORCH_CHECK(world_size >= 1, "ddp: cannot partition over ", world_size, " ranks");
+  DDP_CHECK(world_size >= 1, "ddp: cannot partition over ", world_size, " ranks");
   std::vector<size_t> order(numels.size());
   std::iota(order.begin(), order.end(), 0);
   // Largest first; ties keep registration order so every rank agrees.
@@ -35,8 +37,8 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                                                  std::shared_ptr<ProcessGroup> group,
                                                  OptimizerFactory make_optimizer)
     : params_(std::move(params)), group_(std::move(group)) {
-  TORCH_CHECK(group_, "ddp: ZeroRedundancyOptimizer needs a process group");
-  TORCH_CHECK(make_optimizer, "ddp: ZeroRedundancyOptimizer needs an optimizer factory");
+  DDP_CHECK(group_, "ddp: ZeroRedundancyOptimizer needs a process group");
+  DDP_CHECK(make_optimizer, "ddp: ZeroRedundancyOptimizer needs an optimizer factory");
   std::vector<int64_t> numels;
   for (const auto& p : params_) numels.push_back(p.numel());
   owners_ = partition_parameters(numels, group_->size());
@@ -48,7 +50,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
     }
   }
   local_ = make_optimizer(std::move(shard));
-  TORCH_CHECK(local_, "ddp: the optimizer factory returned null");
+  DDP_CHECK(local_, "ddp: the optimizer factory returned null");
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
@@ -144,15 +146,15 @@ c10::IValue ZeroRedundancyOptimizer::consolidate_state_dict(int to_rank) {
 namespace ddp {
 
 void ZeroRedundancyOptimizer::load_state_dict(const c10::IValue& full) {
-  TORCH_CHECK(full.isGenericDict() && full.toGenericDict().contains("state") &&
+  DDP_CHECK(full.isGenericDict() && full.toGenericDict().contains("state") &&
                   full.toGenericDict().contains("param_groups"),
               "ddp: ZeroRedundancyOptimizer::load_state_dict needs a dict with 'state' and 'param_groups', as "
               "consolidate_state_dict() returns");
   auto dict = full.toGenericDict();
   auto groups = dict.at("param_groups").toListRef();
-  TORCH_CHECK(groups.size() == 1, "ddp: ZeroRedundancyOptimizer loads one parameter group, got ", groups.size());
+  DDP_CHECK(groups.size() == 1, "ddp: ZeroRedundancyOptimizer loads one parameter group, got ", groups.size());
   auto group = groups.at(0).toGenericDict().copy();
-  TORCH_CHECK(group.at("params").toListRef().size() == params_.size(), "ddp: the optimizer state has ",
+  DDP_CHECK(group.at("params").toListRef().size() == params_.size(), "ddp: the optimizer state has ",
               group.at("params").toListRef().size(), " parameters but this optimizer has ", params_.size());
   // This rank's entries, re-keyed from global indices to shard positions.
   auto full_state = dict.at("state").toGenericDict();

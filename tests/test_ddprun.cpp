@@ -972,3 +972,100 @@ TEST(DdprunCommandLine, HelpListsEveryFlagWithItsDefault) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Root cause from the workers' error files (TORCHELASTIC_ERROR_FILE), issue 12 item 5
+
+namespace {
+
+// A worker written in sh: `script` runs with $RANK and $TORCHELASTIC_ERROR_FILE set.
+std::vector<std::string> sh_worker(int nproc, const std::string& script) {
+  return {"--nproc-per-node", std::to_string(nproc), "/bin/sh", "-c", script};
+}
+
+// sh that writes a ddp-style record: MESSAGE, TIMESTAMP_NS, CONSEQUENCE (true|false).
+std::string write_record(const std::string& message, const std::string& ns, const std::string& consequence) {
+  return "printf '%s' '{\"message\": {\"message\": \"" + message +
+         "\", \"extraInfo\": {\"py_callstack\": \"\", \"timestamp\": \"1\"}}, \"ddp\": {\"timestamp_ns\": " + ns +
+         ", \"consequence\": " + consequence + "}}' > \"$TORCHELASTIC_ERROR_FILE\"";
+}
+
+TEST(DdprunRootCause, EachWorkerGetsItsOwnErrorFileWhichIsRemovedAfterwards) {
+  ProcessResult result = ddprun(sh_worker(2, "echo \"EF=$TORCHELASTIC_ERROR_FILE\""));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(result.out, a, std::regex(R"(\[rank0\]: EF=(\S+))"))) << result.describe();
+  ASSERT_TRUE(std::regex_search(result.out, b, std::regex(R"(\[rank1\]: EF=(\S+))"))) << result.describe();
+  EXPECT_NE(a[1].str(), b[1].str());
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(a[1].str()).parent_path()))
+      << "the private error directory outlived ddprun";
+}
+
+// Rank 0's original error (disk full) is recorded first, but rank 0 exits last; rank 1 fails
+// first with the consequence (a closed connection). The summary names rank 0's error.
+TEST(DdprunRootCause, TheEarliestOriginalErrorWinsOverAnEarlierExitingConsequence) {
+  const std::string script =
+      "if [ \"$RANK\" = 0 ]; then " + write_record("ddp: writing snapshot failed: No space left on device", "1000", "false") +
+      "; echo 'error: No space left on device' >&2; sleep 1; exit 1; else sleep 0.2; " +
+      write_record("ddp: all_reduce failed on rank 1 of 2: Connection closed by peer", "2000", "true") +
+      "; echo 'error: Connection closed by peer' >&2; exit 1; fi";
+  ProcessResult result = ddprun(sh_worker(2, script));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  // Rank 1 did fail first...
+  EXPECT_LT(result.err.find("ddprun: rank 1 (local rank 1"), result.err.find("root cause")) << result.describe();
+  // ...but the root cause is rank 0's.
+  EXPECT_NE(result.err.find("ddprun: root cause (the earliest original error of the last attempt):\n"
+                            "ddprun:   rank: 0 (local rank 0)"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   error: ddp: writing snapshot failed: No space left on device\n"),
+            std::string::npos)
+      << result.describe();
+}
+
+// A consequence recorded earlier than an original error still ranks below it (rank 0 fails
+// first, with the earliest record, a consequence); among originals the earliest wins, whatever
+// the exit order (ranks 1 and 2 are stopped by ddprun after recording); torchrun's own layout (seconds, no "ddp" part) is
+// read too, and its message is classified by its text.
+TEST(DdprunRootCause, OriginalsRankAboveConsequencesThenByTime) {
+  const std::string torchrun_style =
+      "printf '%s' '{\"message\": {\"message\": \"RuntimeError: Connection reset by peer\", \"extraInfo\": "
+      "{\"py_callstack\": \"Traceback\", \"timestamp\": \"5\"}}}' > \"$TORCHELASTIC_ERROR_FILE\"";
+  const std::string script =
+      "case \"$RANK\" in 0) sleep 0.5; " + torchrun_style + "; exit 1;; 1) " +
+      write_record("bad init on rank 1", "9000000000", "false") + "; sleep 5; exit 2;; 2) " +
+      write_record("second original", "9500000000", "false") + "; sleep 5; exit 3;; esac";
+  ProcessResult result = ddprun(sh_worker(3, script));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   rank: 1 (local rank 1)"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   error: bad init on rank 1\n"), std::string::npos) << result.describe();
+}
+
+TEST(DdprunRootCause, OnlyConsequencesAreReportedAsSuch) {
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then " + write_record("ddp: rank 1 waited 5 s, but not all of them joined", "10", "true") +
+      "; exit 1; else sleep 0.3; exit 1; fi";
+  ProcessResult result = ddprun(sh_worker(2, script));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("every recorded error is a consequence of another failure"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   error (a consequence): ddp: rank 1 waited 5 s"), std::string::npos)
+      << result.describe();
+}
+
+// Issue 11: without an error file, the summary quotes the worker's error line, not the last
+// frame of the backtrace printed after it.
+TEST(DdprunRootCause, WithoutAnErrorFileTheErrorLineBeatsStackFrames) {
+  const std::string script =
+      "echo 'error: the real message' >&2; "
+      "echo 'Exception raised from foo at bar.cpp:12 (most recent call first):' >&2; "
+      "echo 'frame #0: c10::Error::Error(...) + 0x98 (0x7f in /lib/libc10.so)' >&2; "
+      "echo 'frame #15: <unknown function> + 0x6e81 (0x55 in ./prog)' >&2; exit 1";
+  ProcessResult result = ddprun(sh_worker(1, script));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   last error line: error: the real message\n"), std::string::npos)
+      << result.describe();
+  EXPECT_EQ(result.err.find("last error line: frame #"), std::string::npos) << result.describe();
+}
+
+}  // namespace

@@ -81,6 +81,17 @@ TEST(Env, RankWithoutWorldSizeIsAnError) {
   EXPECT_NE(message.find("WORLD_SIZE"), std::string::npos) << message;
 }
 
+// Issue 12 item 6: LOCAL_WORLD_SIZE defaults to WORLD_SIZE, so a zero
+// WORLD_SIZE used to be reported as LOCAL_WORLD_SIZE=0, which nobody set.
+TEST(Env, ZeroWorldSizeNamesWorldSizeNotLocalWorldSize) {
+  auto message = error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(message.find("WORLD_SIZE=0 must be at least 1"), std::string::npos) << message;
+  EXPECT_EQ(message.find("LOCAL_WORLD_SIZE"), std::string::npos) << message;
+  message = error_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "0"}});
+  EXPECT_NE(message.find("OMPI_COMM_WORLD_SIZE=0 must be at least 1"), std::string::npos) << message;
+  EXPECT_EQ(message.find("LOCAL_SIZE"), std::string::npos) << message;
+}
+
 TEST(Env, LocalRankMustFitLocalWorld) {
   auto message = error_of({{"RANK", "1"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "4"},
                            {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});

@@ -12,7 +12,8 @@ add_executable(ddp_unit_tests
   test_checkpoint.cpp
   test_snapshot.cpp
   test_progress.cpp
-  test_gloo_headers.cpp)
+  test_gloo_headers.cpp
+  test_libtorch_integration.cpp)
 target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_unit_tests REUSE_FROM ddp)
 target_compile_definitions(ddp_unit_tests PRIVATE
@@ -73,4 +74,20 @@ add_executable(ddp_fsdp_tests test_fsdp.cpp)
 target_link_libraries(ddp_fsdp_tests PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(ddp_fsdp_tests fsdp_worker ddprun)
 gtest_discover_tests(ddp_fsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST)
+
+# FSDP tests whose ranks' code sits in the test file (support/ranks.h
+# re-executes the test binary once per rank).
+add_executable(ddp_fsdp_rank_tests test_fsdp_ranks.cpp)
+target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_fsdp_rank_tests REUSE_FROM ddp)
+gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST)
+
+# ddp inside LibTorch programs, on several ranks: buffer-sync warning, sparse
+# gradients, checkpoints from rank 0, TorchScript modules.
+add_executable(ddp_integration_rank_tests test_integration_ranks.cpp)
+target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_integration_rank_tests REUSE_FROM ddp)
+gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST)

@@ -145,9 +145,11 @@ int main(int argc, char** argv) {
     }
     group->barrier();  // no rank leaves while rank 0 may still need it
   } catch (const c10::Error& e) {
+    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    ddp::record_error(e);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

@@ -24,7 +24,9 @@ struct Args {
   bool resume = true;  // continue from the newest snapshot in checkpoint_dir
   std::string on_nonfinite = "abort";  // or "skip" (wine_ddp)
   std::string metrics;                 // JSON lines per epoch (wine_ddp)
-  std::string strategy = "ddp";        // ddp, zero1, fsdp-full, fsdp-grad-op (wine_ddp)
+  std::string strategy = "ddp";        // ddp, zero1, fsdp-full, fsdp-grad-op (wine_sharded)
+  bool strategy_given = false;
+  int64_t workers = 0;                 // data-loader worker threads (wine_ddp, wine_sharded)
   std::string device = "cpu";          // cpu, cuda or auto
 };
 
@@ -47,8 +49,10 @@ inline void print_usage(const char* program) {
             << "                         step on every rank (default abort; wine_ddp only)\n"
             << "  --metrics FILE         write one JSON line per epoch to FILE (wine_ddp only;\n"
             << "                         default none)\n"
+            << "  --workers N            data-loader worker threads (default 0: load in the training\n"
+            << "                         thread; wine_ddp and wine_sharded)\n"
             << "  --strategy NAME        ddp (default), zero1 (Adam's state sharded), fsdp-full or\n"
-            << "                         fsdp-grad-op (FullyShardedDataParallel; wine_ddp only)\n"
+            << "                         fsdp-grad-op (FullyShardedDataParallel; wine_sharded only)\n"
             << "  --device cpu|cuda|auto train on the CPU (default), on this rank's GPU (cuda:LOCAL_RANK,\n"
             << "                         NCCL for wine_ddp), or on the GPU when there is one\n"
             << "  -h, --help             show this help\n";
@@ -99,6 +103,10 @@ inline Args parse_args(int argc, char** argv) {
         throw UsageError("--strategy must be ddp, zero1, fsdp-full or fsdp-grad-op, got '" + strategy + "'");
       }
       args.strategy = strategy;
+      args.strategy_given = true;
+    } else if (arg == "--workers") {
+      std::string text = value();
+      args.workers = text == "0" ? 0 : parse_positive("--workers", text);
     } else if (arg == "--device") {
       std::string device = value();
       if (device != "cpu" && device != "cuda" && device != "auto") {

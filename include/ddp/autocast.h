@@ -13,6 +13,7 @@
 //
 // bfloat16 has float32's range, so it needs no GradScaler; float16 does.
 
+#include <ddp/error.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
@@ -30,7 +31,7 @@ class AutocastGuard {
         previous_enabled_(at::autocast::is_autocast_enabled(device_type)),
         previous_dtype_(at::autocast::get_autocast_dtype(device_type)),
         previous_cache_enabled_(at::autocast::is_autocast_cache_enabled()) {
-    TORCH_CHECK(at::autocast::is_autocast_available(device_type), "ddp: autocast is not available for ",
+    DDP_CHECK(at::autocast::is_autocast_available(device_type), "ddp: autocast is not available for ",
                 c10::DeviceTypeName(device_type), "; use cpu or cuda");
     at::autocast::set_autocast_enabled(device_type, enabled);
     at::autocast::set_autocast_dtype(device_type, dtype);

@@ -10,12 +10,19 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace torch::nn {
 class Module;
+class AnyModule;
+template <typename Contained>
+class ModuleHolder;
+}  // namespace torch::nn
+namespace torch::jit {
+struct Module;
 }
 
 namespace ddp {
@@ -23,13 +30,54 @@ namespace ddp {
 /// Tensors by name, in order: what Python's model.state_dict() holds.
 using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
 
-/// The parameters and buffers of `module`, by their dotted names.
+/// The parameters and buffers of `module`, by their dotted names, in the
+/// order of Python's model.state_dict(): for each module (depth first, in
+/// registration order) its own parameters, then its own buffers.
 StateDict state_dict(const torch::nn::Module& module);
+/// The same for a TorchScript module (torch::jit::load's result).
+StateDict state_dict(const torch::jit::Module& module);
 
 /// Copies `state` into `module`'s parameters and buffers. Every name must
 /// exist on both sides with the same shape; the error names the first that
 /// does not.
 void load_state_dict(torch::nn::Module& module, const StateDict& state);
+void load_state_dict(const torch::jit::Module& module, const StateDict& state);
+
+/// One-call checkpoints: save(model, path) writes model's state dict (as
+/// Python's torch.save(model.state_dict(), path) would; it loads with
+/// torch.load(weights_only=True) and load_state_dict(strict=True)), and
+/// load(model, path) reads one back, strictly. `model` is a module, a
+/// ModuleHolder, a shared_ptr to a module, an AnyModule, a torch::jit::Module,
+/// or a DistributedDataParallel (see distributed_data_parallel.h: it saves
+/// from rank 0 only and loads on rank 0, then broadcasts).
+void save(const torch::nn::Module& module, const std::string& path);
+void save(const torch::jit::Module& module, const std::string& path);
+void save(const torch::nn::AnyModule& module, const std::string& path);
+void load(torch::nn::Module& module, const std::string& path);
+void load(const torch::jit::Module& module, const std::string& path);
+void load(torch::nn::AnyModule& module, const std::string& path);
+template <typename Impl>
+void save(const torch::nn::ModuleHolder<Impl>& module, const std::string& path) {
+  save(*module, path);
+}
+template <typename Impl>
+void load(torch::nn::ModuleHolder<Impl>& module, const std::string& path) {
+  load(*module, path);
+}
+template <typename Impl>
+void save(const std::shared_ptr<Impl>& module, const std::string& path) {
+  save(*module, path);
+}
+template <typename Impl>
+void load(const std::shared_ptr<Impl>& module, const std::string& path) {
+  load(*module, path);
+}
+
+namespace detail {
+/// Copies `state` into `targets` (a model's tensors): every name on both
+/// sides, shapes equal; the error names the first that is not.
+void copy_state_into(const StateDict& targets, const StateDict& state);
+}  // namespace detail
 
 /// Writes `state` as a dict of tensors that torch.load reads. The write is
 /// atomic: a temporary file is written and fsync'd, then renamed over `path`,

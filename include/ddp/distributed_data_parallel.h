@@ -12,13 +12,25 @@
 //   auto loss = torch::nn::functional::cross_entropy(model.forward(x), y);
 //   loss.backward();   // gradients are all-reduced while backward runs
 //   optimizer.step();
+//
+// It wraps any LibTorch module: a ModuleHolder (TORCH_MODULE types,
+// torch::nn::Sequential, ...), a std::shared_ptr to a Module subclass,
+// torch::nn::AnyModule, or a TorchScript torch::jit::Module from
+// torch::jit::load (forward takes and returns IValues, as the module's own).
 
 #include <ddp/gradient_reducer.h>
 #include <ddp/process_group.h>
 
+#include <ddp/checkpoint.h>
+
+#include <ATen/core/ivalue.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
+
+#include <string>
+#include <type_traits>
 
 #include <memory>
 #include <tuple>
@@ -92,12 +104,34 @@ class NoSyncGuard {
 
 namespace detail {
 
+/// The parameters and buffers of a module of any kind, by name, in the
+/// order of Python's state_dict(). DistributedDataParallel holds one.
+class ModuleTensors {
+ public:
+  virtual ~ModuleTensors() = default;
+  virtual StateDict named_parameters() const = 0;
+  virtual StateDict named_buffers() const = 0;
+  /// Parameters then buffers per module, in registration order.
+  virtual StateDict state_dict() const = 0;
+  /// Layers whose gradients would be sparse, named, for a clear refusal.
+  virtual std::vector<std::string> sparse_gradient_parameters() const { return {}; }
+};
+
+std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module> module);
+/// Defined in the library; needs <torch/script.h> (or
+/// torch/csrc/jit/api/module.h) where DistributedDataParallel<torch::jit::Module>
+/// is used.
+std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module);
+
 /// Checks that every rank's module has the same parameters and buffers
 /// (names, shapes, dtypes, in order). On a mismatch every rank throws an
 /// error naming the first differing tensor and the ranks involved.
+void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group);
 void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group);
 
 /// Copies `root`'s parameters and/or buffers to every rank.
+void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bool parameters,
+                            bool buffers, int root = 0);
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
                             bool buffers, int root = 0);
 
@@ -108,6 +142,8 @@ inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
 inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
   out.insert(out.end(), ts.begin(), ts.end());
 }
+/// A TorchScript result: tensors inside tuples, lists and dicts, at any depth.
+void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out);
 template <typename... Ts>
 void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
   std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, t);
@@ -127,31 +163,96 @@ template <typename Impl>
 std::shared_ptr<torch::nn::Module> as_module_ptr(const torch::nn::ModuleHolder<Impl>& holder) {
   return holder.ptr();
 }
+template <typename Impl, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, Impl>>>
+std::shared_ptr<torch::nn::Module> as_module_ptr(const std::shared_ptr<Impl>& module) {
+  return module;
+}
+inline std::shared_ptr<torch::nn::Module> as_module_ptr(const torch::nn::AnyModule& module) {
+  return module.ptr();
+}
+
+template <typename T>
+struct IsModuleHolder {
+  template <typename Impl>
+  static std::true_type test(const torch::nn::ModuleHolder<Impl>*);
+  static std::false_type test(...);
+  static constexpr bool value = decltype(test(std::declval<T*>()))::value;
+};
+template <typename T>
+struct IsModulePtr : std::false_type {};
+template <typename Impl>
+struct IsModulePtr<std::shared_ptr<Impl>> : std::is_base_of<torch::nn::Module, Impl> {};
+template <typename T>
+constexpr bool kIsJitModule = std::is_same_v<T, torch::jit::Module>;
+
+/// How DistributedDataParallel reaches each kind of module.
+template <typename M>
+struct ModuleAdapter {
+  static constexpr bool kSupported = IsModuleHolder<M>::value || IsModulePtr<M>::value ||
+                                     std::is_same_v<M, torch::nn::AnyModule> || kIsJitModule<M>;
+  static std::shared_ptr<ModuleTensors> tensors(const M& m) {
+    if constexpr (kIsJitModule<M>) {
+      return module_tensors(m);
+    } else {
+      return module_tensors(as_module_ptr(m));
+    }
+  }
+  template <typename... Args>
+  static decltype(auto) forward(M& m, Args&&... args) {
+    if constexpr (kIsJitModule<M>) {
+      if constexpr (sizeof...(Args) == 1 && (std::is_convertible_v<Args, std::vector<c10::IValue>> && ...)) {
+        return m.forward(std::forward<Args>(args)...);
+      } else {
+        return m.forward(std::vector<c10::IValue>{c10::IValue(std::forward<Args>(args))...});
+      }
+    } else if constexpr (std::is_same_v<M, torch::nn::AnyModule>) {
+      return m.forward(std::forward<Args>(args)...);
+    } else {
+      using Impl = std::remove_reference_t<decltype(*m)>;
+      static_assert(!std::is_same_v<Impl, torch::nn::Module>,
+                    "ddp: torch::nn::Module has no forward(). Wrap the concrete module type, or run your "
+                    "forward through model.forward_with([&] { return net->forward(x); })");
+      return m->forward(std::forward<Args>(args)...);
+    }
+  }
+  static auto arrow(M& m) {
+    if constexpr (kIsJitModule<M> || std::is_same_v<M, torch::nn::AnyModule>) {
+      return &m;
+    } else {
+      return &*m;
+    }
+  }
+};
 
 /// The part of DistributedDataParallel that does not depend on the module's
 /// type.
 class DataParallelCore {
  public:
-  DataParallelCore(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<ProcessGroup> group,
+  DataParallelCore(std::shared_ptr<ModuleTensors> module, std::shared_ptr<ProcessGroup> group,
                    DDPOptions options);
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
   /// One training step of the others, mirrored by a rank without data.
   void shadow_step();
-  torch::nn::Module& module() { return *module_; }
+  const ModuleTensors& tensors() const { return *module_; }
   bool wants_outputs() const { return options_.find_unused_parameters(); }
   GradientReducer& reducer() { return *reducer_; }
   const GradientReducer& reducer() const { return *reducer_; }
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
  private:
-  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ModuleTensors> module_;
   std::shared_ptr<ProcessGroup> group_;
   DDPOptions options_;
   bool has_buffers_ = false;
   std::unique_ptr<GradientReducer> reducer_;
 };
 
+}  // namespace detail
+
+namespace detail {
+/// Rank 0 loads `path` into `module`; then its values go to every rank.
+void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group, const std::string& path);
 }  // namespace detail
 
 /// Lets ranks with different numbers of batches finish without hanging:
@@ -190,25 +291,46 @@ class Join {
   bool finished_ = false;
 };
 
-/// Wraps a module (a ModuleHolder such as torch::nn::Sequential or a
-/// TORCH_MODULE, or a std::shared_ptr to a Module subclass) for data-parallel
-/// training over `group`.
+/// Wraps a module for data-parallel training over `group`: a ModuleHolder
+/// (torch::nn::Sequential, a TORCH_MODULE type), a std::shared_ptr to a
+/// Module subclass, torch::nn::AnyModule, or a torch::jit::Module.
 template <typename ModuleType>
 class DistributedDataParallel {
+  static_assert(detail::ModuleAdapter<ModuleType>::kSupported,
+                "ddp::DistributedDataParallel wraps a torch::nn::ModuleHolder (a TORCH_MODULE type, "
+                "torch::nn::Sequential, ...), a std::shared_ptr to a torch::nn::Module subclass, "
+                "torch::nn::AnyModule or a torch::jit::Module; this type is none of them");
+  using Adapter = detail::ModuleAdapter<ModuleType>;
+
  public:
   /// Checks that every rank built the same model, copies rank 0's weights
   /// and buffers to all ranks, and attaches the gradient engine. Collective.
   DistributedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group,
                           DDPOptions options = {})
-      : module_(std::move(module)),
-        core_(detail::as_module_ptr(module_), std::move(group), options) {}
+      : module_(std::move(module)), core_(Adapter::tensors(module_), std::move(group), options) {}
 
-  /// Runs the wrapped module's forward. Call this rather than the module's
-  /// own forward, so buffers are synchronised first.
+  /// Runs the wrapped module's forward after synchronising buffers. Call
+  /// this (or operator()), not model->forward(x): that bypasses the
+  /// buffer broadcast, and ddp warns once at the next backward.
+  /// A torch::jit::Module takes tensors or IValues (or one
+  /// std::vector<IValue>) and returns an IValue, as its own forward does.
   template <typename... Args>
-  auto forward(Args&&... args) {
+  decltype(auto) forward(Args&&... args) {
+    return forward_with([&]() -> decltype(auto) { return Adapter::forward(module_, std::forward<Args>(args)...); });
+  }
+
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// Runs `run()` as this step's forward: buffers are synchronised first,
+  /// and its result is inspected for unused parameters. For a forward that
+  /// is not the module's own forward(), e.g. a method of your module.
+  template <typename Fn>
+  decltype(auto) forward_with(Fn&& run) {
     core_.before_forward();
-    auto result = module_->forward(std::forward<Args>(args)...);
+    decltype(auto) result = run();
     if (core_.wants_outputs()) {
       std::vector<at::Tensor> outputs;
       detail::collect_tensors(result, outputs);
@@ -217,17 +339,22 @@ class DistributedDataParallel {
     return result;
   }
 
-  template <typename... Args>
-  decltype(auto) operator()(Args&&... args) {
-    return forward(std::forward<Args>(args)...);
-  }
-
-  /// The wrapped module, e.g. for parameters(), state_dict-style saving, or
-  /// evaluation without synchronisation.
+  /// The wrapped module, e.g. for evaluation without synchronisation.
   ModuleType& module() { return module_; }
   const ModuleType& module() const { return module_; }
-  auto operator->() { return &*module_; }
-  auto operator->() const { return &*module_; }
+  auto operator->() { return Adapter::arrow(module_); }
+  auto operator->() const { return Adapter::arrow(const_cast<ModuleType&>(module_)); }
+
+  /// The trainable parameters, for the optimizer, whatever the module kind.
+  std::vector<at::Tensor> parameters() const {
+    std::vector<at::Tensor> params;
+    for (auto& [name, p] : core_.tensors().named_parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+    return params;
+  }
+  /// Parameters and buffers in Python's state_dict() order.
+  StateDict state_dict() const { return core_.tensors().state_dict(); }
 
   /// Skip gradient synchronisation inside a scope:
   ///
@@ -245,5 +372,22 @@ class DistributedDataParallel {
   ModuleType module_;
   detail::DataParallelCore core_;
 };
+
+/// Saves a wrapped model's state dict to `path` from rank 0 only (every
+/// replica holds the same weights); other ranks return at once. The file
+/// loads in Python with torch.load(path) and load_state_dict(strict=True).
+template <typename M>
+void save(const DistributedDataParallel<M>& model, const std::string& path) {
+  if (model.process_group()->rank() == 0) save_state_dict(model.state_dict(), path);
+}
+
+/// Loads `path` into a wrapped model: rank 0 reads the file, every rank
+/// gets its values by broadcast, so only rank 0 needs the file. Names and
+/// shapes must match (the error names the first that does not).
+template <typename M>
+void load(DistributedDataParallel<M>& model, const std::string& path) {
+  detail::load_on_root_and_broadcast(*detail::ModuleAdapter<M>::tensors(model.module()), *model.process_group(),
+                                     path);
+}
 
 }  // namespace ddp

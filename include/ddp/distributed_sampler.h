@@ -5,11 +5,32 @@
 // yields: a torch.randperm shuffle seeded with seed + epoch, padding to an
 // evenly divisible total (or dropping the tail), then every num_replicas-th
 // index starting at rank.
+//
+// It is a torch::data sampler, so it goes straight into LibTorch's loaders:
+//
+//   ddp::DistributedSampler sampler(dataset.size().value(),
+//                                   ddp::SamplerOptions(group->size(), group->rank()));
+//   auto loader = torch::data::make_data_loader(
+//       dataset.map(torch::data::transforms::Stack<>()), sampler,
+//       torch::data::DataLoaderOptions().batch_size(32).workers(2));
+//   for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+//     sampler.set_epoch(epoch);        // reaches the loader's copy too
+//     for (auto& batch : *loader) { ... }
+//   }
 
 #include <torch/arg.h>
+#include <torch/data/samplers/base.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <vector>
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
 
 namespace ddp {
 
@@ -36,32 +57,60 @@ struct SamplerOptions {
 std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
                                                  int64_t epoch);
 
-/// A sampler that remembers its epoch. Call set_epoch(epoch) at the start of
-/// every epoch; without it every epoch sees the same order.
-class DistributedSampler {
+/// A torch::data sampler over this rank's share of every epoch.
+///
+/// Copies share one state, as a ModuleHolder's copies share one module: the
+/// loader takes a copy, and set_epoch() on yours changes what the loader's
+/// next pass yields, as in Python. Without set_epoch() every epoch repeats
+/// epoch 0's order (Python's behaviour too).
+///
+/// save()/load() (LibTorch's sampler serialisation, e.g. torch::save(sampler,
+/// path)) keep the epoch and how many indices of it were handed out, so a
+/// loader over a loaded sampler yields the rest of the interrupted epoch on
+/// its next pass, then whole epochs again. With workers(n) the loader asks
+/// for up to 2n batches ahead of the ones you consumed; save from a loader
+/// with workers(0), or call set_position() with what you consumed.
+class DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
  public:
+  /// `dataset_size` may be 0 when a reset(size) will follow (a ChunkDataset
+  /// does that with the chunk count).
   DistributedSampler(int64_t dataset_size, SamplerOptions options);
 
-  void set_epoch(int64_t epoch) { epoch_ = epoch; }
-  int64_t epoch() const { return epoch_; }
+  /// The epoch whose order the next pass yields; every copy sees it.
+  void set_epoch(int64_t epoch);
+  int64_t epoch() const;
 
-  /// The indices of this rank for the current epoch.
+  /// All of this rank's indices for the current epoch.
   std::vector<int64_t> indices() const;
   /// How many indices each rank gets per epoch.
-  int64_t num_samples() const { return num_samples_; }
-  /// num_samples() * num_replicas.
-  int64_t total_size() const { return num_samples_ * options_.num_replicas(); }
-  const SamplerOptions& options() const { return options_; }
+  int64_t num_samples() const;
+  const SamplerOptions& options() const;
+
+  /// Indices of the current epoch already handed out by next().
+  int64_t position() const;
+  /// Makes the next pass start `position` indices into the current epoch
+  /// (for resuming); later passes start at 0 again.
+  void set_position(int64_t position);
+
+  /// torch::data: starts a pass over the current epoch. `new_size` changes
+  /// the dataset size.
+  void reset(std::optional<size_t> new_size = std::nullopt) override;
+  /// torch::data: up to `batch_size` more indices, or nullopt at the end.
+  std::optional<std::vector<size_t>> next(size_t batch_size) override;
+  /// torch::data: writes the epoch, the position and the options.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// torch::data: restores what save() wrote; refuses a sampler of another
+  /// dataset size, world size, rank or shuffle setting, naming the value.
+  void load(torch::serialize::InputArchive& archive) override;
 
  private:
-  int64_t dataset_size_;
-  SamplerOptions options_;
-  int64_t num_samples_;
-  int64_t epoch_ = 0;
+  struct State;
+  std::shared_ptr<State> state_;
 };
 
 /// Splits `indices` into consecutive batches of `batch_size`, the last one
-/// possibly shorter unless `drop_last` (a DataLoader over a sampler).
+/// possibly shorter unless `drop_last` (a DataLoader over a sampler), for
+/// loops that index in-memory tensors themselves.
 std::vector<std::vector<int64_t>> make_batches(const std::vector<int64_t>& indices,
                                                int64_t batch_size, bool drop_last = false);
 

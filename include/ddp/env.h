@@ -25,7 +25,6 @@ struct World {
   /// "openmpi", "pmi" or "single".
   std::string source = "single";
 
-  bool is_master() const { return rank == 0; }
   bool is_distributed() const { return world_size > 1; }
 };
 

@@ -24,6 +24,7 @@
 //  * any submodule the model wraps with ddp::fsdp_unit(...) where it is built;
 //  * everything else belongs to the root unit, gathered for the whole forward.
 
+#include <ddp/error.h>
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
@@ -44,8 +45,6 @@ class Optimizer;
 }
 
 namespace ddp {
-
-class RingCollectives;
 
 /// What is sharded; PyTorch's names and meanings.
 enum class ShardingStrategy {
@@ -125,75 +124,18 @@ template <typename T>
 std::vector<at::Tensor> forward_outputs(const T& result) {
   std::vector<at::Tensor> outputs;
   collect_tensors(result, outputs);
-  TORCH_CHECK(!outputs.empty(), "ddp: FSDP needs forward results made of tensors (a tensor, a vector, tuple or "
+  DDP_CHECK(!outputs.empty(), "ddp: FSDP needs forward results made of tensors (a tensor, a vector, tuple or "
               "pair of them): they carry the hooks that gather each unit for backward");
   return outputs;
 }
 
-/// The engine of FullyShardedDataParallel, independent of the module type.
-class FsdpState {
- public:
-  FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
-  ~FsdpState();
-  FsdpState(const FsdpState&) = delete;
-  FsdpState& operator=(const FsdpState&) = delete;
-
-  void begin_forward();
-  void end_forward(const std::vector<at::Tensor>& outputs);
-  /// The forward of a Sequential root whose children form units.
-  at::Tensor run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input);
-  bool runs_sequential() const { return !sequential_groups_.empty(); }
-
-  void unit_before_forward(size_t unit);
-  void unit_after_forward(size_t unit, const std::vector<at::Tensor>& outputs);
-
-  std::vector<at::Tensor> shards() const;
-  size_t num_units() const;
-  std::vector<std::string> unit_names() const;
-  ShardedMemory memory() const;
-
-  StateDict full_state_dict(bool rank0_only);
-  void load_full_state_dict(const StateDict& state);
-  c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only);
-  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
-  c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer);
-  void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer);
-
-  void gather_all();
-  void free_all();
-  ProcessGroup& group() { return *group_; }
-
- private:
-  struct Unit;
-  struct Pending;
-  void build_units();
-  void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params);
-  void start_gather(Unit& unit);
-  void finish_gather(Unit& unit);
-  void release(Unit& unit);
-  void prefetch_after(size_t unit, bool forward);
-  void register_pre_backward(size_t unit, const std::vector<at::Tensor>& outputs);
-  void pre_backward(size_t unit);
-  void on_gradient_ready(size_t unit, size_t param);
-  void reduce(Unit& unit);
-  void finish_backward();
-  void reset_backward_state();
-  bool sharded() const;
-
-  std::shared_ptr<torch::nn::Module> root_;
-  std::shared_ptr<ProcessGroup> group_;
-  FSDPOptions options_;
-  std::unique_ptr<RingCollectives> ring_;  // Gloo's reduce-scatter and all-gather
-  std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
-  std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
-  std::vector<size_t> sequential_unit_of_group_;
-  std::vector<size_t> forward_order_;       // this iteration's non-root units, as they ran
-  std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
-  bool callback_queued_ = false;
-  bool in_backward_ = false;
-};
-
 }  // namespace detail
+}  // namespace ddp
+
+// detail::FsdpState, the engine: internal, not API.
+#include <ddp/detail/fsdp_state.h>
+
+namespace ddp {
 
 /// A submodule wrapped as its own FSDP unit where the model is built:
 ///
@@ -242,6 +184,28 @@ class FullParamsGuard {
 
  private:
   detail::FsdpState* state_;
+};
+
+/// Turns gradient synchronisation back on when destroyed (see
+/// FullyShardedDataParallel::no_sync()).
+class FsdpNoSyncGuard {
+ public:
+  explicit FsdpNoSyncGuard(detail::FsdpState& state) : state_(&state), previous_(state.requires_gradient_sync()) {
+    state_->set_requires_gradient_sync(false);
+  }
+  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : state_(other.state_), previous_(other.previous_) {
+    other.state_ = nullptr;
+  }
+  FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
+  FsdpNoSyncGuard& operator=(FsdpNoSyncGuard&&) = delete;
+  ~FsdpNoSyncGuard() {
+    if (state_) state_->set_requires_gradient_sync(previous_);
+  }
+
+ private:
+  detail::FsdpState* state_;
+  bool previous_;
 };
 
 /// Wraps a module (a ModuleHolder or a shared_ptr to a Module) for fully
@@ -311,6 +275,19 @@ class FullyShardedDataParallel {
   void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer = nullptr) {
     state_->load_sharded_state_dict(state, optimizer);
   }
+
+  /// Gradient accumulation without communication, as DDP's no_sync():
+  ///
+  ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
+  ///   loss_of(micro_batch_2).backward();  // reduce-scatters the sum of both
+  ///
+  /// Backward passes inside the scope start no reduce-scatter: each unit's
+  /// full (unsharded) gradient is summed locally, which holds a full
+  /// gradient per unit until the next synchronised backward.
+  [[nodiscard]] FsdpNoSyncGuard no_sync() { return FsdpNoSyncGuard(*state_); }
+  /// The same without a scope: false skips synchronisation until it is set
+  /// back to true (PyTorch FSDP2's set_requires_gradient_sync).
+  void set_requires_gradient_sync(bool sync) { state_->set_requires_gradient_sync(sync); }
 
   /// The units, by name ("" is the root unit).
   std::vector<std::string> unit_names() const { return state_->unit_names(); }

@@ -71,6 +71,11 @@ class GradientReducer {
   /// may then be out of step with the other ranks'.
   void prepare_for_forward();
 
+  /// Prints `warning` once if a backward pass starts with no
+  /// prepare_for_forward() since the last one: DistributedDataParallel uses
+  /// it to say that a forward bypassed it and skipped the buffer broadcast.
+  void warn_on_backward_without_forward(std::string warning);
+
   /// For a rank that ran out of data (Join): takes part in the other ranks'
   /// gradient all-reduces with zeros, in the same order, without touching
   /// this rank's gradients.
@@ -128,6 +133,9 @@ class GradientReducer {
   at::Tensor world_size_;  // 0-dim, the divisor of every gradient
   std::mutex mutex_;  // hooks of different devices run on different threads
   bool require_sync_ = true;
+  bool forward_seen_ = false;
+  bool warned_missing_forward_ = false;
+  std::string missing_forward_warning_;
   bool round_active_ = false;
   bool buckets_rebuilt_ = false;
   size_t next_bucket_to_launch_ = 0;

@@ -4,6 +4,7 @@
 // c10d TCPStore hosted by rank 0, then a Gloo (CPU) or NCCL (CUDA) backend.
 
 #include <ddp/env.h>
+#include <ddp/error_file.h>  // record_error(), for main()'s catch blocks
 
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -12,6 +13,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,13 @@ class Backend;
 }
 
 namespace ddp {
+
+namespace detail {
+class RingCollectives;  // src/ring_collectives.h, not API
+struct RingDeleter {
+  void operator()(RingCollectives* ring) const;
+};
+}
 
 enum class BackendKind {
   kAuto,  ///< NCCL when the device is CUDA, Gloo otherwise
@@ -98,6 +107,13 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Work> all_gather_into_async(at::Tensor& output, at::Tensor& input);
   /// Starts a reduce-scatter: `input` (world size times as long as `output`)
   /// is summed over ranks and rank r receives part r in `output`.
+  ///
+  /// On Gloo, CPU tensors are reduce-scattered (sum) and all-gathered by
+  /// rings of send/recv on a thread of their own, one thread for each of
+  /// the two (bench/MEMORY.md: Gloo's own are slower). So reduce-scatters
+  /// match each other across ranks by the order in which they were started,
+  /// and all-gathers likewise, independently of each other and of the other
+  /// collectives.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(at::Tensor& output, at::Tensor& input,
                                                       c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// Starts sending `tensor` to rank `to`, matched by a recv_async with the
@@ -107,6 +123,10 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Work> recv_async(at::Tensor& tensor, int from, int tag = 0);
   /// Returns when every rank has reached it.
   void barrier();
+
+  /// The c10d backend itself, for what this class does not wrap (and for
+  /// benchmarks that compare its collectives with the rings above).
+  const c10::intrusive_ptr<c10d::Backend>& c10d_backend() const { return backend_; }
 
   /// Waits for `work`; on failure throws an error that names `operation`,
   /// this rank and the timeout. With NCCL this does not block the host: the
@@ -135,6 +155,15 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t store_prefixes_issued_ = 0;
   at::TensorOptions control_options_;
+  // Gloo's CPU reduce-scatter and all-gather, made on first use.
+  bool uses_rings(const at::Tensor& tensor) const;
+  using RingPtr = std::unique_ptr<detail::RingCollectives, detail::RingDeleter>;
+  // Defined in src/ring_collectives.cpp.
+  c10::intrusive_ptr<c10d::Work> ring_reduce_scatter(at::Tensor& output, at::Tensor& input);
+  c10::intrusive_ptr<c10d::Work> ring_all_gather(at::Tensor& output, at::Tensor& input);
+  std::mutex rings_mutex_;
+  RingPtr reduce_scatter_ring_;
+  RingPtr all_gather_ring_;
 };
 
 /// Reads the world from the environment (see env.h) and creates its process

@@ -29,5 +29,18 @@ if [ "$mode" = installed ]; then
   # The installed package carries the launcher and the headers too.
   test -x "$work/prefix/bin/ddprun"
   test -f "$work/prefix/include/ddp/distributed_data_parallel.h"
+  test -f "$work/prefix/include/ddp/ddp.h"
+  # Every RUNPATH entry of the installed library is a real directory (torch's
+  # MKL config once added /lib/intel64_win and the like).
+  lib=$(ls "$work/prefix"/lib*/libddp.so)
+  rpath=$(readelf -d "$lib" | sed -n 's/.*R\(UN\)\{0,1\}PATH.*\[\(.*\)\]/\2/p')
+  echo "installed libddp.so RUNPATH: $rpath"
+  IFS=: read -ra dirs <<< "$rpath"
+  for dir in "${dirs[@]}"; do
+    case "$dir" in
+      *intel64*|*win-x64*|/lib) echo "junk RUNPATH entry '$dir' in $lib" >&2; exit 1 ;;
+    esac
+    [ -d "$dir" ] || { echo "RUNPATH entry '$dir' of $lib does not exist" >&2; exit 1; }
+  done
   "$work/prefix/bin/ddprun" --nproc-per-node 1 --standalone "$work/build/consumer"
 fi

@@ -572,9 +572,11 @@ int main(int argc, char** argv) {
     std::cerr << "unknown mode " << mode << "\n";
     return 2;
   } catch (const c10::Error& e) {
+    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    ddp::record_error(e);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

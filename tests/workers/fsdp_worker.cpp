@@ -268,9 +268,11 @@ int main(int argc, char** argv) {
     group->barrier();
     std::printf("rank %d: fsdp_worker %s done\n", rank, strategy.c_str());
   } catch (const c10::Error& e) {
+    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    ddp::record_error(e);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

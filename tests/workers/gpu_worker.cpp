@@ -210,9 +210,11 @@ int main(int argc, char** argv) {
                  "[--share-devices] [--hook allreduce|fp16|bf16] [--tolerance X] [--inf-rank R] [--inf-step S]\n";
     return 2;
   } catch (const c10::Error& e) {
+    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    ddp::record_error(e);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

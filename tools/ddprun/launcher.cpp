@@ -21,6 +21,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "error_record.h"
 #include "line_forwarder.h"
 #include "posix_util.h"
 #include "signal_pipe.h"
@@ -85,6 +86,7 @@ struct Worker {
   pid_t pid = -1;           // also the id of the worker's own process group
   FileDescriptor log_file;  // with --log-dir: where both streams go
   std::string log_path;
+  std::string error_file;  // its TORCHELASTIC_ERROR_FILE
   std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
   bool exited = false;  // observed exiting; the zombie is reaped only at the very end
   int exit_code = -1;
@@ -97,8 +99,12 @@ struct Worker {
     return "rank " + std::to_string(global_rank) + " (local rank " + std::to_string(local_rank) +
            ", pid " + std::to_string(pid) + ")";
   }
-  // What the worker said last: its last stderr line, else its last stdout line.
+  // What the worker said last: its last error line (stderr first), else its last stderr line,
+  // else its last stdout line. Stack frames never count.
   std::string last_words() const {
+    for (size_t i = streams.size(); i-- > 0;) {
+      if (!streams[i].last_error_line().empty()) return streams[i].last_error_line();
+    }
     for (size_t i = streams.size(); i-- > 0;) {
       if (!streams[i].last_line().empty()) return streams[i].last_line();
     }
@@ -115,6 +121,8 @@ struct FailedWorker {
   int term_signal = 0;
   std::string last_line;
   std::string log_path;  // empty without --log-dir
+  // The worker's recorded error (TORCHELASTIC_ERROR_FILE), when one was recorded.
+  ErrorRecord record;
 };
 
 struct AttemptOutcome {
@@ -141,9 +149,11 @@ class Job {
  public:
   // The Job borrows everything; all of it must outlive the Job.
   Job(const LaunchOptions& options, int attempt, const std::string& master_addr, int master_port,
-      const Environment& shared_environment, Watchdog& watchdog, SignalPipe& signals)
+      const Environment& shared_environment, const std::string& error_dir, Watchdog& watchdog,
+      SignalPipe& signals)
       : options_(options),
         attempt_(attempt),
+        error_dir_(error_dir),
         master_addr_(master_addr),
         master_port_(master_port),
         shared_environment_(shared_environment),
@@ -194,8 +204,22 @@ class Job {
       environment.set("RANK", std::to_string(worker.global_rank));
       environment.set("LOCAL_RANK", std::to_string(worker.local_rank));
       environment.set("ROLE_RANK", std::to_string(worker.global_rank));
+      // Where the worker records its first error (torchrun's convention), so that the summary
+      // names the earliest original error rather than whichever worker exited first.
+      worker.error_file = error_file_for(worker);
+      ::unlink(worker.error_file.c_str());
+      environment.set("TORCHELASTIC_ERROR_FILE", worker.error_file);
       spawn(worker, environment);
     }
+  }
+
+  std::string error_file_for(const Worker& worker) const {
+    if (!options_.log_dir.empty()) {
+      return attempt_log_dir(options_.log_dir, attempt_) + "/rank_" + std::to_string(worker.global_rank) +
+             ".error.json";
+    }
+    return error_dir_ + "/attempt_" + std::to_string(attempt_) + ".rank_" + std::to_string(worker.global_rank) +
+           ".error.json";
   }
 
   void open_log_files() {
@@ -476,20 +500,36 @@ class Job {
     if (received_signal_ != 0)
       say("received " + signal_name(received_signal_) + ", workers stopped");
     if (first_failed_ != nullptr) {
+      // The earliest original error any worker recorded; failing that, the earliest recorded
+      // consequence; failing that, the first worker that failed.
+      const Worker* root = first_failed_;
+      ErrorRecord best;
+      for (const Worker& worker : workers_) {
+        ErrorRecord record = read_error_record(worker.error_file);
+        if (!record.present) continue;
+        const bool better = !best.present || (best.consequence && !record.consequence) ||
+                            (best.consequence == record.consequence && record.timestamp_ns < best.timestamp_ns);
+        if (better) {
+          best = record;
+          root = &worker;
+        }
+      }
       FailedWorker& failure = outcome.first_failure;
-      failure.global_rank = first_failed_->global_rank;
-      failure.local_rank = first_failed_->local_rank;
-      failure.pid = first_failed_->pid;
-      failure.exit_code = first_failed_->exit_code;
-      failure.term_signal = first_failed_->term_signal;
-      failure.last_line = first_failed_->last_words();
-      failure.log_path = first_failed_->log_path;
+      failure.global_rank = root->global_rank;
+      failure.local_rank = root->local_rank;
+      failure.pid = root->pid;
+      failure.exit_code = root->exit_code;
+      failure.term_signal = root->term_signal;
+      failure.last_line = root->last_words();
+      failure.log_path = root->log_path;
+      failure.record = best;
     }
     return outcome;
   }
 
   const LaunchOptions& options_;
   const int attempt_;
+  const std::string& error_dir_;
   const std::string& master_addr_;
   const int master_port_;
   const Environment& shared_environment_;
@@ -530,7 +570,12 @@ std::string host_name() {
 class Session {
  public:
   explicit Session(const LaunchOptions& options)
-      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {}
+      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {
+    if (options_.log_dir.empty()) error_dir_ = make_error_dir();
+  }
+  ~Session() { remove_error_dir(); }
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
 
   int run() {
     const Environment shared = shared_environment();
@@ -539,7 +584,7 @@ class Session {
 
     for (int attempt = 0;; ++attempt) {
       AttemptOutcome outcome =
-          Job(options_, attempt, master_addr, master_port, shared, watchdog_, signals_).run();
+          Job(options_, attempt, master_addr, master_port, shared, error_dir_, watchdog_, signals_).run();
       if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
       if (!outcome.worker_failed) return finish(0);
       if (attempt >= options_.max_restarts) {
@@ -601,14 +646,25 @@ class Session {
   }
 
   void report_root_cause(int restarts_used, const FailedWorker& failure) const {
+    std::string heading = "root cause (first failure of the last attempt):";
+    std::string detail = "  last error line: " + failure.last_line;
+    if (failure.record.present && !failure.record.consequence) {
+      heading = "root cause (the earliest original error of the last attempt):";
+      detail = "  error: " + failure.record.message;
+    } else if (failure.record.present) {
+      heading =
+          "root cause (the earliest error of the last attempt; every recorded error is a "
+          "consequence of another failure, such as a worker that died without a message):";
+      detail = "  error (a consequence): " + failure.record.message;
+    }
     std::vector<std::string> lines = {
         "job failed after " + std::to_string(restarts_used) + " restart(s)",
-        "root cause (first failure of the last attempt):",
+        heading,
         "  rank: " + std::to_string(failure.global_rank) + " (local rank " +
             std::to_string(failure.local_rank) + "), host: " + host_name() +
             ", pid: " + std::to_string(failure.pid),
         "  exit: " + describe_exit(failure.exit_code, failure.term_signal),
-        "  last error line: " + failure.last_line,
+        detail,
     };
     if (!failure.log_path.empty()) lines.push_back("  log: " + failure.log_path);
     std::string block;
@@ -619,13 +675,33 @@ class Session {
   int finish(int exit_code) {
     // Every worker was reaped and forgotten; the watchdog may go.
     watchdog_.dismiss();
+    remove_error_dir();
     return exit_code;
+  }
+
+  // Without --log-dir, the workers' error files live in a private directory that goes with
+  // the session.
+  static std::string make_error_dir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/ddprun-errors-XXXXXX";
+    std::vector<char> buffer(pattern.begin(), pattern.end());
+    buffer.push_back('\0');
+    if (::mkdtemp(buffer.data()) == nullptr) throw_errno("cannot create a directory for the workers' error files");
+    return buffer.data();
+  }
+
+  void remove_error_dir() {
+    if (error_dir_.empty()) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(error_dir_, ignored);
+    error_dir_.clear();
   }
 
   const LaunchOptions& options_;
   // Forked first, before any handler or worker pipe exists that it should not inherit.
   Watchdog watchdog_;
   SignalPipe signals_;
+  std::string error_dir_;  // without --log-dir: the workers' error files
 };
 
 // Restores SIGPIPE's disposition when the launcher returns.

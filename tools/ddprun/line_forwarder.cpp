@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <utility>
 #include <vector>
 
+#include "error_record.h"
 #include "posix_util.h"
 
 namespace ddprun {
@@ -35,7 +37,8 @@ LineForwarder::LineForwarder(LineForwarder&& other) noexcept
     : source_fd_(other.source_fd_),
       sinks_(std::move(other.sinks_)),
       pending_(std::move(other.pending_)),
-      last_line_(std::move(other.last_line_)) {
+      last_line_(std::move(other.last_line_)),
+      last_error_line_(std::move(other.last_error_line_)) {
   other.source_fd_ = -1;
 }
 
@@ -72,6 +75,8 @@ bool LineForwarder::remember_if_not_blank(const std::string& text, size_t start,
   size_t first_visible = start;
   while (first_visible < end && is_blank(text[first_visible])) ++first_visible;
   if (first_visible == end) return false;
+  // A stack trace's frames say where, not what: the report quotes the line before them.
+  if (is_stack_frame_line(text.substr(start, std::min(end - start, kMaxRememberedBytes)))) return false;
   if (end - start <= kMaxRememberedBytes) {
     last_line_.assign(text, start, end - start);
   } else {
@@ -79,6 +84,16 @@ bool LineForwarder::remember_if_not_blank(const std::string& text, size_t start,
     last_line_ += " [...]";
   }
   return true;
+}
+
+void LineForwarder::remember_if_error(const std::string& text, size_t start, size_t end) {
+  while (end > start && is_blank(text[end - 1])) --end;
+  while (start < end && is_blank(text[start])) ++start;
+  if (start == end) return;
+  std::string line = text.substr(start, std::min(end - start, kMaxRememberedBytes));
+  if (!is_error_line(line)) return;
+  if (end - start > kMaxRememberedBytes) line += " [...]";
+  last_error_line_ = std::move(line);
 }
 
 void LineForwarder::forward_lines(bool flush_partial) {
@@ -98,6 +113,7 @@ void LineForwarder::forward_lines(bool flush_partial) {
   for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
     if (remember_if_not_blank(pending_, it->first, it->second)) break;
   }
+  for (const auto& [line_start, line_end] : lines) remember_if_error(pending_, line_start, line_end);
 
   for (const LineSink& sink : sinks_) {
     std::string out;

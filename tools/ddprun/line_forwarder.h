@@ -43,16 +43,23 @@ class LineForwarder {
   // lines shortened; empty if there was none.
   const std::string& last_line() const { return last_line_; }
 
+  // The last forwarded line that reads like an error message ("error: ...", "...Error: ...");
+  // stack frames ("frame #15: ...") never count. Empty if there was none.
+  const std::string& last_error_line() const { return last_error_line_; }
+
  private:
   // Emits the complete lines in pending_; with flush_partial also what follows the last newline.
   void forward_lines(bool flush_partial);
   // Remembers text[start, end) as the last line unless it is blank; returns whether it did.
   bool remember_if_not_blank(const std::string& text, size_t start, size_t end);
+  // The same for last_error_line_ if the line reads like an error.
+  void remember_if_error(const std::string& text, size_t start, size_t end);
 
   int source_fd_ = -1;
   std::vector<LineSink> sinks_;
   std::string pending_;
   std::string last_line_;
+  std::string last_error_line_;
 };
 
 }  // namespace ddprun

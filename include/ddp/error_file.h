@@ -1,0 +1,39 @@
+#pragma once
+
+// Records a worker's first error where its launcher looks for it, as
+// torchrun's @record decorator does in Python: a JSON file named by
+// TORCHELASTIC_ERROR_FILE (set per worker by torchrun and ddprun),
+//
+//   {"message": {"message": "...", "extraInfo": {"py_callstack": "...", "timestamp": "<unix s>"}},
+//    "ddp": {"timestamp_ns": <unix ns>, "consequence": false, "rank": "1", "pid": 4242}}
+//
+// The launcher then names the earliest original error of the job as its root
+// cause, not whichever worker happened to exit first. Call it from main()'s
+// catch block:
+//
+//   } catch (const std::exception& e) {
+//     ddp::record_error(e);
+//     std::cerr << "error: " << e.what() << "\n";
+//     return 1;
+//   }
+
+#include <exception>
+#include <string>
+
+namespace ddp {
+
+/// Writes `error` to TORCHELASTIC_ERROR_FILE unless the variable is unset or
+/// this process already recorded an error there (the first one is kept).
+/// c10::Error's message goes without its backtrace. Never throws; returns
+/// whether it wrote the file.
+bool record_error(const std::exception& error) noexcept;
+/// The same for a message.
+bool record_error(const std::string& message) noexcept;
+
+/// Whether `message` describes a consequence of another process's failure
+/// rather than a cause: a connection closed or reset by a peer, a timeout
+/// waiting for peers, a rendezvous that another rank stopped. Launchers rank
+/// such errors below original ones.
+bool is_consequence_error(const std::string& message);
+
+}  // namespace ddp

@@ -1,0 +1,121 @@
+#include <ddp/error_file.h>
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace ddp {
+namespace {
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", c);
+          out += escaped;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text;
+}
+
+bool write_whole(int fd, const std::string& text) {
+  const char* data = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, data, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    data += n;
+    left -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+bool is_consequence_error(const std::string& message) {
+  const std::string text = lower(message);
+  static const char* const kPatterns[] = {
+      "connection closed by peer", "connection reset by peer", "broken pipe", "a peer may have died",
+      "timed out", "socket timeout", "wait timeout", "not all of them joined", "stops too",
+      "cannot reach the master", "did not publish its run id", "for rank 0 to join",
+  };
+  for (const char* pattern : kPatterns) {
+    if (text.find(pattern) != std::string::npos) return true;
+  }
+  return false;
+}
+
+bool record_error(const std::exception& error) noexcept {
+  try {
+    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
+      return record_error(std::string(c10_error->what_without_backtrace()));
+    }
+    return record_error(std::string(error.what()));
+  } catch (...) {
+    return false;
+  }
+}
+
+bool record_error(const std::string& message) noexcept {
+  try {
+    const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+    if (path == nullptr || *path == '\0') return false;
+    struct stat info {};
+    if (::stat(path, &info) == 0 && info.st_size > 0) return false;  // the first error is kept
+    auto now = std::chrono::system_clock::now().time_since_epoch();
+    long long seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
+    long long nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
+    const char* rank = std::getenv("RANK");
+    std::string json = "{\"message\": {\"message\": " + json_string(message) +
+                       ", \"extraInfo\": {\"py_callstack\": " +
+                       json_string("(a C++ program: no Python stack)") + ", \"timestamp\": \"" +
+                       std::to_string(seconds) + "\"}}, \"ddp\": {\"timestamp_ns\": " +
+                       std::to_string(nanoseconds) +
+                       ", \"consequence\": " + (is_consequence_error(message) ? "true" : "false") +
+                       ", \"rank\": " + json_string(rank ? rank : "") +
+                       ", \"pid\": " + std::to_string(::getpid()) + "}}\n";
+    // Written whole under another name, then renamed: a launcher never reads
+    // half a file.
+    std::string temporary = std::string(path) + ".tmp." + std::to_string(::getpid());
+    int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return false;
+    bool ok = write_whole(fd, json);
+    ::close(fd);
+    if (!ok || ::rename(temporary.c_str(), path) != 0) {
+      ::unlink(temporary.c_str());
+      return false;
+    }
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace ddp

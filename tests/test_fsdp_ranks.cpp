@@ -1,0 +1,354 @@
+// FSDP on real ranks, each test in one file (support/ranks.h): parameters
+// unused on one rank only, errors raised on the communication threads, and a
+// backward pass interrupted by an error.
+
+#include "support/ranks.h"
+
+#include <ddp/checkpoint.h>
+#include <ddp/distributed_data_parallel.h>
+#include <ddp/fully_sharded_data_parallel.h>
+#include <ddp/process_group.h>
+
+#include <ATen/Parallel.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using namespace ddp::testing;
+
+// One FSDP unit of two Linear layers whose second one is skipped when
+// `skip_second` is set: its parameters are then unused in that forward.
+struct TwoLayerImpl : torch::nn::Module {
+  TwoLayerImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 16));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = at::tanh(fc1(x));
+    return skip_second ? h : at::tanh(fc2(h));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  bool skip_second = false;
+};
+TORCH_MODULE(TwoLayer);
+
+// Units 'first' (144 parameters) and 'block' (544), the head in the root
+// unit (68): three reduce-scatters of different sizes per step.
+struct BranchyNetImpl : torch::nn::Module {
+  BranchyNetImpl() {
+    first = register_module("first", ddp::fsdp_unit(torch::nn::Linear(8, 16)));
+    block = register_module("block", ddp::fsdp_unit(TwoLayer()));
+    head = register_module("head", torch::nn::Linear(16, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = first->forward(x);
+    if (throw_in_backward) {
+      // Fires after the head's and the block's gradients, before first's.
+      h.register_hook([](const at::Tensor&) -> at::Tensor { throw std::runtime_error("boom in backward"); });
+    }
+    return head(block->forward(at::relu(h)));
+  }
+  bool throw_in_backward = false;
+  void skip_second(bool skip) { block->module()->skip_second = skip; }
+  std::shared_ptr<ddp::FsdpUnitImpl<torch::nn::Linear>> first;
+  std::shared_ptr<ddp::FsdpUnitImpl<TwoLayer>> block;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(BranchyNet);
+
+// Rank r's rows of step `step`'s global batch (the same for every world size).
+std::pair<at::Tensor, at::Tensor> batch(int64_t step, int rank, int world) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+  at::Tensor x = at::randn({12, 8}, generator), y = at::randn({12, 4}, generator);
+  at::Tensor rows = at::arange(rank, 12, world, at::kLong);
+  return {x.index_select(0, rows), y.index_select(0, rows)};
+}
+
+// Rank 1 skips the block's second layer on even steps.
+bool skips(int64_t step, int rank) { return rank == 1 && step % 2 == 0; }
+
+constexpr int64_t kSteps = 6;
+
+std::map<std::string, at::Tensor> by_name(const ddp::StateDict& state) {
+  std::map<std::string, at::Tensor> map;
+  for (const auto& [name, tensor] : state) map[name] = tensor;
+  return map;
+}
+
+double max_difference(const ddp::StateDict& a, const ddp::StateDict& b) {
+  auto ma = by_name(a), mb = by_name(b);
+  EXPECT_EQ(ma.size(), mb.size());
+  double diff = 0;
+  for (const auto& [name, tensor] : ma) {
+    auto it = mb.find(name);
+    EXPECT_NE(it, mb.end()) << name;
+    if (it == mb.end()) return 1e9;
+    diff = std::max(diff, (tensor - it->second).abs().max().item<double>());
+  }
+  return diff;
+}
+
+ddp::StateDict train_ddp(const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::DistributedDataParallel<BranchyNet> model(net, group, ddp::DDPOptions().find_unused_parameters(true));
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    net->skip_second(skips(step, group->rank()));
+    optimizer.zero_grad();
+    torch::nn::functional::mse_loss(model.forward(x), y).backward();
+    optimizer.step();
+  }
+  return ddp::state_dict(*net);
+}
+
+ddp::StateDict train_fsdp(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::ShardingStrategy strategy) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::FullyShardedDataParallel<BranchyNet> model(net, group, ddp::FSDPOptions().sharding_strategy(strategy));
+  torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    net->skip_second(skips(step, group->rank()));
+    optimizer.zero_grad();
+    torch::nn::functional::mse_loss(model.forward(x), y).backward();
+    optimizer.step();
+  }
+  return model.full_state_dict(/*rank0_only=*/false);
+}
+
+class UnusedOnOneRank : public ::testing::TestWithParam<std::tuple<ddp::ShardingStrategy, int>> {};
+
+// The ranks' units become ready in different orders (rank 1's block waits for
+// gradients that never come on even steps); the reduce-scatters must still be
+// launched in one order on every rank, and the unused parameters count as
+// zeros, as under DDP with find_unused_parameters.
+TEST_P(UnusedOnOneRank, MatchesDdpWithFindUnusedParameters) {
+  const auto [strategy, world] = GetParam();
+  auto ranks = run_on_ranks(world, [strategy = strategy](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    ddp::StateDict initial = ddp::state_dict(*BranchyNet());
+    ddp::StateDict reference = train_ddp(group);
+    ddp::StateDict sharded = train_fsdp(group, strategy);
+    // Training moved the weights, so matching DDP means something.
+    EXPECT_GT(max_difference(initial, reference), 1e-2);
+    EXPECT_LE(max_difference(reference, sharded), 1e-5) << "rank " << group->rank();
+    std::printf("rank %d compared %zu tensors\n", group->rank(), sharded.size());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared 8 tensors"), std::string::npos) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fsdp, UnusedOnOneRank,
+                         ::testing::Combine(::testing::Values(ddp::ShardingStrategy::kFullShard,
+                                                              ddp::ShardingStrategy::kShardGradOp),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return ddp::to_string(std::get<0>(info.param)) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "_ranks";
+                         });
+
+// What an exception says, or "" when `f` does not throw.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Ranks that start different reduce-scatters (here: of different sizes) get
+// ddp's error from wait(), naming the operation, the rank and the cause;
+// Gloo does not abort the process on its I/O thread. The rank then ends with
+// a plain non-zero exit.
+TEST(FsdpRings, MismatchedReduceScattersRaiseAnErrorFromWaitNotAnAbort) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    const int64_t part = group->rank() == 0 ? 4 : 3;
+    at::Tensor input = at::ones({2 * part}), output = at::empty({part});
+    auto work = group->reduce_scatter_async(output, input);
+    std::string message = error_of([&] { group->wait(work, "reduce_scatter in the test"); });
+    EXPECT_NE(message.find("reduce_scatter in the test failed on rank " + std::to_string(group->rank())),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("ranks started different collectives"), std::string::npos) << message;
+    // Later ring operations fail at once rather than hang.
+    at::Tensor again = at::empty({part});
+    EXPECT_NE(error_of([&] { group->wait(group->reduce_scatter_async(again, input), "second"); }), "");
+    throw std::runtime_error("rank " + std::to_string(group->rank()) + " stops: " + message);
+  });
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 1) << describe_ranks(ranks);
+    EXPECT_EQ(r.term_signal, 0) << describe_ranks(ranks);
+    EXPECT_FALSE(r.timed_out);
+    EXPECT_NE(r.err.find("ranks started different collectives"), std::string::npos) << r.err;
+  }
+}
+
+// The same through FSDP: rank 1 runs one forward more than rank 0, so its
+// all-gathers no longer line up with rank 0's. Training then fails on both
+// ranks with ddp's error (no SIGABRT), and the process exits non-zero.
+TEST(FsdpRings, AForwardOnOneRankOnlyFailsWithAnErrorOnEveryRank) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    BranchyNet net;
+    ddp::FullyShardedDataParallel<BranchyNet> model(net, group);
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+    auto [x, y] = batch(0, group->rank(), group->size());
+    if (group->rank() == 1) {
+      at::NoGradGuard no_grad;
+      model.forward(x);  // on rank 1 only: a bug in the user's program
+    }
+    std::string message = error_of([&] {
+      for (int step = 0; step < 3; ++step) {
+        optimizer.zero_grad();
+        torch::nn::functional::mse_loss(model.forward(x), y).backward();
+        optimizer.step();
+      }
+    });
+    EXPECT_NE(message.find("FSDP all_gather of parameters failed on rank " + std::to_string(group->rank())),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("ranks started different collectives"), std::string::npos) << message;
+    throw std::runtime_error(message);
+  });
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 1) << describe_ranks(ranks);
+    EXPECT_EQ(r.term_signal, 0) << describe_ranks(ranks);
+    EXPECT_FALSE(r.timed_out) << describe_ranks(ranks);
+  }
+}
+
+// A backward that threw part-way (after some reduce-scatters had started)
+// makes the next forward raise, as DDP's reducer does, instead of training on
+// with half-reduced gradients.
+TEST(FsdpInterruptedBackward, TheNextForwardRaisesAClearError) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    BranchyNet net;
+    ddp::FullyShardedDataParallel<BranchyNet> model(net, group);
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+    auto [x, y] = batch(0, group->rank(), group->size());
+    // One good step first.
+    torch::nn::functional::mse_loss(model.forward(x), y).backward();
+    optimizer.step();
+    optimizer.zero_grad();
+    net->throw_in_backward = true;
+    at::Tensor loss = torch::nn::functional::mse_loss(model.forward(x), y);
+    EXPECT_NE(error_of([&] { loss.backward(); }).find("boom in backward"), std::string::npos);
+    net->throw_in_backward = false;
+    std::string message = error_of([&] { model.forward(x); });
+    EXPECT_NE(message.find("the previous backward pass through FullyShardedDataParallel on rank " +
+                           std::to_string(group->rank()) + " did not finish"),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("restart the job"), std::string::npos) << message;
+    std::printf("rank %d saw: %s\n", group->rank(), message.c_str());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("did not finish"), std::string::npos) << r.out;
+}
+
+// Two micro-batches per step, the first without synchronisation: the
+// gradients are those of DDP's no_sync() accumulation (SGD with momentum,
+// which would notice a factor). Inside no_sync() no reduce-scatter runs: the
+// shards have no gradient yet, and the unit's full gradient is held locally.
+enum class SkipSync { kGuard, kSetter };
+
+ddp::StateDict accumulate_ddp(const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::DistributedDataParallel<BranchyNet> model(net, group);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    auto halves_x = x.tensor_split(2), halves_y = y.tensor_split(2);
+    optimizer.zero_grad();
+    {
+      auto guard = model.no_sync();
+      torch::nn::functional::mse_loss(model.forward(halves_x[0]), halves_y[0]).backward();
+    }
+    torch::nn::functional::mse_loss(model.forward(halves_x[1]), halves_y[1]).backward();
+    optimizer.step();
+  }
+  return ddp::state_dict(*net);
+}
+
+ddp::StateDict accumulate_fsdp(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::ShardingStrategy strategy,
+                               SkipSync how) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::FullyShardedDataParallel<BranchyNet> model(net, group, ddp::FSDPOptions().sharding_strategy(strategy));
+  torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    auto halves_x = x.tensor_split(2), halves_y = y.tensor_split(2);
+    optimizer.zero_grad();
+    if (how == SkipSync::kGuard) {
+      auto guard = model.no_sync();
+      torch::nn::functional::mse_loss(model.forward(halves_x[0]), halves_y[0]).backward();
+    } else {
+      model.set_requires_gradient_sync(false);
+      torch::nn::functional::mse_loss(model.forward(halves_x[0]), halves_y[0]).backward();
+      model.set_requires_gradient_sync(true);
+    }
+    for (const auto& shard : model.parameters()) EXPECT_FALSE(shard.grad().defined()) << "reduced inside no_sync";
+    // The three units' full gradients: 144 + 544 + 68 floats, padded.
+    EXPECT_GE(model.memory().gradient_bytes, (144 + 544 + 68) * 4);
+    torch::nn::functional::mse_loss(model.forward(halves_x[1]), halves_y[1]).backward();
+    for (const auto& shard : model.parameters()) EXPECT_TRUE(shard.grad().defined());
+    optimizer.step();
+  }
+  return model.full_state_dict(/*rank0_only=*/false);
+}
+
+class NoSync : public ::testing::TestWithParam<std::tuple<ddp::ShardingStrategy, int>> {};
+
+TEST_P(NoSync, AccumulationMatchesDdpNoSync) {
+  const auto [strategy, world] = GetParam();
+  auto ranks = run_on_ranks(world, [strategy = strategy](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    ddp::StateDict initial = ddp::state_dict(*BranchyNet());
+    ddp::StateDict reference = accumulate_ddp(group);
+    EXPECT_GT(max_difference(initial, reference), 1e-2);
+    for (SkipSync how : {SkipSync::kGuard, SkipSync::kSetter}) {
+      ddp::StateDict sharded = accumulate_fsdp(group, strategy, how);
+      EXPECT_LE(max_difference(reference, sharded), 1e-5) << "rank " << group->rank();
+    }
+    std::printf("rank %d compared no_sync\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared no_sync"), std::string::npos) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fsdp, NoSync,
+                         ::testing::Combine(::testing::Values(ddp::ShardingStrategy::kFullShard,
+                                                              ddp::ShardingStrategy::kShardGradOp,
+                                                              ddp::ShardingStrategy::kNoShard),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return ddp::to_string(std::get<0>(info.param)) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "_ranks";
+                         });
+
+}  // namespace
