@@ -21,7 +21,7 @@ setup:
 
 build: setup
 	@venv=$$(cat $(VENV_FILE)); \
-	if ! grep -qsE "^DDP_PYTHON:[A-Z]+=$$venv/bin/python$$" $(BUILD_DIR)/CMakeCache.txt; then \
+	if ! bash scripts/is_configured.sh $(BUILD_DIR) $$venv/bin/python; then \
 	  cmake -S . -B $(BUILD_DIR) -G Ninja -DDDP_PYTHON=$$venv/bin/python $(CMAKE_ARGS) || exit 1; \
 	fi
 	@cmake --build $(BUILD_DIR) -j $(JOBS)

@@ -9,10 +9,10 @@ set -euo pipefail
 TORCH_VERSION=2.11.0
 REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # openmpi-bin, slurm-wlm and iproute2 serve the cluster tests (mpirun, a
-# single-host Slurm, network namespaces); binutils' nm and readelf the Gloo
+# single-host Slurm, network namespaces); libopenmpi-dev the mpi backend; binutils' nm and readelf the Gloo
 # header checks.
 APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
-              python3 python3-venv iproute2 procps openmpi-bin slurm-wlm)
+              python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

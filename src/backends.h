@@ -25,4 +25,12 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 /// Whether this build of ddp can create NCCL process groups.
 bool nccl_available();
 
+/// An MPI backend over a duplicate of MPI_COMM_WORLD. Checks that MPI's rank
+/// and size are `world`'s and fills in its local rank and local world size
+/// from the ranks sharing this node's memory (MPI_COMM_TYPE_SHARED).
+c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::milliseconds timeout);
+
+/// Whether this build of ddp can create MPI process groups.
+bool mpi_available();
+
 }  // namespace ddp::detail

@@ -12,7 +12,10 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -434,11 +437,47 @@ c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
 
 }  // namespace
 
+namespace {
+
+// Removes the temporaries that killed writers left in `dir`: files named
+// like ours, "<name>.tmp.<pid>", whose process is gone. A temporary is kept
+// while its pid is alive on this host (kill(pid, 0)), and while any writer
+// holds its lock (writers lock their temporary until the rename), which
+// also protects a writer on another host that shares the directory.
+void remove_stale_temporaries(const std::string& dir) {
+  DIR* directory = ::opendir(dir.c_str());
+  if (directory == nullptr) return;
+  const pid_t self = ::getpid();
+  while (dirent* entry = ::readdir(directory)) {
+    std::string name = entry->d_name;
+    size_t marker = name.rfind(".tmp.");
+    if (marker == std::string::npos || marker == 0) continue;
+    std::string digits = name.substr(marker + 5);
+    if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (pid <= 0 || pid == self) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::string path = dir + "/" + name;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;
+    struct stat info {};
+    bool stale = ::fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (stale) ::unlink(path.c_str());
+    ::close(fd);
+  }
+  ::closedir(directory);
+}
+
+}  // namespace
+
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
   std::string temporary = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   DDP_CHECK(fd >= 0, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
               " (does the directory exist and is it writable?)");
+  // Held until the temporary is renamed or removed: it tells
+  // remove_stale_temporaries that a writer is still at work on it.
+  ::flock(fd, LOCK_EX | LOCK_NB);
   try {
     write_all(fd, bytes.data(), bytes.size(), temporary);
     DDP_CHECK(::fsync(fd) == 0, "ddp: fsync of '", temporary, "' failed: ", std::strerror(errno));
@@ -459,6 +498,8 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
     ::fsync(dir);
     ::close(dir);
   }
+  // A successful save is when leftovers of killed runs go.
+  remove_stale_temporaries(directory_of(path));
 }
 
 std::vector<char> serialize_value(const c10::IValue& value) {
@@ -505,6 +546,18 @@ c10::IValue load_archive(caffe2::serialize::PyTorchStreamReader& archive, const 
   return to_ivalue(unpickler.run(), name);
 }
 
+// torch.save's legacy format (before PyTorch 1.6, or
+// _use_new_zipfile_serialization=False) is a bare pickle: protocol 2, then
+// the pickled magic number 0x1950a86a20f9469cfc6c. It is not corrupt, only
+// old; say so, and how to convert it.
+void reject_legacy_format(const std::string& head, const std::string& name) {
+  static const std::string kLegacyMagic("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 14);
+  DDP_CHECK(head.compare(0, kLegacyMagic.size(), kLegacyMagic) != 0, "ddp: cannot load '", name,
+            "': it was written in torch.save's legacy (non-zip) format, which ddp does not read. Convert it in ",
+            "Python: obj = torch.load(f, weights_only=True); torch.save(obj, f, ",
+            "_use_new_zipfile_serialization=True)");
+}
+
 template <typename Source>
 std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source source, const std::string& name) {
   try {
@@ -520,11 +573,18 @@ std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source sour
 c10::IValue load_value(const std::string& path) {
   struct stat info {};
   DDP_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
+  {
+    char head[16] = {};
+    std::ifstream in(path, std::ios::binary);
+    in.read(head, sizeof head);
+    reject_legacy_format(std::string(head, static_cast<size_t>(in.gcount())), path);
+  }
   auto archive = open_archive(path, path);
   return load_archive(*archive, path);
 }
 
 c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name) {
+  reject_legacy_format(std::string(bytes.begin(), bytes.begin() + std::min<size_t>(bytes.size(), 16)), name);
   std::istringstream in(std::string(bytes.begin(), bytes.end()));
   auto archive = open_archive(static_cast<std::istream*>(&in), name);
   return load_archive(*archive, name);

@@ -8,6 +8,7 @@
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <cstring>
 #include <map>
 #include <sstream>
 
@@ -113,7 +114,6 @@ std::string describe_difference(const std::vector<TensorSignature>& root, int ot
   return why.str();
 }
 
-std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 class NativeModuleTensors : public ModuleTensors {
  public:
@@ -207,13 +207,25 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool
   broadcast_module_state(static_cast<const ModuleTensors&>(view), group, parameters, buffers, root);
 }
 
+namespace {
+// `text` from rank `root` to every rank, by collectives alone (the mpi
+// backend has no shared store).
+std::string broadcast_text(ProcessGroup& group, const std::string& text, int root) {
+  at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), group.control_options().dtype(at::kLong));
+  group.broadcast(length, root);
+  at::Tensor bytes = at::zeros({length.item<int64_t>()}, at::TensorOptions().dtype(at::kByte));
+  if (group.rank() == root) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  at::Tensor sent = group.to_control(bytes);
+  group.broadcast(sent, root);
+  bytes = sent.cpu();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+}
+}  // namespace
+
 void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
   if (group.size() == 1) return;
-  std::string prefix = group.unique_store_prefix("replica_check");
-
   auto mine = signatures_of(module);
   std::string encoded = encode_all(mine);
-  group.store().set(prefix + std::to_string(group.rank()), to_bytes(encoded));
 
   at::Tensor hash = at::empty({1}, group.control_options().dtype(at::kLong));
   hash.fill_(static_cast<int64_t>(fnv1a(encoded)));
@@ -224,14 +236,13 @@ void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
   }
   if (differing.empty()) return;
 
-  auto fetch = [&](int rank) {
-    auto bytes = group.store().get(prefix + std::to_string(rank));
-    return decode_all(std::string(bytes.begin(), bytes.end()));
-  };
-  auto root = fetch(0);
+  // Every rank takes part in both broadcasts, so all of them raise the same
+  // error instead of some waiting for the others.
   int other = differing.front();
+  auto root = decode_all(broadcast_text(group, encoded, 0));
+  auto theirs = decode_all(broadcast_text(group, encoded, other));
   DDP_CHECK(false, "ddp: DistributedDataParallel needs the same model on every rank, but ",
-              describe_difference(root, other, fetch(other)), " (", differing.size(),
+              describe_difference(root, other, theirs), " (", differing.size(),
               " rank(s) differ from rank 0). Build the model identically on every rank.");
 }
 

@@ -91,6 +91,7 @@ struct FsdpState::Unit {
   at::Tensor full;          // `padded` elements; memory only while gathered
   at::Tensor shard;         // this rank's part; the optimizer's parameter
   bool is_root = false;
+  bool reshard_after_forward = true;
   bool gathered = false;
   c10::intrusive_ptr<c10d::Work> pending_gather;
   // One backward pass.
@@ -159,7 +160,10 @@ void FsdpState::build_units() {
     std::vector<std::pair<std::string, at::Tensor>> params;
     for (const auto& p : module.parameters(true)) {
       if (!claimed.insert(p.unsafeGetTensorImpl()).second) continue;
-      params.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
+      // Frozen parameters stay whole on every rank, like buffers: sharded,
+      // the optimizer's step (weight decay, say) would change them.
+      if (!p.requires_grad()) frozen_.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
+      else params.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
     }
     return params;
   };
@@ -238,7 +242,16 @@ void FsdpState::build_units() {
     add_unit("", std::move(rest));
     units_.back()->is_root = true;
   }
-  DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with parameters");
+  DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with trainable parameters (requires_grad true)");
+  for (auto& unit : units_) unit->reshard_after_forward = options_.sharding_strategy() == ShardingStrategy::kFullShard;
+  for (const auto& [name, reshard] : options_.reshard_after_forward()) {
+    auto it = std::find_if(units_.begin(), units_.end(), [&](const auto& unit) { return unit->name == name; });
+    std::string names;
+    for (const auto& unit : units_) names += " '" + unit->name + "'";
+    DDP_CHECK(it != units_.end(), "ddp: FSDPOptions::reshard_after_forward names the unit '", name,
+              "', which this model does not have; its units are", names, " ('' is the root unit)");
+    (*it)->reshard_after_forward = reshard;
+  }
 }
 
 void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
@@ -246,9 +259,6 @@ void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at
   unit->name = std::move(name);
   const at::Tensor& first = params.front().second;
   for (const auto& [param_name, param] : params) {
-    DDP_CHECK(param.requires_grad(), "ddp: FSDP parameter '", param_name,
-                "' does not require grad; frozen parameters are not supported, keep them out of the model "
-                "or make them buffers");
     DDP_CHECK(param.scalar_type() == first.scalar_type() && param.device() == first.device(),
                 "ddp: all parameters of an FSDP unit need one dtype and device; '", param_name, "' is ",
                 param.scalar_type(), " on ", param.device(), " but '", params.front().first, "' is ",
@@ -299,6 +309,12 @@ std::vector<at::Tensor> FsdpState::shards() const {
   return shards;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> FsdpState::replicated() const {
+  auto tensors = frozen_;
+  for (const auto& item : root_->named_buffers(true)) tensors.emplace_back(item.key(), item.value());
+  return tensors;
+}
+
 std::vector<std::string> FsdpState::unit_names() const {
   std::vector<std::string> names;
   for (const auto& unit : units_) names.push_back(unit->name);
@@ -311,6 +327,10 @@ ShardedMemory FsdpState::memory() const {
     int64_t element = unit->full.element_size();
     if (sharded()) memory.parameter_bytes += unit->shard_numel * element;
     if (storage_allocated(unit->full)) memory.parameter_bytes += unit->padded * element;
+  }
+  for (const auto& [name, tensor] : frozen_) memory.parameter_bytes += static_cast<int64_t>(tensor.nbytes());
+  for (const auto& unit : units_) {
+    int64_t element = unit->full.element_size();
     if (unit->shard.grad().defined()) memory.gradient_bytes += unit->shard.grad().numel() * element;
     if (unit->unsynced_gradient.defined()) memory.gradient_bytes += unit->unsynced_gradient.numel() * element;
   }
@@ -417,7 +437,7 @@ void FsdpState::unit_before_forward(size_t index) {
 void FsdpState::unit_after_forward(size_t index, const std::vector<at::Tensor>& outputs) {
   Unit& unit = *units_[index];
   const bool backward_follows = at::GradMode::is_enabled();
-  if (!backward_follows || options_.sharding_strategy() == ShardingStrategy::kFullShard) release(unit);
+  if (!backward_follows || unit.reshard_after_forward) release(unit);
   if (backward_follows) register_pre_backward(index, outputs);
 }
 
@@ -689,7 +709,7 @@ void FsdpState::load_full_state_dict(const StateDict& state) {
     }
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
-  for (const auto& item : root_->named_buffers(true)) buffers.emplace_back(item.value(), take(item.key(), item.value().sizes()));
+  for (const auto& [name, tensor] : replicated()) buffers.emplace_back(tensor, take(name, tensor.sizes()));
   DDP_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first, "' that the model lacks");
 
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -867,7 +887,7 @@ c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
   }
   result.insert("units", units);
   auto buffers = new_string_dict();
-  for (const auto& item : root_->named_buffers(true)) buffers.insert(item.key(), item.value().detach().clone());
+  for (const auto& [name, tensor] : replicated()) buffers.insert(name, tensor.detach().clone());
   result.insert("buffers", buffers);
   if (optimizer) {
     check_optimizer_layout(*optimizer, shards());
@@ -902,8 +922,8 @@ void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::
                 units_[u]->numel, " elements)");
   }
   auto buffers = dict.at("buffers").toGenericDict();
-  for (const auto& item : root_->named_buffers(true)) {
-    DDP_CHECK(buffers.contains(item.key()), "ddp: the sharded checkpoint lacks the buffer '", item.key(), "'");
+  for (const auto& [name, tensor] : replicated()) {
+    DDP_CHECK(buffers.contains(name), "ddp: the sharded checkpoint lacks the buffer or frozen parameter '", name, "'");
   }
   if (optimizer) {
     DDP_CHECK(dict.contains("optimizer"), "ddp: the sharded checkpoint holds no optimizer state");
@@ -920,7 +940,10 @@ void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::
       finish_gather(unit);
     }
   }
-  for (const auto& item : root_->named_buffers(true)) item.value().copy_(buffers.at(item.key()).toTensor());
+  for (const auto& [name, tensor] : replicated()) {
+    at::Tensor target = tensor;
+    target.detach().copy_(buffers.at(name).toTensor());
+  }
 }
 
 }  // namespace detail

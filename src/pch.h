@@ -6,7 +6,6 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
-#include <ddp/error.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>

@@ -404,6 +404,7 @@ class Meeting {
   [[noreturn]] void abort(const std::string& message) {
     try {
       store_.set(kAbort, bytes_of(message));
+      if (!hosts_store_) store_.add(kAbortSeen, 1);
       linger_for_the_others();
     } catch (const c10::Error&) {
       // The others then fail at their own deadline.
@@ -424,13 +425,13 @@ class Meeting {
   }
 
   // The rank that hosts the store keeps it up until every rank that joined
-  // has read why the rendezvous stopped (at most 2 s): they would otherwise
+  // has read why the rendezvous stopped (at most 1 s): they would otherwise
   // see only a closed connection.
   void linger_for_the_others() {
     if (!hosts_store_) return;
     int others = 0;
     for (int r = 1; r < world_.world_size; ++r) others += store_.check({rank_key(r)}) ? 1 : 0;
-    auto until = Clock::now() + std::chrono::seconds(2);
+    auto until = Clock::now() + std::chrono::seconds(1);
     while (store_.add(kAbortSeen, 0) < others && Clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -518,7 +519,12 @@ class Meeting {
       check_abort();
       if (Clock::now() >= deadline_) {
         std::vector<int> arrived, missing;
-        arrivals(arrived, missing);
+        try {
+          arrivals(arrived, missing);
+          store_.add(kAbortSeen, 1);  // rank 0 need not keep the store up for us
+        } catch (const c10::Error&) {
+          // The store went away meanwhile: report what we know.
+        }
         DDP_CHECK(false, not_all_joined(arrived, missing));
       }
       sleep_a_little();
@@ -534,6 +540,124 @@ class Meeting {
   const std::chrono::milliseconds timeout_;
   std::chrono::milliseconds poll_interval_;
   Arrival me_;
+};
+
+// A backend's Work whose wait() reports Gloo's own exceptions (which are
+// not c10::Errors, and would escape ProcessGroup::wait's message) as
+// ddp::Errors carrying their text; everything else is the backend's.
+class CheckedWork final : public c10d::Work {
+ public:
+  explicit CheckedWork(c10::intrusive_ptr<c10d::Work> inner)
+      : Work(-1, inner->retrieveOpType()), inner_(std::move(inner)) {}
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  void synchronize() override { inner_->synchronize(); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    try {
+      return inner_->wait(timeout);
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(e.what());
+    }
+  }
+  void blockCurrentStream() override { inner_->blockCurrentStream(); }
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return inner_->getFutureResult(); }
+  float getDuration() const override { return inner_->getDuration(); }
+  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+};
+
+// Wraps the backend so that a collective which fails as it starts (Gloo
+// throws at once when a peer's connection is already gone: "Read error ...
+// Connection reset by peer") gets ddp's usual message, naming the
+// operation, the rank and the cause, like a failure found by wait().
+class CheckedBackend final : public c10d::Backend {
+ public:
+  CheckedBackend(c10::intrusive_ptr<c10d::Backend> inner, const World& world, std::chrono::milliseconds timeout)
+      : Backend(world.rank, world.world_size), inner_(std::move(inner)), timeout_(timeout) {}
+
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return inner_->getBackendOptions(); }
+  void setTimeout(std::chrono::milliseconds timeout) override { inner_->setTimeout(timeout); }
+  void abort() override { inner_->abort(); }
+  void shutdown() override { inner_->shutdown(); }
+
+#define DDP_CHECKED(name, operation, parameters, arguments)                                  \
+  c10::intrusive_ptr<c10d::Work> name parameters override {                                 \
+    return checked(operation, [&] { return inner_->name arguments; });                      \
+  }
+  DDP_CHECKED(broadcast, "broadcast", (std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o), (t, o))
+  DDP_CHECKED(allreduce, "all_reduce", (std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o), (t, o))
+  DDP_CHECKED(allreduce_sparse, "all_reduce", (std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o), (t, o))
+  DDP_CHECKED(allreduce_coalesced, "all_reduce", (std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o),
+              (t, o))
+  DDP_CHECKED(reduce, "reduce", (std::vector<at::Tensor>& t, const c10d::ReduceOptions& o), (t, o))
+  DDP_CHECKED(allgather, "all_gather",
+              (std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, const c10d::AllgatherOptions& o),
+              (out, in, o))
+  DDP_CHECKED(_allgather_base, "all_gather", (at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o),
+              (out, in, o))
+  DDP_CHECKED(allgather_coalesced, "all_gather",
+              (std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, const c10d::AllgatherOptions& o),
+              (out, in, o))
+  DDP_CHECKED(allgather_into_tensor_coalesced, "all_gather",
+              (std::vector<at::Tensor>& out, std::vector<at::Tensor>& in, const c10d::AllgatherOptions& o),
+              (out, in, o))
+  DDP_CHECKED(gather, "gather",
+              (std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in, const c10d::GatherOptions& o),
+              (out, in, o))
+  DDP_CHECKED(scatter, "scatter",
+              (std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in, const c10d::ScatterOptions& o),
+              (out, in, o))
+  DDP_CHECKED(reduce_scatter, "reduce_scatter",
+              (std::vector<at::Tensor>& out, std::vector<std::vector<at::Tensor>>& in,
+               const c10d::ReduceScatterOptions& o),
+              (out, in, o))
+  DDP_CHECKED(_reduce_scatter_base, "reduce_scatter",
+              (at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o), (out, in, o))
+  DDP_CHECKED(reduce_scatter_tensor_coalesced, "reduce_scatter",
+              (std::vector<at::Tensor>& out, std::vector<at::Tensor>& in, const c10d::ReduceScatterOptions& o),
+              (out, in, o))
+  DDP_CHECKED(alltoall_base, "all_to_all",
+              (at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits,
+               const c10d::AllToAllOptions& o),
+              (out, in, out_splits, in_splits, o))
+  DDP_CHECKED(alltoall, "all_to_all",
+              (std::vector<at::Tensor>& out, std::vector<at::Tensor>& in, const c10d::AllToAllOptions& o), (out, in, o))
+  DDP_CHECKED(send, "send", (std::vector<at::Tensor>& t, int to, int tag), (t, to, tag))
+  DDP_CHECKED(recv, "recv", (std::vector<at::Tensor>& t, int from, int tag), (t, from, tag))
+  DDP_CHECKED(recvAnysource, "recv", (std::vector<at::Tensor>& t, int tag), (t, tag))
+  DDP_CHECKED(barrier, "barrier", (const c10d::BarrierOptions& o), (o))
+#undef DDP_CHECKED
+
+ private:
+  template <typename Start>
+  c10::intrusive_ptr<c10d::Work> checked(const char* operation, Start&& start) {
+    try {
+      return c10::make_intrusive<CheckedWork>(start());
+    } catch (const Error&) {
+      throw;  // already ddp's
+    } catch (const c10::Error& e) {
+      fail(operation, e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      fail(operation, e.what());  // Gloo's own exceptions are not c10::Errors
+    }
+  }
+  [[noreturn]] void fail(const char* operation, const std::string& cause) const {
+    DDP_CHECK(false, "ddp: ", operation, " failed on rank ", getRank(), " of ", getSize(), " as it started (timeout ",
+              seconds_text(timeout_), "); a peer may have died or stopped calling collectives. Cause: ", cause);
+  }
+
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  std::chrono::milliseconds timeout_;
 };
 
 // The GPU an NCCL rank uses: the one the caller chose, else its local
@@ -556,6 +680,12 @@ c10::Device nccl_device(const World& world, const c10::Device& requested) {
 
 BackendKind resolve_backend(BackendKind backend, const c10::Device& device) {
   if (backend != BackendKind::kAuto) return backend;
+  // The launcher's or the user's choice for programs that leave it to auto,
+  // e.g. mpirun -x DDP_BACKEND=mpi ./train.
+  if (const char* chosen = std::getenv("DDP_BACKEND"); chosen && *chosen) {
+    BackendKind kind = parse_backend(chosen);
+    if (kind != BackendKind::kAuto) return kind;
+  }
   return device.is_cuda() ? BackendKind::kNccl : BackendKind::kGloo;
 }
 
@@ -568,11 +698,14 @@ std::string default_run_id() {
   return "none";
 }
 
+bool mpi_available() { return detail::mpi_available(); }
+
 BackendKind parse_backend(const std::string& name) {
   if (name == "auto") return BackendKind::kAuto;
   if (name == "gloo") return BackendKind::kGloo;
   if (name == "nccl") return BackendKind::kNccl;
-  DDP_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo or nccl");
+  if (name == "mpi") return BackendKind::kMpi;
+  DDP_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo, nccl or mpi");
 }
 
 std::string to_string(BackendKind backend) {
@@ -580,6 +713,7 @@ std::string to_string(BackendKind backend) {
     case BackendKind::kAuto: return "auto";
     case BackendKind::kGloo: return "gloo";
     case BackendKind::kNccl: return "nccl";
+    case BackendKind::kMpi: return "mpi";
   }
   return "?";
 }
@@ -609,6 +743,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   group->control_options_ = at::TensorOptions().device(device);
 
   const std::chrono::milliseconds timeout = options.timeout();
+  if (kind == BackendKind::kMpi) {
+    // MPI's launcher already wired the ranks together: no TCPStore. The store
+    // is this process's own; ddp's collectives never need a shared one.
+    DDP_CHECK(device.is_cpu() && !options.device().is_cuda(), "ddp: the mpi backend moves CPU tensors; ",
+              "use nccl for ", options.device().str());
+    group->store_ = c10::make_intrusive<c10d::HashStore>();
+    group->backend_ = detail::make_mpi_backend(group->world_, timeout);
+    return group;
+  }
   // Cuts the store's connection when a wait of c10d's outlives the
   // rendezvous deadline (see StoreGuard); unused for one process.
   std::optional<StoreGuard> guard;
@@ -636,9 +779,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
       guard->arm(Clock::now() + timeout + kGuardGrace, "the store's answers while the backend connected");
     }
     auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
-    group->backend_ = kind == BackendKind::kNccl
-                          ? detail::make_nccl_backend(backend_store, world, device, timeout)
-                          : detail::make_gloo_backend(backend_store, world, timeout);
+    group->backend_ = c10::make_intrusive<CheckedBackend>(
+        kind == BackendKind::kNccl ? detail::make_nccl_backend(backend_store, world, device, timeout)
+                                   : detail::make_gloo_backend(backend_store, world, timeout),
+        world, timeout);
   } catch (const c10::Error& e) {
     if (!guard || !guard->expired() || dynamic_cast<const Error*>(&e) != nullptr) throw;
     throw_store_did_not_answer(world, timeout, *guard, e);

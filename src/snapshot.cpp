@@ -385,19 +385,35 @@ void save_snapshot(const Snapshot& snapshot, const std::string& path) {
 
 Snapshot load_snapshot(const std::string& path) { return parse_snapshot(load_value(path), path); }
 
+namespace {
+bool is_valid_snapshot(const std::string& path) {
+  try {
+    load_snapshot(path);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+}  // namespace
+
 std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep) {
   std::string path = dir + "/snapshot_" + std::to_string(snapshot.epoch) + ".pt";
   save_snapshot(snapshot, path);
-  // Older snapshots go only after the new one is safely on disk.
-  auto files = snapshot_files(dir);
+  // Older snapshots go only after the new one is safely on disk and reads
+  // back as valid: otherwise the previous valid one is still the fallback.
+  if (!is_valid_snapshot(path)) return path;
+  // Only valid snapshots count toward `keep`, and only valid ones are
+  // removed: a file that merely looks like a snapshot (another program's, a
+  // damaged one) must neither push a valid fallback out nor be deleted by us.
   size_t kept = 1;  // the one just written
-  for (const auto& [epoch, other] : files) {
-    if (fs::equivalent(other, path)) continue;
+  std::error_code ec;
+  for (const auto& [epoch, other] : snapshot_files(dir)) {
+    if (fs::equivalent(other, path, ec)) continue;
+    if (!is_valid_snapshot(other)) continue;
     if (kept < static_cast<size_t>(std::max(keep, 1))) {
       ++kept;
       continue;
     }
-    std::error_code ec;
     fs::remove(other, ec);
   }
   return path;

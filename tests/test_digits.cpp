@@ -216,6 +216,20 @@ TEST(Digits, MalformedDataNamesFileAndLine) {
   fs::remove_all(dir);
 }
 
+// Issue 12 item 9: strtod reads "0x1A" as 26; the data must be decimal.
+TEST(Digits, HexadecimalValuesAreRefusedWithFileRowAndColumn) {
+  auto dir = make_temp_dir("digits_hex");
+  std::string pixels;
+  for (int i = 0; i < 64; ++i) pixels += std::to_string(i % 17) + ",";
+  std::string row = pixels + "3\n";
+  std::ofstream(dir + "/hex.csv") << row + "0x1," + row.substr(row.find(',') + 1);
+  auto r = run_process({bin_path("digits_ddp"), "1", "1", "--data", dir + "/hex.csv", "--checkpoint-dir", dir},
+                       one_rank({}, std::chrono::seconds(30)));
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_NE(r.err.find("hex.csv:2: column 1 is not a number: '0x1'"), std::string::npos) << r.describe();
+  fs::remove_all(dir);
+}
+
 TEST(Digits, UsageErrorsExitTwo) {
   struct Case {
     std::vector<std::string> args;

@@ -15,6 +15,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <gtest/gtest.h>
@@ -350,5 +351,201 @@ INSTANTIATE_TEST_SUITE_P(Fsdp, NoSync,
                            return ddp::to_string(std::get<0>(info.param)) + "_" +
                                   std::to_string(std::get<1>(info.param)) + "_ranks";
                          });
+
+// Frozen parameters inside units (the block's fc1.weight) and in the root
+// unit (head.bias): trained with AdamW's weight decay, which would move them
+// if the optimizer saw them, the result equals DDP's and they stay as built.
+void freeze(BranchyNet& net) {
+  net->block->module()->fc1->weight.requires_grad_(false);
+  net->head->bias.requires_grad_(false);
+}
+
+template <typename Model>
+void train_frozen(Model& model, std::vector<at::Tensor> params, const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    optimizer.zero_grad();
+    torch::nn::functional::mse_loss(model.forward(x), y).backward();
+    optimizer.step();
+  }
+}
+
+class FrozenInUnit : public ::testing::TestWithParam<std::tuple<ddp::ShardingStrategy, int>> {};
+
+TEST_P(FrozenInUnit, MatchesDdpAndStaysUnchanged) {
+  const auto [strategy, world] = GetParam();
+  auto ranks = run_on_ranks(world, [strategy = strategy](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    ddp::StateDict initial = ddp::state_dict(*BranchyNet());
+    ddp::StateDict reference, sharded;
+    {
+      torch::manual_seed(0);
+      BranchyNet net;
+      freeze(net);
+      ddp::DistributedDataParallel<BranchyNet> model(net, group);
+      train_frozen(model, model->parameters(), group);
+      reference = ddp::state_dict(*net);
+    }
+    {
+      torch::manual_seed(0);
+      BranchyNet net;
+      freeze(net);
+      ddp::FullyShardedDataParallel<BranchyNet> model(net, group, ddp::FSDPOptions().sharding_strategy(strategy));
+      // Frozen tensors are not the optimizer's: one shard per unit.
+      EXPECT_EQ(model.parameters().size(), 3u);
+      train_frozen(model, model.parameters(), group);
+      sharded = model.full_state_dict(/*rank0_only=*/false);
+    }
+    EXPECT_GT(max_difference(initial, reference), 1e-2);
+    EXPECT_LE(max_difference(reference, sharded), 1e-5) << "rank " << group->rank();
+    auto start = by_name(initial), end = by_name(sharded);
+    EXPECT_TRUE(at::equal(start.at("block.fc1.weight"), end.at("block.fc1.weight")));
+    EXPECT_TRUE(at::equal(start.at("head.bias"), end.at("head.bias")));
+    std::printf("rank %d compared frozen\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared frozen"), std::string::npos) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fsdp, FrozenInUnit,
+                         ::testing::Combine(::testing::Values(ddp::ShardingStrategy::kFullShard,
+                                                              ddp::ShardingStrategy::kShardGradOp),
+                                            ::testing::Values(2, 3)),
+                         [](const auto& info) {
+                           return ddp::to_string(std::get<0>(info.param)) + "_" +
+                                  std::to_string(std::get<1>(info.param)) + "_ranks";
+                         });
+
+// reshard_after_forward per unit: FULL_SHARD keeping the block gathered
+// until its backward, SHARD_GRAD_OP freeing 'first' after its forward. Both
+// match DDP, and after forward exactly that unit's full parameters (544 or
+// 144 floats) are held more, or less, than under the strategy alone.
+ddp::StateDict train_resharded(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::FSDPOptions options,
+                               int64_t* bytes_after_forward) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::FullyShardedDataParallel<BranchyNet> model(net, group, options);
+  torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    net->skip_second(skips(step, group->rank()));
+    optimizer.zero_grad();
+    at::Tensor out = model.forward(x);
+    if (step == 1) *bytes_after_forward = model.memory().parameter_bytes;
+    torch::nn::functional::mse_loss(out, y).backward();
+    optimizer.step();
+  }
+  return model.full_state_dict(/*rank0_only=*/false);
+}
+
+TEST(FsdpReshardAfterForward, PerUnitMatchesDdpAndKeepsOnlyThatUnitGathered) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    ddp::StateDict reference = train_ddp(group);  // rank 1 skips a layer on even steps here too
+    struct Case {
+      ddp::ShardingStrategy strategy;
+      std::string unit;
+      bool reshard;
+      int64_t extra_bytes;  // held after forward, against the strategy's default
+    };
+    for (const Case& c : {Case{ddp::ShardingStrategy::kFullShard, "block", false, 544 * 4},
+                          Case{ddp::ShardingStrategy::kShardGradOp, "first", true, -144 * 4}}) {
+      int64_t plain = 0, changed = 0;
+      auto options = ddp::FSDPOptions().sharding_strategy(c.strategy);
+      train_resharded(group, options, &plain);
+      ddp::StateDict sharded = train_resharded(group, options.reshard_after_forward({{c.unit, c.reshard}}), &changed);
+      EXPECT_LE(max_difference(reference, sharded), 1e-5) << ddp::to_string(c.strategy) << " " << c.unit;
+      EXPECT_EQ(changed - plain, c.extra_bytes) << ddp::to_string(c.strategy) << " " << c.unit;
+    }
+    std::string message = error_of([&] {
+      torch::manual_seed(0);
+      ddp::FullyShardedDataParallel<BranchyNet> model(BranchyNet(), group,
+                                                      ddp::FSDPOptions().reshard_after_forward({{"blok", false}}));
+    });
+    EXPECT_NE(message.find("names the unit 'blok', which this model does not have; its units are 'block' 'first' ''"),
+              std::string::npos)
+        << message;
+    std::printf("rank %d compared reshard\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared reshard"), std::string::npos) << r.out;
+}
+
+// A parameter the graph reaches but whose gradient never comes: the block's
+// second output (through fc2) is left out of rank 1's loss on even steps.
+// The forward's graph cannot tell, so the block is completed with zeros at
+// the end of backward, still in the common order.
+struct TwoOutputBlockImpl : torch::nn::Module {
+  TwoOutputBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 16));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    at::Tensor h = at::tanh(fc1(x));
+    return {h, fc2(h)};
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TwoOutputBlock);
+
+struct AuxNetImpl : torch::nn::Module {
+  AuxNetImpl() {
+    first = register_module("first", ddp::fsdp_unit(torch::nn::Linear(8, 16)));
+    block = register_module("block", ddp::fsdp_unit(TwoOutputBlock()));
+    head = register_module("head", torch::nn::Linear(16, 4));
+  }
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    auto [h, aux] = block->forward(at::relu(first->forward(x)));
+    return {head(h), aux};
+  }
+  std::shared_ptr<ddp::FsdpUnitImpl<torch::nn::Linear>> first;
+  std::shared_ptr<ddp::FsdpUnitImpl<TwoOutputBlock>> block;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(AuxNet);
+
+template <typename Model>
+void train_aux(Model& model, std::vector<at::Tensor> params, const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::optim::Adam optimizer(params, torch::optim::AdamOptions(1e-2));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, group->rank(), group->size());
+    optimizer.zero_grad();
+    auto [out, aux] = model.forward(x);
+    at::Tensor loss = torch::nn::functional::mse_loss(out, y);
+    if (!skips(step, group->rank())) loss = loss + aux.pow(2).mean();
+    loss.backward();
+    optimizer.step();
+  }
+}
+
+TEST(FsdpUnusedAtTheEnd, AReachableParameterWithoutGradientOnOneRankMatchesDdp) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    ddp::StateDict initial = ddp::state_dict(*AuxNet());
+    ddp::StateDict reference;
+    {
+      torch::manual_seed(0);
+      AuxNet net;
+      ddp::DistributedDataParallel<AuxNet> model(net, group, ddp::DDPOptions().find_unused_parameters(true));
+      train_aux(model, model->parameters(), group);
+      reference = ddp::state_dict(*net);
+    }
+    EXPECT_GT(max_difference(initial, reference), 1e-2);
+    for (auto strategy : {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kShardGradOp}) {
+      torch::manual_seed(0);
+      AuxNet net;
+      ddp::FullyShardedDataParallel<AuxNet> model(net, group, ddp::FSDPOptions().sharding_strategy(strategy));
+      train_aux(model, model.parameters(), group);
+      EXPECT_LE(max_difference(reference, model.full_state_dict(/*rank0_only=*/false)), 1e-5)
+          << ddp::to_string(strategy) << " rank " << group->rank();
+    }
+    std::printf("rank %d compared aux\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared aux"), std::string::npos) << r.out;
+}
 
 }  // namespace

@@ -195,6 +195,24 @@ TEST(Checkpoints, KeyOrderIsPythonsStateDictOrder) {
   EXPECT_EQ(keys_of(ddp::state_dict(*net)), python_order);
 }
 
+TEST(Checkpoints, PythonLoadsOneCallSavesStrictlyInItsOwnKeyOrder) {
+  const auto dir = temp_dir("python_order");
+  torch::nn::Sequential model(torch::nn::Linear(4, 5), torch::nn::BatchNorm1d(5), torch::nn::Linear(5, 2));
+  ddp::save(model, dir + "/seq.pt");
+  auto r = ddp::testing::run_process(
+      {DDP_PYTHON, "-c",
+       "import sys, torch\n"
+       "sd = torch.load(sys.argv[1], weights_only=True)\n"
+       "m = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))\n"
+       "m.load_state_dict(sd, strict=True)\n"
+       "assert list(sd.keys()) == list(m.state_dict().keys()), (list(sd), list(m.state_dict()))\n"
+       "print('python order ok')\n",
+       dir + "/seq.pt"});
+  EXPECT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_NE(r.out.find("python order ok"), std::string::npos) << r.describe();
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoints, OneCallSaveAndLoadForEveryModuleKind) {
   const auto dir = temp_dir("save");
   torch::manual_seed(1);

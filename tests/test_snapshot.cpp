@@ -12,6 +12,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
+#include <ddp/checkpoint.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -163,6 +167,74 @@ TEST_F(SnapshotFiles, AnInterruptedSaveLeavesThePreviousSnapshotLoadable) {
   auto snapshot = ddp::load_newest_snapshot(dir);
   ASSERT_TRUE(snapshot.has_value());
   EXPECT_EQ(snapshot->epoch, 10);
+}
+
+// Issue 12 item 7: an unreadable file named like a snapshot used to count as one of the two
+// kept, so the valid fallback was deleted after one save.
+TEST_F(SnapshotFiles, AJunkFileNamedLikeASnapshotNeverPushesOutTheValidFallback) {
+  write(10);
+  std::ofstream(dir + "/snapshot_9999.pt") << "not a snapshot";
+  auto newest = write(20);
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_10.pt")) << "the valid fallback was deleted";
+  EXPECT_TRUE(fs::exists(newest));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_9999.pt")) << "a file that is not ours to judge was deleted";
+  // Once two valid ones are newer, the oldest valid one goes, the junk stays.
+  write(30);
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_10.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_20.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_30.pt"));
+  EXPECT_EQ(ddp::load_newest_snapshot(dir)->epoch, 30);
+}
+
+// A damaged newer snapshot does not count either: the valid one before it survives.
+TEST_F(SnapshotFiles, ADamagedSnapshotDoesNotCountTowardTheKeptOnes) {
+  write(10);
+  auto damaged = write(20);
+  fs::resize_file(damaged, fs::file_size(damaged) / 2);
+  write(30);
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_10.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_30.pt"));
+}
+
+// Issue 12 item 8: temporaries of killed writers ("<name>.tmp.<pid>") are removed at the next
+// successful save in their directory; those of live processes, and other files, stay.
+TEST_F(SnapshotFiles, StaleTemporariesOfDeadWritersAreRemovedAtTheNextSave) {
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);  // now dead, and reaped
+  const std::string dead = std::to_string(child);
+  std::ofstream(dir + "/model_225.pt.tmp." + dead) << "half a file";
+  std::ofstream(dir + "/snapshot_7.pt.tmp." + dead) << "half a file";
+  std::ofstream(dir + "/model_1.pt.tmp.1") << "pid 1 is alive";  // init: never stale
+  std::ofstream(dir + "/notes.tmp.txt") << "not our pattern";
+  fs::create_directory(dir + "/keep.tmp." + dead);  // not a file we write
+  write(3);
+  EXPECT_FALSE(fs::exists(dir + "/model_225.pt.tmp." + dead));
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_7.pt.tmp." + dead));
+  EXPECT_TRUE(fs::exists(dir + "/model_1.pt.tmp.1"));
+  EXPECT_TRUE(fs::exists(dir + "/notes.tmp.txt"));
+  EXPECT_TRUE(fs::exists(dir + "/keep.tmp." + dead));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_3.pt"));
+}
+
+// Issue 12 item 10: a legacy (non-zip) torch.save file is named as such, with the conversion,
+// not reported as an incomplete or corrupt file.
+TEST_F(SnapshotFiles, ALegacyTorchSaveFileIsNamedWithItsConversion) {
+  const std::string legacy = dir + "/legacy.pt";
+  auto made = ddp::testing::run_process(
+      {DDP_PYTHON, "-c",
+       "import sys, torch\n"
+       "torch.save({'w': torch.ones(2)}, sys.argv[1], _use_new_zipfile_serialization=False)\n",
+       legacy});
+  ASSERT_EQ(made.exit_code, 0) << made.describe();
+  auto message = error_of([&] { ddp::load_state_dict(legacy); });
+  EXPECT_NE(message.find("'" + legacy + "': it was written in torch.save's legacy (non-zip) format"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("_use_new_zipfile_serialization=True"), std::string::npos) << message;
+  EXPECT_EQ(message.find("not a complete torch.save file"), std::string::npos) << message;
 }
 
 TEST_F(SnapshotFiles, PythonLoadsTheOptimizerStateIntoTorchOptim) {

@@ -126,6 +126,44 @@ TEST(Wine, MalformedCsvNamesFileAndLine) {
   fs::remove_all(dir);
 }
 
+// Issue 12 item 9: a first row that does not parse was silently taken for a header (training
+// then ran on one row less, exit 0). Only a real header is skipped now; hexadecimal is refused.
+TEST(Wine, AFirstRowThatDoesNotParseIsAnErrorNotAHeader) {
+  auto dir = make_temp_dir();
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name) << text;
+    return dir + "/" + name;
+  };
+  std::string row = "1,2,3,4,5,6,7,8,9,10,11,12,13,0\n";
+  std::string good = write("good.csv", row + row);
+  struct Case {
+    std::string file;
+    std::string expected;
+  };
+  std::vector<Case> cases = {
+      {write("first.csv", "1,2,abc,4,5,6,7,8,9,10,11,12,13,0\n" + row + row), "first.csv:1: column 3 is not a number: 'abc'"},
+      {write("hex.csv", row + "0x1A,2,3,4,5,6,7,8,9,10,11,12,13,0\n"),
+       "hex.csv:2: column 1 is not a number: '0x1A' (only decimal numbers are read)"},
+      {write("hexfirst.csv", "0x1A,2,3,4,5,6,7,8,9,10,11,12,13,0\n" + row), "hexfirst.csv:1: column 1 is not a number: '0x1A'"},
+      {write("inf.csv", row + "inf,2,3,4,5,6,7,8,9,10,11,12,13,0\n"), "inf.csv:2: column 1 is not a number: 'inf'"},
+  };
+  for (const auto& c : cases) {
+    auto r = run_process({bin_path("wine_ddp"), "1", "1", "--train", c.file, "--test", good, "--checkpoint-dir", dir},
+                         one_rank({}, std::chrono::seconds(30)));
+    EXPECT_EQ(r.exit_code, 1) << r.describe();
+    EXPECT_NE(r.err.find(c.expected), std::string::npos) << c.expected << "\n" << r.describe();
+  }
+  // Real headers are still skipped: the Wine file's own line, and a name per column.
+  for (const std::string& header : {std::string("178,13,class_0,class_1,class_2\n"),
+                                    std::string("f1,f2,f3,f4,f5,f6,f7,f8,f9,f10,f11,f12,f13,label\n")}) {
+    std::string file = write("header.csv", header + row + row);
+    auto r = run_process({bin_path("wine_ddp"), "1", "1", "--train", file, "--test", good, "--checkpoint-dir", dir},
+                         one_rank({}, std::chrono::seconds(30)));
+    EXPECT_EQ(r.exit_code, 0) << header << r.describe();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(Wine, UsageErrors) {
   struct Case {
     std::vector<std::string> args;
@@ -337,7 +375,7 @@ TEST(Wine, EveryStrategyTrainsTheSameModelAndWritesTheSameCheckpoints) {
   for (const auto& strategy : strategies) {
     fs::create_directories(dir + "/" + strategy);
     auto r = run_process(
-        under_ddprun(2, "wine_ddp", {"12", "6", "--strategy", strategy, "--checkpoint-dir", dir + "/" + strategy}),
+        under_ddprun(2, "wine_sharded", {"12", "6", "--strategy", strategy, "--checkpoint-dir", dir + "/" + strategy}),
         one_rank({}));
     ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.describe();
     if (losses.empty()) losses = loss_lines(r.out);
@@ -352,15 +390,30 @@ TEST(Wine, EveryStrategyTrainsTheSameModelAndWritesTheSameCheckpoints) {
   // Half a run under FULL_SHARD, the rest under ZeRO-1: DDP's result.
   fs::create_directories(dir + "/mixed");
   auto first = run_process(
-      under_ddprun(2, "wine_ddp", {"6", "6", "--strategy", "fsdp-full", "--checkpoint-dir", dir + "/mixed"}),
+      under_ddprun(2, "wine_sharded", {"6", "6", "--strategy", "fsdp-full", "--checkpoint-dir", dir + "/mixed"}),
       one_rank({}));
   ASSERT_EQ(first.exit_code, 0) << first.describe();
   auto rest = run_process(
-      under_ddprun(2, "wine_ddp", {"12", "6", "--strategy", "zero1", "--checkpoint-dir", dir + "/mixed"}),
+      under_ddprun(2, "wine_sharded", {"12", "6", "--strategy", "zero1", "--checkpoint-dir", dir + "/mixed"}),
       one_rank({}));
   ASSERT_EQ(rest.exit_code, 0) << rest.describe();
   EXPECT_NE(rest.out.find("Resuming after epoch 5"), std::string::npos) << rest.out;
   EXPECT_EQ(compare_state_dicts(dir + "/ddp/model_final.pt", dir + "/mixed/model_final.pt"), "identical");
+
+  // wine_ddp, the plain-DDP tutorial program, is the same arithmetic as
+  // wine_sharded's ddp strategy, with or without loader worker threads.
+  for (const std::string workers : {"0", "2"}) {
+    const std::string plain = dir + "/plain" + workers;
+    fs::create_directories(plain);
+    auto r = run_process(under_ddprun(2, "wine_ddp", {"12", "6", "--workers", workers, "--checkpoint-dir", plain}),
+                         one_rank({}));
+    ASSERT_EQ(r.exit_code, 0) << r.describe();
+    EXPECT_EQ(loss_lines(r.out), losses) << "workers " << workers;
+    EXPECT_EQ(compare_state_dicts(dir + "/ddp/model_final.pt", plain + "/model_final.pt"), "identical");
+  }
+  auto refused = run_process({bin_path("wine_ddp"), "2", "1", "--strategy", "zero1"}, one_rank({}));
+  EXPECT_EQ(refused.exit_code, 2) << refused.describe();
+  EXPECT_NE(refused.err.find("wine_sharded"), std::string::npos) << refused.err;
   fs::remove_all(dir);
 }
 

@@ -25,11 +25,13 @@ gtest_discover_tests(ddp_unit_tests PROPERTIES LABELS "unit" TIMEOUT 120
 # Real processes talking over real sockets, each run under a timeout.
 add_executable(ddp_process_tests
   test_process_group.cpp
+  test_rendezvous_faults.cpp
   test_distributed_data_parallel.cpp
   test_wine.cpp
-  test_digits.cpp)
+  test_digits.cpp
+  test_torchscript.cpp)
 target_link_libraries(ddp_process_tests PRIVATE ddp_test_support GTest::gtest_main)
-add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single digits_ddp)
+add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single wine_sharded digits_ddp train_scripted)
 gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST)
 
@@ -37,7 +39,7 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 # nodes. Each test skips with its reason where its tools are missing.
 add_executable(ddp_cluster_tests test_cluster.cpp)
 target_link_libraries(ddp_cluster_tests PRIVATE ddp_test_support GTest::gtest_main)
-add_dependencies(ddp_cluster_tests ddprun wine_ddp)
+add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
 
@@ -90,4 +92,20 @@ add_executable(ddp_integration_rank_tests test_integration_ranks.cpp)
 target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_integration_rank_tests REUSE_FROM ddp)
 gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST)
+
+# torchrun (python -m torch.distributed.run) launching ddp programs: its own
+# store on MASTER_PORT, standalone and static rendezvous, restarts.
+add_executable(ddp_torchrun_tests test_torchrun.cpp)
+target_link_libraries(ddp_torchrun_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_torchrun_tests ddp_worker ddprun wine_ddp)
+gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
+                     DISCOVERY_MODE PRE_TEST)
+
+# The mpi backend under a real mpirun (each test skips without MPI).
+add_executable(ddp_mpi_tests test_mpi.cpp)
+target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_mpi_tests REUSE_FROM ddp)
+add_dependencies(ddp_mpi_tests ddp_worker fsdp_worker wine_ddp ddprun)
+gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST)

@@ -23,6 +23,7 @@ struct Args {
   bool resume = true;  // continue from the newest snapshot in checkpoint_dir
   std::string metrics;  // empty: no metrics file
   std::string data = default_data_path();
+  std::string backend = "auto";  // auto, gloo or mpi
 };
 
 struct UsageError : std::runtime_error {
@@ -37,6 +38,7 @@ inline void print_usage(const char* program) {
             << "  --seed N               shuffle seed; epoch E uses N + E (default 0)\n"
             << "  --checkpoint-dir DIR   where checkpoints and snapshots go (default .)\n"
             << "  --no-resume            ignore snapshots in DIR (default: resume from the newest)\n"
+            << "  --backend NAME         auto (default: gloo), gloo or mpi (ranks started by mpirun)\n"
             << "  --metrics FILE         write one JSON line per epoch to FILE, appended to when\n"
             << "                         resuming (default none)\n"
             << "  --data FILE            rows of 64 pixels (0..16) then a label (0..9), gzip'd or\n"
@@ -83,6 +85,11 @@ inline Args parse_args(int argc, char** argv) {
       args.resume = false;
     } else if (arg == "--metrics") {
       args.metrics = value();
+    } else if (arg == "--backend") {
+      args.backend = value();
+      if (args.backend != "auto" && args.backend != "gloo" && args.backend != "mpi") {
+        throw UsageError("--backend must be auto, gloo or mpi, got '" + args.backend + "'");
+      }
     } else if (arg == "--data") {
       args.data = value();
     } else if (arg.size() > 1 && arg[0] == '-' && !std::isdigit(static_cast<unsigned char>(arg[1]))) {

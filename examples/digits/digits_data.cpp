@@ -77,7 +77,11 @@ std::vector<std::string> split_fields(const std::string& line) {
 }
 
 bool parse_number(const std::string& text, double& out) {
-  if (text.empty()) return false;
+  // Decimal numbers only: strtod would also take "0x1A", "inf" or "nan".
+  if (text.empty() || text.find_first_not_of("0123456789+-.eE") != std::string::npos ||
+      text.find_first_of("0123456789") == std::string::npos) {
+    return false;
+  }
   char* end = nullptr;
   errno = 0;
   out = std::strtod(text.c_str(), &end);

@@ -9,14 +9,18 @@
 #include "conv_net.h"
 #include "digits_cli.h"
 #include "digits_data.h"
+#include "digits_dataset.h"
 
 #include <ddp/checkpoint.h>
+#include <ddp/error.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
 #include <ddp/process_group.h>
 #include <ddp/progress.h>
 #include <ddp/snapshot.h>
 
+#include <torch/data/dataloader.h>
+#include <torch/data/transforms/stack.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -49,7 +53,7 @@ int main(int argc, char** argv) {
   }
   try {
     // Fail now rather than after the first epoch's training.
-    TORCH_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
+    DDP_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
                 args.checkpoint_dir, "' does not exist; create it or pass --checkpoint-dir");
     // Every rank loads the same data and makes the same seeded split, before
     // joining the job, so a bad file fails each rank on its own at once.
@@ -58,18 +62,21 @@ int main(int argc, char** argv) {
     digits::scale_pixels(data.test);
 
     // Join the job: rendezvous with the other ranks through MASTER_ADDR:PORT.
-    auto group = ddp::init_process_group();
+    auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::parse_backend(args.backend)));
     const bool is_master = group->rank() == 0;
 
     torch::manual_seed(42);
     digits::ConvNet model;
     // Checks the replicas match and copies rank 0's weights to every rank.
     ddp::DistributedDataParallel<digits::ConvNet> ddp_model(model, group);
-    torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-3));
+    torch::optim::Adam optimizer(ddp_model.parameters(), torch::optim::AdamOptions(1e-3));
 
     // Each rank sees its own 1/world_size of every epoch.
     ddp::DistributedSampler sampler(
         data.train.size(), ddp::SamplerOptions(group->size(), group->rank()).seed(args.seed));
+    auto loader = torch::data::make_data_loader(
+        digits::DigitsDataset(data.train).map(torch::data::transforms::Stack<>()), sampler,
+        torch::data::DataLoaderOptions().batch_size(args.batch_size));
 
     // After a crash or a restart by ddprun, carry on from the newest valid
     // snapshot: weights, Adam's moments and step counts, epoch.
@@ -101,11 +108,9 @@ int main(int argc, char** argv) {
       progress.start_epoch(epoch);
       double total_loss = 0;
       int64_t batches = 0;
-      for (const auto& batch : ddp::make_batches(sampler.indices(), args.batch_size)) {
-        at::Tensor idx = at::tensor(batch, at::kLong);
+      for (auto& batch : *loader) {
         optimizer.zero_grad();
-        at::Tensor loss = torch::nn::functional::cross_entropy(
-            ddp_model.forward(data.train.images.index_select(0, idx)), data.train.labels.index_select(0, idx));
+        at::Tensor loss = torch::nn::functional::cross_entropy(ddp_model(batch.data), batch.target);
         loss.backward();  // returns with gradients averaged across ranks
         optimizer.step();
         ++step;
@@ -113,7 +118,7 @@ int main(int argc, char** argv) {
         total_loss += value;
         ++batches;
         // Every rank's batch has the same size: the sampler pads the shards.
-        progress.step(value, static_cast<int64_t>(batch.size()) * group->size());
+        progress.step(value, batch.data.size(0) * group->size());
       }
       progress.end_epoch();
       // The epoch's loss averaged over all ranks, not just rank 0's shard.
@@ -129,7 +134,7 @@ int main(int argc, char** argv) {
         bool last = epoch + 1 == args.total_epochs;
         if (epoch % args.save_every == 0) {
           std::string path = args.checkpoint_dir + "/model_" + std::to_string(epoch) + ".pt";
-          ddp::save_state_dict(ddp::state_dict(*model), path);
+          ddp::save(model, path);
           std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
         }
         if (epoch % args.save_every == 0 || last) {
@@ -140,7 +145,7 @@ int main(int argc, char** argv) {
     }
 
     if (is_master) {
-      ddp::save_state_dict(ddp::state_dict(*model), args.checkpoint_dir + "/model_final.pt");
+      ddp::save(model, args.checkpoint_dir + "/model_final.pt");
       std::printf("Test accuracy: %.4f\n", accuracy_on(model, data.test));
     }
     group->barrier();  // no rank leaves while rank 0 may still need it

@@ -28,6 +28,7 @@ struct Args {
   bool strategy_given = false;
   int64_t workers = 0;                 // data-loader worker threads (wine_ddp, wine_sharded)
   std::string device = "cpu";          // cpu, cuda or auto
+  std::string backend = "auto";        // auto, gloo, nccl or mpi (wine_ddp, wine_sharded)
 };
 
 struct UsageError : std::runtime_error {
@@ -53,6 +54,8 @@ inline void print_usage(const char* program) {
             << "                         thread; wine_ddp and wine_sharded)\n"
             << "  --strategy NAME        ddp (default), zero1 (Adam's state sharded), fsdp-full or\n"
             << "                         fsdp-grad-op (FullyShardedDataParallel; wine_sharded only)\n"
+            << "  --backend NAME         auto (default: nccl for --device cuda, else gloo), gloo, nccl, or\n"
+            << "                         mpi (ranks started by mpirun; wine_ddp and wine_sharded)\n"
             << "  --device cpu|cuda|auto train on the CPU (default), on this rank's GPU (cuda:LOCAL_RANK,\n"
             << "                         NCCL for wine_ddp), or on the GPU when there is one\n"
             << "  -h, --help             show this help\n";
@@ -113,6 +116,12 @@ inline Args parse_args(int argc, char** argv) {
         throw UsageError("--device must be cpu, cuda or auto, got '" + device + "'");
       }
       args.device = device;
+    } else if (arg == "--backend") {
+      std::string backend = value();
+      if (backend != "auto" && backend != "gloo" && backend != "nccl" && backend != "mpi") {
+        throw UsageError("--backend must be auto, gloo, nccl or mpi, got '" + backend + "'");
+      }
+      args.backend = backend;
     } else if (arg == "--on-nonfinite") {
       std::string policy = value();
       if (policy != "abort" && policy != "skip") throw UsageError("--on-nonfinite must be abort or skip, got '" + policy + "'");

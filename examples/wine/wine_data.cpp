@@ -4,6 +4,8 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -30,13 +32,42 @@ std::string trim(const std::string& s) {
   return begin == std::string::npos ? "" : s.substr(begin, end - begin + 1);
 }
 
+// Decimal numbers only: strtod would also take "0x1A", "inf" or "nan".
+bool is_decimal_text(const std::string& t) {
+  return !t.empty() && t.find_first_not_of("0123456789+-.eE") == std::string::npos &&
+         t.find_first_of("0123456789") != std::string::npos;
+}
+
 bool parse_double(const std::string& text, double& out) {
   std::string t = trim(text);
-  if (t.empty()) return false;
+  if (!is_decimal_text(t)) return false;
   char* end = nullptr;
   errno = 0;
   out = std::strtod(t.c_str(), &end);
   return end == t.c_str() + t.size() && errno == 0 && std::isfinite(out);
+}
+
+// A column name: starts with a letter, '_' or a quote ("0x1A" is no name).
+bool is_name(const std::string& field) {
+  std::string t = trim(field);
+  if (t.empty()) return false;
+  unsigned char first = static_cast<unsigned char>(t[0]);
+  return std::isalpha(first) || first == '_' || first == '"' || first == '\'';
+}
+
+// Whether the first row is a real header: a name for every one of the 14
+// columns, or the shipped Wine file's line "178,13,class_0,class_1,class_2"
+// (sample count, feature count, class names). A row of data with one bad
+// value is neither, and is reported rather than skipped.
+bool is_header(const std::vector<std::string>& fields) {
+  if (fields.size() == static_cast<size_t>(kNumFeatures + 1) &&
+      std::all_of(fields.begin(), fields.end(), is_name)) {
+    return true;
+  }
+  if (fields.size() < 3 || trim(fields[1]) != std::to_string(kNumFeatures)) return false;
+  const std::string count = trim(fields[0]);
+  if (count.empty() || count.find_first_not_of("0123456789") != std::string::npos) return false;
+  return std::all_of(fields.begin() + 2, fields.end(), is_name);
 }
 
 }  // namespace
@@ -63,12 +94,18 @@ Dataset read_csv(const std::string& path) {
         break;
       }
     }
-    if (!numeric && !seen_data && line_number == 1) continue;  // a header
+    if (!numeric && !seen_data && line_number == 1 && is_header(fields)) continue;
     TORCH_CHECK(fields.size() == static_cast<size_t>(kNumFeatures + 1), path, ":", line_number,
                 ": expected ", kNumFeatures + 1, " columns (13 features and a label), found ",
                 fields.size());
     TORCH_CHECK(numeric, path, ":", line_number, ": column ", bad_column + 1, " is not a number: '",
-                trim(fields[bad_column]), "'");
+                trim(fields[bad_column]), "'",
+                line_number == 1 ? " (a first row is skipped as a header only if it names every column, or is "
+                                   "the Wine file's '178,13,class_0,...' line)"
+                                 : "",
+                is_decimal_text(trim(fields[bad_column])) || trim(fields[bad_column]).empty()
+                    ? ""
+                    : " (only decimal numbers are read)");
     double label = values.back();
     TORCH_CHECK(label == std::floor(label) && label >= 0 && label < kNumClasses, path, ":",
                 line_number, ": the label must be an integer in [0, ", kNumClasses, "), found '",

@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
     const c10::Device device =
         ddp::init_device(ddp::world_from_env(), ddp::DeviceOptions().kind(ddp::parse_device_kind(args.device)));
     // Join the job: rendezvous with the other ranks through MASTER_ADDR:PORT.
-    auto group = ddp::init_process_group(ddp::ProcessGroupOptions().device(device));
+    auto group = ddp::init_process_group(
+        ddp::ProcessGroupOptions().device(device).backend(ddp::parse_backend(args.backend)));
     const bool is_master = group->rank() == 0;
     const auto nonfinite_policy = ddp::parse_nonfinite_policy(args.on_nonfinite);
 
@@ -157,9 +158,14 @@ int main(int argc, char** argv) {
     ddp::save(ddp_model, args.checkpoint_dir + "/model_final.pt");
     if (is_master) std::printf("Test accuracy: %.4f\n", test_accuracy());
     group->barrier();  // no rank leaves while rank 0 may still need it
-  } catch (const std::exception& e) {
-    // ddp's errors carry their cause and fix, and no C++ backtrace.
+  } catch (const c10::Error& e) {
+    // ddp's errors (ddp::Error) print no C++ backtrace in what() either;
+    // LibTorch's own need what_without_backtrace().
     ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
+    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    ddp::record_error(e);
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }

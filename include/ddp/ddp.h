@@ -18,6 +18,7 @@
 #include <ddp/distributed_sampler.h>
 #include <ddp/env.h>
 #include <ddp/error.h>
+#include <ddp/error_file.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/grad_scaler.h>
 #include <ddp/gradient_reducer.h>

@@ -23,6 +23,9 @@
 //    (FSDPOptions::min_num_params) or listed by name (FSDPOptions::units);
 //  * any submodule the model wraps with ddp::fsdp_unit(...) where it is built;
 //  * everything else belongs to the root unit, gathered for the whole forward.
+//
+// Frozen parameters (requires_grad false) are not sharded: like buffers, every
+// rank keeps them whole, and they are not among parameters().
 
 #include <ddp/error.h>
 #include <ddp/checkpoint.h>
@@ -34,6 +37,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -58,6 +62,9 @@ enum class ShardingStrategy {
 ShardingStrategy parse_sharding_strategy(const std::string& name);
 std::string to_string(ShardingStrategy strategy);
 
+/// Per-unit settings, by unit name (as unit_names() lists them).
+using FsdpUnitFlags = std::map<std::string, bool>;
+
 /// Options for FullyShardedDataParallel.
 ///
 ///   ddp::FSDPOptions().sharding_strategy(ddp::ShardingStrategy::kShardGradOp).min_num_params(1'000'000)
@@ -70,6 +77,12 @@ struct FSDPOptions {
   /// each become a unit. Combined with min_num_params, listed children are
   /// units of their own and the rest are grouped by size.
   TORCH_ARG(std::vector<std::string>, units) = {};
+  /// Per unit: free its gathered parameters after its forward (true, what
+  /// kFullShard does) or keep them until its backward (false, what
+  /// kShardGradOp does). Units not named keep their strategy's behaviour;
+  /// the root unit stays gathered from forward to backward either way.
+  ///   FSDPOptions().reshard_after_forward({{"block", false}})
+  TORCH_ARG(FsdpUnitFlags, reshard_after_forward) = {};
   /// While a unit runs forward, gather the next unit's parameters.
   TORCH_ARG(bool, forward_prefetch) = true;
   /// While a unit runs backward, gather the parameters of the unit whose

@@ -34,14 +34,20 @@ enum class BackendKind {
   kAuto,  ///< NCCL when the device is CUDA, Gloo otherwise
   kGloo,
   kNccl,
+  kMpi,  ///< MPI (Open MPI): ranks started by mpirun or srun --mpi=pmix; CPU tensors
 };
 
-/// "auto", "gloo" or "nccl"; throws on anything else.
+/// Whether this build of ddp has the mpi backend (MPI was found when it was
+/// configured).
+bool mpi_available();
+
+/// "auto", "gloo", "nccl" or "mpi"; throws on anything else.
 BackendKind parse_backend(const std::string& name);
 /// The name parse_backend accepts for `backend`.
 std::string to_string(BackendKind backend);
-/// What `backend` means for tensors on `device`: kAuto is NCCL for a CUDA
-/// device and Gloo otherwise; the others stay as they are.
+/// What `backend` means for tensors on `device`: kAuto is the DDP_BACKEND
+/// environment variable's backend when it is set (gloo, nccl or mpi), else
+/// NCCL for a CUDA device and Gloo otherwise; the others stay as they are.
 BackendKind resolve_backend(BackendKind backend, const c10::Device& device);
 
 /// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
@@ -84,7 +90,7 @@ class ProcessGroup {
   int rank() const { return world_.rank; }                ///< this process's global rank
   int size() const { return world_.world_size; }          ///< the world size
   const World& world() const { return world_; }           ///< where this process stands
-  BackendKind backend() const { return backend_kind_; }   ///< gloo or nccl, never kAuto
+  BackendKind backend() const { return backend_kind_; }   ///< gloo, nccl or mpi, never kAuto
   std::chrono::milliseconds timeout() const { return options_.timeout(); }  ///< of every collective
   /// Where small bookkeeping tensors (flags, sizes, hashes) must live for
   /// this backend's collectives: the CPU for Gloo, this rank's GPU for NCCL.

@@ -6,7 +6,8 @@ In the "## Tutorial" section of README.md:
   - every ```cpp block must appear, line for line (indentation aside), in a
     source file under examples/ that the build compiles;
   - every ```sh block is run with bash from SOURCE_DIR, "build/bin/" pointing
-    at BUILD_DIR/bin, and must exit 0 within 5 minutes;
+    at BUILD_DIR/bin and $PYTHON at the torch this check runs under, and must
+    exit 0 within 5 minutes;
   - any other kind of block is an error, so nothing escapes unchecked.
 """
 import glob
@@ -52,7 +53,7 @@ def main():
             script = body.replace("build/bin/", os.path.join(os.path.abspath(build_dir), "bin") + "/")
             try:
                 run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=source_dir, capture_output=True,
-                                     text=True, timeout=300)
+                                     text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable))
                 ok = run.returncode == 0
                 detail = run.stdout[-2000:] + run.stderr[-2000:]
             except subprocess.TimeoutExpired:

@@ -75,10 +75,13 @@ class FsdpState {
   void finish_backward();
   void reset_backward_state();
   bool sharded() const;
+  // Buffers and frozen parameters: whole on every rank.
+  std::vector<std::pair<std::string, at::Tensor>> replicated() const;
 
   std::shared_ptr<torch::nn::Module> root_;
   std::shared_ptr<ProcessGroup> group_;
   FSDPOptions options_;
+  std::vector<std::pair<std::string, at::Tensor>> frozen_;  // requires_grad false: not sharded
   std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
   std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
   std::vector<size_t> sequential_unit_of_group_;

@@ -1,0 +1,121 @@
+// Trains a model that Python scripted (torch.jit.script, then .save) with
+// DistributedDataParallel, on the Wine data through a torch::data loader:
+//
+//   python examples/torchscript/script_wine_mlp.py script wine_mlp.pt
+//   ddprun --standalone --nproc-per-node 2 train_scripted wine_mlp.pt --out trained
+//
+// Rank 0 writes trained.pt (the TorchScript module, for torch.jit.load) and
+// trained_state.pt (its state dict, for torch.load and load_state_dict).
+
+#include "../wine/wine_data.h"
+#include "../wine/wine_dataset.h"
+
+#include <ddp/ddp.h>
+
+#include <torch/data/dataloader.h>
+#include <torch/data/transforms/stack.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/script.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+namespace {
+
+struct Args {
+  std::string scripted;
+  std::string out = "trained";
+  int64_t epochs = 3;
+  int64_t batch_size = 32;
+};
+
+void usage(const char* program) {
+  std::cerr << "usage: " << program << " SCRIPTED.pt [options]\n"
+            << "  SCRIPTED.pt       a module saved by torch.jit.script(...).save()\n"
+            << "  --out PREFIX      write PREFIX.pt and PREFIX_state.pt (default trained)\n"
+            << "  --epochs N        epochs to train (default 3)\n"
+            << "  --batch-size N    samples per batch on each rank (default 32)\n";
+}
+
+Args parse(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&] {
+      DDP_CHECK(i + 1 < argc, arg, " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (arg == "-h" || arg == "--help") {
+      usage(argv[0]);
+      std::exit(0);
+    } else if (arg == "--out") {
+      args.out = value();
+    } else if (arg == "--epochs") {
+      args.epochs = std::stoll(value());
+    } else if (arg == "--batch-size") {
+      args.batch_size = std::stoll(value());
+    } else if (args.scripted.empty() && arg[0] != '-') {
+      args.scripted = arg;
+    } else {
+      DDP_CHECK(false, "unknown argument '", arg, "'");
+    }
+  }
+  DDP_CHECK(!args.scripted.empty(), "the scripted model's path is required");
+  DDP_CHECK(args.epochs > 0 && args.batch_size > 0, "--epochs and --batch-size must be positive");
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse(argc, argv);
+    auto group = ddp::init_process_group();
+    // Parameters are the jit::Module's own tensors; DDP checks every rank
+    // loaded the same model and copies rank 0's weights to all.
+    ddp::DistributedDataParallel<torch::jit::Module> model(torch::jit::load(args.scripted), group);
+    model->train();
+    torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-3));
+
+    wine::Split data = wine::train_test_split(wine::read_csv(wine::default_csv_path()), 0.2, 42);
+    wine::standardize(data.train, data.test);
+    ddp::DistributedSampler sampler(data.train.size(), ddp::SamplerOptions(group->size(), group->rank()));
+    auto loader = torch::data::make_data_loader(wine::WineDataset(data.train).map(torch::data::transforms::Stack<>()),
+                                                sampler, torch::data::DataLoaderOptions().batch_size(args.batch_size));
+    for (int64_t epoch = 0; epoch < args.epochs; ++epoch) {
+      sampler.set_epoch(epoch);
+      double total = 0;
+      int64_t batches = 0;
+      for (auto& batch : *loader) {
+        optimizer.zero_grad();
+        at::Tensor logits = model.forward(batch.data).toTensor();
+        at::Tensor loss = torch::nn::functional::cross_entropy(logits, batch.target);
+        loss.backward();
+        optimizer.step();
+        total += loss.item<double>();
+        ++batches;
+      }
+      if (group->rank() == 0) std::printf("Epoch %lld, rank 0 loss: %.6f\n", static_cast<long long>(epoch), total / batches);
+    }
+    ddp::save(model, args.out + "_state.pt");
+    if (group->rank() == 0) {
+      model.module().save(args.out + ".pt");
+      std::printf("wrote %s.pt and %s_state.pt\n", args.out.c_str(), args.out.c_str());
+    }
+    group->barrier();
+  } catch (const c10::Error& e) {
+    // ddp's errors (ddp::Error) print no C++ backtrace in what() either;
+    // LibTorch's own need what_without_backtrace().
+    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
+    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    ddp::record_error(e);
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,590 @@
+// MPI process groups: the only file of ddp that includes mpi.h. Compiled
+// with MPI when CMake finds it (DDP_WITH_MPI); otherwise every entry point
+// says how to get it.
+//
+// Execution: one progress thread per process runs every MPI call in the
+// order the collectives were issued, so work returns at once and DDP's
+// buckets overlap backward as they do over Gloo. Point-to-point transfers
+// are posted non-blocking (a blocking send would wait for the peer's
+// receive, which may sit behind a send of its own) and completed by polling
+// between jobs. MPI has no timeouts: a watchdog thread ends the whole job
+// with MPI_Abort, after naming the collective, when one runs longer than the
+// process group's timeout, so mpirun tears every rank down.
+#include <ddp/error.h>
+
+#include "backends.h"
+
+#ifdef DDP_WITH_MPI
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <ATen/Functions.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <thread>
+#endif
+
+#include <chrono>
+#include <string>
+
+namespace ddp::detail {
+
+#ifdef DDP_WITH_MPI
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The job's MPI, started on the progress thread, which then makes every MPI
+// call but MPI_Abort; so MPI_THREAD_FUNNELED is all it needs.
+class MpiRuntime {
+ public:
+  static MpiRuntime& get() {
+    // Never destroyed: ranks may still hold process groups at exit, and
+    // MPI_Finalize runs from an atexit hook instead.
+    static MpiRuntime* runtime = new MpiRuntime();
+    return *runtime;
+  }
+
+  /// Runs `job` on the progress thread and waits for it (setup calls).
+  /// With a `limit`, gives up waiting after it and returns false.
+  bool run_now(std::function<void()> job,
+               std::optional<std::chrono::milliseconds> limit = std::nullopt) {
+    struct Done {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+      std::exception_ptr error;
+    };
+    auto state = std::make_shared<Done>();
+    enqueue([state, job = std::move(job)] {
+      try {
+        job();
+      } catch (...) {
+        state->error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->done = true;
+      state->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(state->mutex);
+    if (limit) {
+      if (!state->cv.wait_for(lock, *limit, [&] { return state->done; })) return false;
+    } else {
+      state->cv.wait(lock, [&] { return state->done; });
+    }
+    if (state->error) std::rethrow_exception(state->error);
+    return true;
+  }
+
+  void enqueue(std::function<void()> job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(job));
+    cv_.notify_one();
+  }
+
+  /// A non-blocking request to complete on the progress thread; `done` runs
+  /// there once it has.
+  void add_pending(MPI_Request request, std::function<void(int)> done) {
+    pending_requests_.push_back(request);
+    pending_done_.push_back(std::move(done));
+  }
+
+  /// What the watchdog guards: the job running now and since when.
+  void set_running(const std::string* what, std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    running_ = what ? *what : std::string();
+    running_since_ = Clock::now();
+    running_timeout_ = timeout;
+  }
+
+  int thread_level() const { return provided_; }
+
+ private:
+  MpiRuntime() {
+    progress_ = std::thread([this] { progress_loop(); });
+    progress_.detach();
+    watchdog_ = std::thread([this] { watchdog_loop(); });
+    watchdog_.detach();
+    // Initialise now, on the progress thread: every later call finds MPI up.
+    run_now([this] {
+      int initialized = 0;
+      MPI_Initialized(&initialized);
+      if (!initialized) {
+        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided_);
+        std::atexit([] { MpiRuntime::get().finalize(); });
+      } else {
+        MPI_Query_thread(&provided_);
+      }
+    });
+    DDP_CHECK(provided_ >= MPI_THREAD_FUNNELED, "ddp: the MPI library granted thread level ", provided_,
+              " but ddp's MPI backend needs MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
+              "): rebuild or reconfigure MPI with thread support");
+  }
+
+  void finalize() {
+    // From an atexit hook on the main thread: the progress thread makes the
+    // call, as FUNNELED requires. A process leaving after an error may have
+    // a collective stuck on that thread; it exits without MPI_Finalize then
+    // (mpirun reports the non-zero exit and stops the other ranks).
+    run_now(
+        [] {
+          int finalized = 0;
+          MPI_Finalized(&finalized);
+          if (!finalized) MPI_Finalize();
+        },
+        std::chrono::seconds(5));
+  }
+
+  void progress_loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (pending_requests_.empty()) {
+          cv_.wait(lock, [&] { return !queue_.empty(); });
+        } else {
+          cv_.wait_for(lock, std::chrono::microseconds(50), [&] { return !queue_.empty(); });
+        }
+        if (!queue_.empty()) {
+          job = std::move(queue_.front());
+          queue_.pop_front();
+        }
+      }
+      if (job) job();
+      poll_pending();
+    }
+  }
+
+  void poll_pending() {
+    if (pending_requests_.empty()) return;
+    int count = static_cast<int>(pending_requests_.size());
+    std::vector<int> indices(pending_requests_.size());
+    std::vector<MPI_Status> statuses(pending_requests_.size());
+    int completed = 0;
+    int rc = MPI_Testsome(count, pending_requests_.data(), &completed, indices.data(), statuses.data());
+    if (completed == MPI_UNDEFINED || completed == 0) {
+      if (rc == MPI_SUCCESS) return;
+    }
+    std::vector<char> finished(pending_requests_.size(), 0);
+    for (int i = 0; i < completed; ++i) {
+      finished[indices[i]] = 1;
+      pending_done_[indices[i]](rc);
+    }
+    size_t keep = 0;
+    for (size_t i = 0; i < pending_requests_.size(); ++i) {
+      if (finished[i]) continue;
+      pending_requests_[keep] = pending_requests_[i];
+      pending_done_[keep] = std::move(pending_done_[i]);
+      ++keep;
+    }
+    pending_requests_.resize(keep);
+    pending_done_.resize(keep);
+  }
+
+  void watchdog_loop() {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::string what;
+      std::chrono::milliseconds timeout{};
+      Clock::time_point since;
+      {
+        std::lock_guard<std::mutex> lock(watch_mutex_);
+        if (running_.empty()) continue;
+        what = running_;
+        timeout = running_timeout_;
+        since = running_since_;
+      }
+      if (Clock::now() - since < timeout) continue;
+      std::fprintf(stderr,
+                   "ddp: %s did not finish within the timeout of %.3g s; a peer may have died or stopped calling "
+                   "collectives. MPI cannot cancel a collective, so ddp ends the whole job (MPI_Abort) for the "
+                   "launcher to stop every rank.\n",
+                   what.c_str(), static_cast<double>(timeout.count()) / 1000.0);
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+      std::_Exit(1);
+    }
+  }
+
+  std::thread progress_;
+  std::thread watchdog_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  // Touched on the progress thread only.
+  std::vector<MPI_Request> pending_requests_;
+  std::vector<std::function<void(int)>> pending_done_;
+  std::mutex watch_mutex_;
+  std::string running_;
+  Clock::time_point running_since_;
+  std::chrono::milliseconds running_timeout_{0};
+  int provided_ = 0;
+};
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+// A collective's handle: wait() blocks until the progress thread ran it;
+// its future serves comm hooks, as Gloo's does.
+class MpiWork : public c10d::Work {
+ public:
+  MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return completed_;
+  }
+  bool isSuccess() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return completed_ && !error_;
+  }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (timeout == kNoTimeout) {
+      cv_.wait(lock, [&] { return completed_; });
+    } else {
+      // The watchdog ends the job when a collective overruns; this bound
+      // only keeps a caller from waiting past it should the abort stall.
+      bool done = cv_.wait_for(lock, timeout + std::chrono::seconds(10), [&] { return completed_; });
+      DDP_CHECK(done, "ddp: an MPI collective did not finish within ", timeout.count(), " ms");
+    }
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      completed_ = true;
+      error_ = error;
+      cv_.notify_all();
+    }
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  bool completed_ = false;
+  std::exception_ptr error_;
+};
+
+// How a dtype travels. Float16 and BFloat16 have no MPI type: reductions run
+// in float32 (then round back), and moves send their bits as uint16.
+struct WireType {
+  MPI_Datatype type;
+  bool reduce_in_float32;
+};
+
+WireType wire_type(at::ScalarType dtype, bool reduces) {
+  switch (dtype) {
+    case at::kFloat: return {MPI_FLOAT, false};
+    case at::kDouble: return {MPI_DOUBLE, false};
+    case at::kLong: return {MPI_INT64_T, false};
+    case at::kInt: return {MPI_INT32_T, false};
+    case at::kShort: return {MPI_INT16_T, false};
+    case at::kChar: return {MPI_INT8_T, false};
+    case at::kByte: return {MPI_UINT8_T, false};
+    case at::kBool: return {MPI_C_BOOL, false};
+    case at::kHalf:
+    case at::kBFloat16: return {reduces ? MPI_FLOAT : MPI_UINT16_T, reduces};
+    default: break;
+  }
+  DDP_CHECK(false, "ddp: the mpi backend cannot send ", dtype, " tensors; it supports float32, float64, float16, ",
+            "bfloat16, int64, int32, int16, int8, uint8 and bool");
+}
+
+MPI_Op mpi_op(const c10d::ReduceOp& op, at::ScalarType dtype) {
+  const bool integral = c10::isIntegralType(dtype, /*includeBool=*/true);
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::AVG: return dtype == at::kBool ? MPI_LOR : MPI_SUM;
+    case c10d::ReduceOp::PRODUCT: return dtype == at::kBool ? MPI_LAND : MPI_PROD;
+    case c10d::ReduceOp::MIN: return dtype == at::kBool ? MPI_LAND : MPI_MIN;
+    case c10d::ReduceOp::MAX: return dtype == at::kBool ? MPI_LOR : MPI_MAX;
+    case c10d::ReduceOp::BAND:
+      DDP_CHECK(integral, "ddp: the mpi backend's BAND needs an integer tensor, got ", dtype);
+      return MPI_BAND;
+    case c10d::ReduceOp::BOR:
+      DDP_CHECK(integral, "ddp: the mpi backend's BOR needs an integer tensor, got ", dtype);
+      return MPI_BOR;
+    case c10d::ReduceOp::BXOR:
+      DDP_CHECK(integral, "ddp: the mpi backend's BXOR needs an integer tensor, got ", dtype);
+      return MPI_BXOR;
+    default: break;
+  }
+  DDP_CHECK(false, "ddp: the mpi backend does not support reduce op ", static_cast<int>(op.op_),
+            " (PREMUL_SUM); use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR");
+}
+
+void check_mpi(int rc, const char* call) {
+  DDP_CHECK(rc == MPI_SUCCESS, "ddp: ", call, " failed: ", mpi_error_text(rc));
+}
+
+class MpiBackend : public c10d::Backend {
+ public:
+  MpiBackend(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout)
+      : c10d::Backend(rank, size), comm_(comm), timeout_(timeout) {}
+
+  ~MpiBackend() override {
+    MPI_Comm comm = comm_;
+    MpiRuntime::get().enqueue([comm]() mutable {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) MPI_Comm_free(&comm);
+    });
+  }
+
+  const std::string getBackendName() const override { return "mpi"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    at::Tensor tensor = single(tensors, "all_reduce");
+    const auto op = opts.reduceOp;
+    MPI_Op mpi = mpi_op(op, tensor.scalar_type());
+    WireType wire = wire_type(tensor.scalar_type(), /*reduces=*/true);
+    const int world = size_;
+    return launch(c10d::OpType::ALLREDUCE, {tensor}, "all_reduce", [=, comm = comm_]() mutable {
+      at::Tensor work = wire.reduce_in_float32 ? tensor.to(at::kFloat) : tensor.contiguous();
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, work.data_ptr(), count(work), wire.type, mpi, comm), "MPI_Allreduce");
+      if (op.op_ == c10d::ReduceOp::AVG) work.div_(world);
+      if (!work.is_same(tensor)) tensor.copy_(work);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    at::Tensor tensor = single(tensors, "broadcast");
+    WireType wire = wire_type(tensor.scalar_type(), false);
+    const int root = static_cast<int>(opts.rootRank);
+    return launch(c10d::OpType::BROADCAST, {tensor}, "broadcast", [=, comm = comm_]() mutable {
+      at::Tensor work = tensor.contiguous();
+      check_mpi(MPI_Bcast(work.data_ptr(), count(work), wire.type, root, comm), "MPI_Bcast");
+      if (!work.is_same(tensor)) tensor.copy_(work);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    at::Tensor input = single(inputs, "all_gather");
+    DDP_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+              "ddp: the mpi backend's all_gather needs one list of ", size_, " output tensors");
+    std::vector<at::Tensor> targets = outputs[0];
+    WireType wire = wire_type(input.scalar_type(), false);
+    const int world = size_;
+    return launch(c10d::OpType::ALLGATHER, targets, "all_gather", [=, comm = comm_]() mutable {
+      at::Tensor send = input.contiguous();
+      at::Tensor flat = at::empty({world * send.numel()}, send.options());
+      check_mpi(MPI_Allgather(send.data_ptr(), count(send), wire.type, flat.data_ptr(), count(send), wire.type, comm),
+                "MPI_Allgather");
+      for (int r = 0; r < world; ++r) {
+        targets[r].copy_(flat.narrow(0, r * send.numel(), send.numel()).view(targets[r].sizes()));
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    DDP_CHECK(output.is_contiguous() && output.numel() == input.numel() * size_,
+              "ddp: the mpi backend's all_gather_into needs a contiguous output of ", size_, " x ", input.numel(),
+              " elements");
+    WireType wire = wire_type(input.scalar_type(), false);
+    at::Tensor out = output;
+    at::Tensor in = input;
+    return launch(c10d::OpType::_ALLGATHER_BASE, {out}, "all_gather", [=, comm = comm_]() mutable {
+      at::Tensor send = in.contiguous();
+      check_mpi(MPI_Allgather(send.data_ptr(), count(send), wire.type, out.data_ptr(), count(send), wire.type, comm),
+                "MPI_Allgather");
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    DDP_CHECK(input.numel() == output.numel() * size_, "ddp: the mpi backend's reduce_scatter needs an input of ",
+              size_, " x ", output.numel(), " elements");
+    const auto op = opts.reduceOp;
+    MPI_Op mpi = mpi_op(op, input.scalar_type());
+    WireType wire = wire_type(input.scalar_type(), true);
+    at::Tensor out = output;
+    at::Tensor in = input;
+    const int world = size_;
+    return launch(c10d::OpType::_REDUCE_SCATTER_BASE, {out}, "reduce_scatter", [=, comm = comm_]() mutable {
+      at::Tensor send = wire.reduce_in_float32 ? in.to(at::kFloat) : in.contiguous();
+      at::Tensor recv = (wire.reduce_in_float32 || !out.is_contiguous()) ? at::empty(out.sizes(), send.options()) : out;
+      check_mpi(MPI_Reduce_scatter_block(send.data_ptr(), recv.data_ptr(), count(recv), wire.type, mpi, comm),
+                "MPI_Reduce_scatter_block");
+      if (op.op_ == c10d::ReduceOp::AVG) recv.div_(world);
+      if (!recv.is_same(out)) out.copy_(recv);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int to, int tag) override {
+    at::Tensor tensor = single(tensors, "send").contiguous();
+    WireType wire = wire_type(tensor.scalar_type(), false);
+    return launch_p2p(c10d::OpType::SEND, tensor, "send", [=, comm = comm_](MPI_Request* request) mutable {
+      return MPI_Isend(tensor.data_ptr(), count(tensor), wire.type, to, tag, comm, request);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int from, int tag) override {
+    at::Tensor tensor = single(tensors, "recv");
+    DDP_CHECK(tensor.is_contiguous(), "ddp: the mpi backend receives into contiguous tensors only");
+    WireType wire = wire_type(tensor.scalar_type(), false);
+    return launch_p2p(c10d::OpType::RECV, tensor, "recv", [=, comm = comm_](MPI_Request* request) mutable {
+      return MPI_Irecv(tensor.data_ptr(), count(tensor), wire.type, from, tag, comm, request);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return launch(c10d::OpType::BARRIER, {}, "barrier",
+                  [comm = comm_] { check_mpi(MPI_Barrier(comm), "MPI_Barrier"); });
+  }
+
+ private:
+  static int count(const at::Tensor& t) {
+    DDP_CHECK(t.numel() <= std::numeric_limits<int>::max(), "ddp: the mpi backend moves at most 2^31 - 1 ",
+              "elements per collective; got ", t.numel(), ". Use smaller buckets (DDPOptions::bucket_cap_mb)");
+    return static_cast<int>(t.numel());
+  }
+
+  at::Tensor single(std::vector<at::Tensor>& tensors, const char* what) const {
+    DDP_CHECK(tensors.size() == 1, "ddp: the mpi backend's ", what, " takes one tensor, got ", tensors.size());
+    DDP_CHECK(tensors[0].is_cpu(), "ddp: the mpi backend's ", what, " got a ", tensors[0].device().str(),
+              " tensor; this MPI is not CUDA-aware for ddp, so only CPU tensors travel (use nccl for GPUs)");
+    return tensors[0];
+  }
+
+  std::string describe(const char* what) const {
+    return std::string(what) + " #" + std::to_string(issued_) + " on rank " + std::to_string(rank_) + " of " +
+           std::to_string(size_) + " (mpi)";
+  }
+
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<at::Tensor> outputs, const char* what,
+                                        std::function<void()> body) {
+    ++issued_;
+    auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
+    auto label = std::make_shared<std::string>(describe(what));
+    const auto timeout = timeout_;
+    MpiRuntime::get().enqueue([work, body = std::move(body), label, timeout] {
+      MpiRuntime::get().set_running(label.get(), timeout);
+      std::exception_ptr error;
+      try {
+        body();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      MpiRuntime::get().set_running(nullptr, timeout);
+      work->finish(error);
+    });
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> launch_p2p(c10d::OpType type, at::Tensor tensor, const char* what,
+                                            std::function<int(MPI_Request*)> post) {
+    ++issued_;
+    auto work = c10::make_intrusive<MpiWork>(rank_, type, std::vector<at::Tensor>{tensor});
+    std::string label = describe(what);
+    MpiRuntime::get().enqueue([work, post = std::move(post), label] {
+      MPI_Request request;
+      int rc = post(&request);
+      if (rc != MPI_SUCCESS) {
+        work->finish(std::make_exception_ptr(
+            Error(c10::str("ddp: ", label, " could not start: ", mpi_error_text(rc)))));
+        return;
+      }
+      MpiRuntime::get().add_pending(request, [work, label](int status) {
+        work->finish(status == MPI_SUCCESS
+                         ? nullptr
+                         : std::make_exception_ptr(Error(c10::str("ddp: ", label, " failed: ", mpi_error_text(status)))));
+      });
+    });
+    return work;
+  }
+
+  MPI_Comm comm_;
+  std::chrono::milliseconds timeout_;
+  int64_t issued_ = 0;
+};
+
+bool started_by_mpi_launcher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS",
+                           "MV2_COMM_WORLD_SIZE"}) {
+    if (std::getenv(name)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool mpi_available() { return true; }
+
+c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::milliseconds timeout) {
+  DDP_CHECK(started_by_mpi_launcher() || world.world_size == 1, "ddp: the mpi backend needs ranks started by an ",
+            "MPI launcher (mpirun -np ", world.world_size, " ..., or srun --mpi=pmix), but this process of a ",
+            world.world_size, "-rank job was not (no OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_SIZE). Launch it with ",
+            "mpirun, or use --backend gloo under ddprun or torchrun.");
+  auto& runtime = MpiRuntime::get();
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0, local_rank = 0, local_size = 0;
+  runtime.run_now([&] {
+    check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    // The ranks sharing this node's memory: local rank and local size.
+    MPI_Comm node = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+    MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_size(node, &local_size);
+    MPI_Comm_free(&node);
+  });
+  DDP_CHECK(size == world.world_size && rank == world.rank, "ddp: MPI says this is rank ", rank, " of ", size,
+            " but the environment says rank ", world.rank, " of ", world.world_size,
+            ". Start every rank with the same MPI launcher and no leftover RANK/WORLD_SIZE variables.");
+  world.local_rank = local_rank;
+  world.local_world_size = local_size;
+  return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout);
+}
+
+#else
+
+bool mpi_available() { return false; }
+
+c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World&, std::chrono::milliseconds) {
+  DDP_CHECK(false, "ddp: this build of ddp has no MPI support (no MPI was found when it was configured). ",
+            "Install Open MPI's headers (apt-get install libopenmpi-dev; scripts/setup.sh does) and rebuild, or ",
+            "use the gloo backend.");
+}
+
+#endif
+
+}  // namespace ddp::detail

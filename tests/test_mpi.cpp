@@ -1,0 +1,355 @@
+// The mpi backend, under a real mpirun: every collective and dtype ddp
+// sends, the training stack above the process group against Gloo on the same
+// data, timeouts and dead ranks, and the errors for a wrong launch. Each test
+// skips, saying why, where this build has no MPI or mpirun is missing.
+//
+// Tests whose ranks run code from this file re-execute this binary under
+// mpirun with DDP_MPI_TEST_CHILD set to the test's name (on_mpi_ranks), so
+// the assertion and each rank's code stay together.
+
+#include <ddp/ddp.h>
+
+#include <gtest/gtest.h>
+#include <support/launch.h>
+#include <support/subprocess.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <regex>
+#include <thread>
+
+#include <unistd.h>
+
+namespace fs = std::filesystem;
+using namespace ddp::testing;
+
+namespace {
+
+constexpr const char* kChildVariable = "DDP_MPI_TEST_CHILD";
+
+bool have_mpirun() { return run_process({"sh", "-c", "command -v mpirun"}).exit_code == 0; }
+
+#define SKIP_WITHOUT_MPI()                                                                      \
+  do {                                                                                          \
+    if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)"; \
+    if (!have_mpirun()) GTEST_SKIP() << "mpirun (Debian's openmpi-bin) is not installed";       \
+  } while (false)
+
+std::vector<std::string> mpirun(int ranks, std::vector<std::string> program,
+                                const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(ranks)};
+  for (const auto& [name, value] : env) {
+    argv.push_back("-x");
+    argv.push_back(name + "=" + value);
+  }
+  argv.insert(argv.end(), program.begin(), program.end());
+  return argv;
+}
+
+std::string self_executable() {
+  char buffer[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
+  return n > 0 ? std::string(buffer, static_cast<size_t>(n)) : std::string();
+}
+
+std::string current_test() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+// In a child of on_mpi_ranks: runs `body` over an mpi group and ends the
+// process (0 when no assertion failed). In the test process: starts `ranks`
+// children under mpirun and returns what mpirun did.
+ProcessResult on_mpi_ranks(int ranks, const std::function<void(ddp::ProcessGroup&)>& body,
+                           std::chrono::seconds timeout = std::chrono::seconds(120),
+                           std::vector<std::pair<std::string, std::string>> env = {}) {
+  const std::string test = current_test();
+  if (const char* child = std::getenv(kChildVariable); child && test == child) {
+    int code = 0;
+    try {
+      auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
+      body(*group);
+      group->barrier();
+      std::printf("MPI BODY DONE on rank %d of %d\n", group->rank(), group->size());
+    } catch (const std::exception& e) {
+      std::cerr << "rank threw: " << e.what() << "\n";
+      code = 1;
+    }
+    if (::testing::Test::HasFailure()) code = 1;
+    std::fflush(nullptr);
+    std::exit(code);  // exit, not _Exit: MPI_Finalize runs from atexit
+  }
+  env.emplace_back(kChildVariable, test);
+  return run_process(mpirun(ranks, {self_executable(), "--gtest_filter=" + test}, env), one_rank({}, timeout));
+}
+
+// Every rank ran the test's body to its end (so the test cannot pass
+// because nothing ran).
+void expect_bodies_ran(const ProcessResult& r, int ranks) {
+  EXPECT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(count_of(r.out, "MPI BODY DONE on rank"), ranks) << r.describe();
+}
+
+std::vector<at::ScalarType> all_dtypes() {
+  return {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kHalf, at::kBFloat16};
+}
+
+void check_every_collective(ddp::ProcessGroup& group) {
+  const int n = group.size();
+  const int r = group.rank();
+  for (auto dtype : all_dtypes()) {
+    const bool is_bool = dtype == at::kBool;
+    auto opts = at::TensorOptions().dtype(dtype);
+    SCOPED_TRACE(c10::toString(dtype));
+    // all_reduce: SUM, MAX, MIN, PRODUCT (bool: or, or, and, and).
+    auto value = at::full({5}, is_bool ? (r == 0) : r + 1, opts);
+    at::Tensor sum = value.clone();
+    group.all_reduce(sum, c10d::ReduceOp::SUM);
+    EXPECT_TRUE(sum.equal(at::full({5}, is_bool ? 1 : n * (n + 1) / 2, opts)));
+    at::Tensor max = value.clone();
+    group.all_reduce(max, c10d::ReduceOp::MAX);
+    EXPECT_TRUE(max.equal(at::full({5}, is_bool ? 1 : n, opts)));
+    at::Tensor min = value.clone();
+    group.all_reduce(min, c10d::ReduceOp::MIN);
+    EXPECT_TRUE(min.equal(at::full({5}, is_bool ? 0 : 1, opts)));
+    if (!is_bool) {
+      at::Tensor product = value.clone();
+      group.all_reduce(product, c10d::ReduceOp::PRODUCT);
+      int64_t factorial = 1;
+      for (int i = 1; i <= n; ++i) factorial *= i;
+      EXPECT_TRUE(product.equal(at::full({5}, factorial, opts)));
+    }
+    // broadcast from the last rank.
+    at::Tensor b = at::full({3}, is_bool ? (r == n - 1) : r + 10, opts);
+    group.broadcast(b, n - 1);
+    EXPECT_TRUE(b.equal(at::full({3}, is_bool ? 1 : n - 1 + 10, opts)));
+    // all_gather and all_gather_into.
+    auto gathered = group.all_gather(at::full({2}, is_bool ? (r % 2 == 0) : r, opts));
+    ASSERT_EQ(static_cast<int>(gathered.size()), n);
+    for (int i = 0; i < n; ++i) EXPECT_TRUE(gathered[i].equal(at::full({2}, is_bool ? (i % 2 == 0) : i, opts)));
+    at::Tensor into = at::empty({2 * n}, opts);
+    at::Tensor mine = at::full({2}, is_bool ? (r % 2 == 0) : r, opts);
+    group.wait(group.all_gather_into_async(into, mine), "all_gather");
+    for (int i = 0; i < n; ++i) EXPECT_TRUE(into.narrow(0, 2 * i, 2).equal(gathered[i]));
+    // reduce_scatter: part i of the sum lands on rank i.
+    if (!is_bool) {
+      at::Tensor input = at::arange(3 * n, opts);
+      at::Tensor output = at::empty({3}, opts);
+      group.wait(group.reduce_scatter_async(output, input), "reduce_scatter");
+      EXPECT_TRUE(output.equal((at::arange(3, opts) + 3 * r) * n));
+    }
+    // send/recv around the ring, tagged.
+    at::Tensor out = at::full({4}, is_bool ? 1 : r + 100, opts);
+    at::Tensor in = at::zeros({4}, opts);
+    auto sent = group.send_async(out, (r + 1) % n, /*tag=*/7);
+    auto received = group.recv_async(in, (r + n - 1) % n, 7);
+    group.wait(sent, "send");
+    group.wait(received, "recv");
+    EXPECT_TRUE(in.equal(at::full({4}, is_bool ? 1 : (r + n - 1) % n + 100, opts)));
+  }
+  // AVG for floating types.
+  at::Tensor avg = at::full({2}, static_cast<double>(r), at::kDouble);
+  group.wait(group.all_reduce_async(avg, c10d::ReduceOp::AVG), "all_reduce");
+  EXPECT_TRUE(avg.allclose(at::full({2}, (n - 1) / 2.0, at::kDouble)));
+  group.barrier();
+
+  // What it cannot send is refused, naming the dtype and the backend.
+  at::Tensor complex = at::zeros({2}, at::kComplexFloat);
+  try {
+    group.all_reduce(complex);
+    ADD_FAILURE() << "a complex tensor was reduced";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mpi backend cannot send"), std::string::npos) << e.what();
+  }
+  at::Tensor floats = at::zeros({2});
+  try {
+    group.all_reduce(floats, c10d::ReduceOp::BAND);
+    ADD_FAILURE() << "BAND ran on floats";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("BAND needs an integer tensor"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Mpi, EveryCollectiveAndDtypeAtTwoRanks) {
+  SKIP_WITHOUT_MPI();
+  expect_bodies_ran(on_mpi_ranks(2, check_every_collective), 2);
+}
+
+TEST(Mpi, EveryCollectiveAndDtypeAtThreeRanks) {
+  SKIP_WITHOUT_MPI();
+  expect_bodies_ran(on_mpi_ranks(3, check_every_collective), 3);
+}
+
+TEST(Mpi, LocalRankComesFromTheSharedMemorySplitAndMatchesTheEnvironment) {
+  SKIP_WITHOUT_MPI();
+  auto r = on_mpi_ranks(3, [](ddp::ProcessGroup& group) {
+    auto from_env = ddp::world_from_env();
+    EXPECT_EQ(group.world().local_rank, from_env.local_rank);
+    EXPECT_EQ(group.world().local_world_size, from_env.local_world_size);
+    EXPECT_EQ(group.world().local_world_size, 3);  // one host
+    EXPECT_EQ(group.backend(), ddp::BackendKind::kMpi);
+  });
+  expect_bodies_ran(r, 3);
+}
+
+double max_difference(const std::string& a, const std::string& b) {
+  auto r = run_process({DDP_PYTHON, "-c",
+                        "import sys, torch\n"
+                        "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
+                        "assert a.keys() == b.keys()\n"
+                        "print(max((a[k] - b[k]).abs().max().item() for k in a))\n",
+                        a, b});
+  EXPECT_EQ(r.exit_code, 0) << r.describe();
+  return r.exit_code == 0 ? std::stod(r.out) : 1e9;
+}
+
+TEST(Mpi, WineOverMpiEndsWithGloosWeights) {
+  SKIP_WITHOUT_MPI();
+  const std::string dir = make_temp_dir("ddp_mpi_wine");
+  for (int ranks : {2, 3}) {
+    const std::string gloo = dir + "/gloo" + std::to_string(ranks);
+    const std::string mpi = dir + "/mpi" + std::to_string(ranks);
+    fs::create_directories(gloo);
+    fs::create_directories(mpi);
+    auto g = run_process(under_ddprun(ranks, "wine_ddp", {"8", "4", "--checkpoint-dir", gloo}), one_rank({}));
+    ASSERT_EQ(g.exit_code, 0) << g.describe();
+    auto m = run_process(mpirun(ranks, {bin_path("wine_ddp"), "8", "4", "--backend", "mpi", "--checkpoint-dir", mpi}),
+                         one_rank({}));
+    ASSERT_EQ(m.exit_code, 0) << m.describe();
+    EXPECT_EQ(loss_lines(m.out), loss_lines(g.out)) << ranks << " ranks";
+    const double diff = max_difference(gloo + "/model_final.pt", mpi + "/model_final.pt");
+    // Two ranks add the same two numbers either way; three may sum in
+    // another order.
+    if (ranks == 2) {
+      EXPECT_EQ(diff, 0.0);
+    } else {
+      EXPECT_LE(diff, 1e-6);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// DDP's options, ZeRO, Join and the non-finite check over mpi: the workers
+// of the Gloo tests, with the backend chosen by DDP_BACKEND.
+TEST(Mpi, TheTrainingStackWorksOverMpi) {
+  SKIP_WITHOUT_MPI();
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"equivalence", "--steps", "6", "--batch", "4", "--bucket-cap-mb", "0.0003"}, "REPLICAS identical"},
+      {{"equivalence", "--steps", "6", "--batch", "4", "--no-overlap"}, "REPLICAS identical"},
+      {{"no_sync"}, ""},
+      {{"find_unused"}, ""},
+      {{"hook_gradients", "--hook", "fp16", "--tolerance", "2e-3"}, ""},
+      {{"join"}, "JOIN identical=1"},
+      {{"nonfinite", "--policy", "skip"}, ""},
+      {{"zero", "--optimizer", "adam"}, "same_weights=1 replicas=1"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> program = {bin_path("ddp_worker")};
+    program.insert(program.end(), c.args.begin(), c.args.end());
+    auto r = run_process(mpirun(2, program, {{"DDP_BACKEND", "mpi"}, {"DDP_TIMEOUT_SECONDS", "30"}}), one_rank({}));
+    EXPECT_EQ(r.exit_code, 0) << c.args[0] << ": " << r.describe();
+    if (!c.expect.empty()) EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args[0] << ": " << r.out;
+  }
+}
+
+TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
+  SKIP_WITHOUT_MPI();
+  const std::string dir = make_temp_dir("ddp_mpi_fsdp");
+  for (const std::string strategy : {"ddp", "zero1", "fsdp-full", "fsdp-grad-op"}) {
+    auto g = run_process(under_ddprun(2, "fsdp_worker", {"--strategy", strategy, "--out", dir + "/g.pt"}),
+                         one_rank({}));
+    ASSERT_EQ(g.exit_code, 0) << strategy << ": " << g.describe();
+    auto m = run_process(mpirun(2, {bin_path("fsdp_worker"), "--strategy", strategy, "--backend", "mpi", "--out",
+                                    dir + "/m.pt"}),
+                         one_rank({}));
+    ASSERT_EQ(m.exit_code, 0) << strategy << ": " << m.describe();
+    EXPECT_LE(max_difference(dir + "/g.pt", dir + "/m.pt"), 1e-6) << strategy;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Mpi, MismatchedReplicasAreReportedOverMpi) {
+  SKIP_WITHOUT_MPI();
+  auto r = run_process(mpirun(2, {bin_path("ddp_worker"), "mismatch"}, {{"DDP_BACKEND", "mpi"}}), one_rank({}));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_NE((r.out + r.err).find("parameter 'fc3.weight' has shape [4, 32] on rank 0 but [5, 32] on rank 1"),
+            std::string::npos)
+      << r.describe();
+}
+
+TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
+  SKIP_WITHOUT_MPI();
+  const auto start = std::chrono::steady_clock::now();
+  auto r = on_mpi_ranks(
+      2,
+      [](ddp::ProcessGroup& group) {
+        at::Tensor t = at::ones({4});
+        group.all_reduce(t);
+        // Rank 1 stops calling collectives; rank 0 waits in the next one.
+        if (group.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+        group.all_reduce(t);
+      },
+      std::chrono::seconds(60), {{"DDP_TIMEOUT_SECONDS", "3"}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_NE(r.err.find("all_reduce #"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("did not finish within the timeout of 3 s"), std::string::npos) << r.describe();
+  EXPECT_LT(seconds, 20.0) << r.describe();
+}
+
+TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
+  SKIP_WITHOUT_MPI();
+  const auto start = std::chrono::steady_clock::now();
+  auto r = on_mpi_ranks(
+      2,
+      [](ddp::ProcessGroup& group) {
+        at::Tensor t = at::ones({4});
+        group.all_reduce(t);
+        if (group.rank() == 1) ::kill(::getpid(), SIGKILL);
+        for (int i = 0; i < 1000; ++i) group.all_reduce(t);
+      },
+      std::chrono::seconds(60));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_LT(seconds, 10.0) << r.describe();
+  // No rank of that job is left: no process carries its marker.
+  int survivors = 0;
+  const std::string wanted = std::string(kChildVariable) + "=" + current_test();
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    std::ifstream environ(entry.path() / "environ", std::ios::binary);
+    std::string all((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+    if (all.find(wanted) != std::string::npos) ++survivors;
+  }
+  EXPECT_EQ(survivors, 0);
+}
+
+TEST(Mpi, OutsideAnMpiLauncherTheErrorNamesTheFix) {
+  if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
+  const std::string port = std::to_string(free_port());
+  auto r = run_process({bin_path("wine_ddp"), "1", "1", "--backend", "mpi", "--checkpoint-dir", "/tmp"},
+                       one_rank({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                 {"MASTER_PORT", port}}));
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_NE(r.err.find("the mpi backend needs ranks started by an MPI launcher"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("mpirun"), std::string::npos) << r.describe();
+}
+
+TEST(Mpi, AWorldOfOneNeedsNoLauncher) {
+  if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
+  const std::string dir = make_temp_dir("ddp_mpi_alone");
+  auto r = run_process({bin_path("wine_ddp"), "2", "1", "--backend", "mpi", "--checkpoint-dir", dir}, one_rank({}));
+  EXPECT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(loss_lines(r.out).size(), 2u) << r.describe();
+  fs::remove_all(dir);
+}
+
+}  // namespace
