@@ -3,10 +3,13 @@
 //
 //   ddprun --standalone --nproc-per-node 2 ddp_bench --model mlp2m --mode ddp
 //   ddp_bench --model mlp2m --mode local          # no process group at all
+//   mpirun -np 2 ddp_bench --model wine --mode ddp --backend mpi
+//   ddprun ... ddp_bench --mode collective --backend gloo   # raw all-reduce by size
 //
 // Modes: ddp, bucket-view (gradient_as_bucket_view), no-overlap, no-rebuild,
 // local (no communication), manual (no DDP: one synchronous all-reduce of
-// all gradients after backward), allreduce (communication only).
+// all gradients after backward), allreduce (communication only), collective
+// (no model: float32 all-reduces of 4 KB, 1 MB, 8 MB and 40 MB).
 //
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
 
@@ -38,6 +41,7 @@ struct Config {
   int64_t steps = 20;
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
+  std::string backend = "gloo";
 };
 
 Config parse(int argc, char** argv) {
@@ -49,6 +53,7 @@ Config parse(int argc, char** argv) {
     else if (k == "--steps") c.steps = std::stoll(v);
     else if (k == "--warmup") c.warmup = std::stoll(v);
     else if (k == "--batch") c.batch = std::stoll(v);
+    else if (k == "--backend") c.backend = v;
     else throw std::invalid_argument("unknown flag " + k);
   }
   return c;
@@ -91,7 +96,7 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
   if (c.mode == "local") {
     times = time_steps(c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); });
   } else {
-    group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kGloo));
+    group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::parse_backend(c.backend)));
     if (c.mode == "manual") {
       // No DDP: backward, then one hand-written all-reduce of all gradients.
       auto params = model->parameters();
@@ -182,10 +187,46 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
 
 }  // namespace
 
+// Raw all-reduce time by message size, medians over many iterations.
+int collectives(const Config& c) {
+  auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::parse_backend(c.backend)));
+  struct Size {
+    int64_t bytes;
+    int iterations;
+  };
+  std::ostringstream sizes;
+  std::ostringstream medians;
+  bool first = true;
+  for (Size size : {Size{4 << 10, 1000}, Size{1 << 20, 100}, Size{8 << 20, 30}, Size{40 << 20, 10}}) {
+    at::Tensor t = at::ones({size.bytes / 4});
+    std::vector<double> times;
+    for (int i = 0; i < size.iterations + 3; ++i) {
+      group->barrier();
+      auto start = Clock::now();
+      group->all_reduce(t);
+      double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      if (i >= 3) times.push_back(ms);
+    }
+    // The slowest rank's median decides the step.
+    at::Tensor m = at::full({1}, median(times), at::kDouble);
+    group->all_reduce(m, c10d::ReduceOp::MAX);
+    sizes << (first ? "" : ",") << size.bytes;
+    medians << (first ? "" : ",") << m.item<double>();
+    first = false;
+  }
+  if (group->rank() == 0) {
+    std::printf("{\"impl\":\"cpp\",\"mode\":\"collective\",\"backend\":\"%s\",\"bytes\":[%s],\"median_ms\":[%s]}\n",
+                c.backend.c_str(), sizes.str().c_str(), medians.str().c_str());
+  }
+  group->barrier();
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
     Config c = parse(argc, argv);
     at::set_num_threads(1);  // one intra-op thread per rank, as on the Python side
+    if (c.mode == "collective") return collectives(c);
     torch::manual_seed(0);
     auto generator = at::make_generator<at::CPUGeneratorImpl>(1);
     if (c.model == "wine" || c.model == "mlp2m") {

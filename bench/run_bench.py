@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -59,6 +60,7 @@ def main():
     parser.add_argument("--out", default=HERE)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke test)")
     parser.add_argument("--render-only", action="store_true", help="rewrite RESULTS.md from results.json")
+    parser.add_argument("--no-mpi", action="store_true", help="leave out ddp over MPI")
     args = parser.parse_args()
     if args.render_only:
         with open(os.path.join(args.out, "results.json")) as f:
@@ -70,6 +72,10 @@ def main():
     bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
     ddprun = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"]
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # ddp over MPI: Open MPI's own launcher, one intra-op thread per rank too.
+    mpirun = ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) + [
+        "--oversubscribe", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+    with_mpi = not args.no_mpi and shutil.which("mpirun") is not None
     cpp_bench = os.path.join(bin_dir, "ddp_bench")
     py_bench = os.path.join(HERE, "python_ddp_bench.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -88,10 +94,21 @@ def main():
         "cpp_no_rebuild": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "no-rebuild", "--steps", s, "--warmup", w],
         "cpp_allreduce": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "allreduce", "--steps", s, "--warmup", w],
     }
+    if with_mpi:
+        configs["cpp_mpi_ddp"] = lambda m, s, w: mpirun + [cpp_bench, "--model", m, "--mode", "ddp", "--backend", "mpi",
+                                                           "--steps", s, "--warmup", w]
+        configs["cpp_mpi_no_overlap"] = lambda m, s, w: mpirun + [cpp_bench, "--model", m, "--mode", "no-overlap",
+                                                                  "--backend", "mpi", "--steps", s, "--warmup", w]
+        # The other execution model: MPI_Iallreduce polled by the progress thread.
+        configs["cpp_mpi_nonblocking"] = lambda m, s, w: mpirun + ["-x", "DDP_MPI_NONBLOCKING=1", cpp_bench, "--model", m,
+                                                                   "--mode", "ddp", "--backend", "mpi", "--steps", s,
+                                                                   "--warmup", w]
 
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                "torch": torch_version, "backend": "gloo", "world_size": 2, "intra_op_threads_per_rank": 1,
                "models": {}, "commands": {}}
+    if with_mpi:
+        results["mpi"] = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     for model, (steps, warmup, rounds, description) in MODELS.items():
         if args.quick:
             steps, warmup, rounds = max(3, steps // 10), 1, 1
@@ -129,6 +146,34 @@ def main():
                 "bucketed_over_raw_allreduce": med["cpp_allreduce"] / med["raw_allreduce"],
             },
         }
+        if with_mpi:
+            results["models"][model]["ratios"].update({
+                "mpi_over_python": med["cpp_mpi_ddp"] / med["py_ddp"],
+                "mpi_over_gloo": med["cpp_mpi_ddp"] / med["cpp_ddp"],
+                "mpi_ddp_overhead": med["cpp_mpi_ddp"] / med["cpp_local"],
+                "mpi_no_overlap_over_overlap": med["cpp_mpi_no_overlap"] / med["cpp_mpi_ddp"],
+                "mpi_nonblocking_over_blocking": med["cpp_mpi_nonblocking"] / med["cpp_mpi_ddp"],
+            })
+
+    # Raw all-reduce by message size, gloo against mpi, rounds interleaved.
+    if with_mpi:
+        rounds = 1 if args.quick else 3
+        sweep = {"gloo": [], "mpi": []}
+        commands = {"gloo": ddprun + [cpp_bench, "--mode", "collective", "--backend", "gloo"],
+                    "mpi": mpirun + [cpp_bench, "--mode", "collective", "--backend", "mpi"]}
+        for _ in range(rounds):
+            for backend, command in commands.items():
+                result = run_json(command, env)
+                sweep[backend].append(result["median_ms"])
+                sizes = result["bytes"]
+        results["collectives"] = {
+            "bytes": sizes,
+            "median_ms": {b: [statistics.median(r[i] for r in runs) for i in range(len(sizes))] for b, runs in sweep.items()},
+            "rounds": rounds,
+        }
+        for backend, command in commands.items():
+            results["commands"][f"collective_{backend}"] = " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
+                                                                   for c in command)
 
     # End to end: the whole Wine job, process start included.
     wine_runs = 1 if args.quick else 3
@@ -261,6 +306,33 @@ def render(r):
         lines.append(f"| {name} | {med['cpp_local']:.3f} | **{q['ddp_overhead']:.2f}** | {q['python_ddp_overhead']:.2f} | "
                      f"{med['cpp_no_overlap']:.3f} | {q['no_overlap_over_overlap']:.2f} | {q['no_rebuild_over_rebuild']:.2f} | "
                      f"{med['raw_allreduce']:.3f} | {med['cpp_allreduce']:.3f} | {q['bucketed_over_raw_allreduce']:.2f} |")
+    if "collectives" in r:
+        c = r["collectives"]
+        lines += [
+            "",
+            f"## ddp over MPI ({r.get('mpi', 'MPI')}, shared memory on this host), side by side",
+            "",
+            "| model | ddp-mpi ms | ddp-gloo ms | Python DDP (gloo) ms | mpi / Python | mpi / gloo | "
+            "mpi DDP overhead (/ no-comm) | mpi no-overlap / overlap | MPI_Iallreduce / blocking on the thread |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, m in r["models"].items():
+            med, q = m["median_ms"], m["ratios"]
+            lines.append(f"| {name} | {med['cpp_mpi_ddp']:.3f} | {med['cpp_ddp']:.3f} | {med['py_ddp']:.3f} | "
+                         f"**{q['mpi_over_python']:.2f}** | {q['mpi_over_gloo']:.2f} | {q['mpi_ddp_overhead']:.2f} | "
+                         f"{q['mpi_no_overlap_over_overlap']:.2f} | {q['mpi_nonblocking_over_blocking']:.2f} |")
+        lines += [
+            "",
+            f"Raw float32 all-reduce, 2 ranks, median of each size's iterations (slowest rank), medians of "
+            f"{c['rounds']} interleaved rounds:",
+            "",
+            "| size | gloo ms | mpi ms | mpi / gloo |",
+            "|---|---|---|---|",
+        ]
+        for i, size in enumerate(c["bytes"]):
+            g, m = c["median_ms"]["gloo"][i], c["median_ms"]["mpi"][i]
+            label = f"{size // 1024} KB" if size < (1 << 20) else f"{size // (1 << 20)} MB"
+            lines.append(f"| {label} | {g:.4f} | {m:.4f} | **{m / g:.2f}** |")
     w = r["wine_end_to_end_s"]
     models = r["models"]
     goals = [
@@ -270,6 +342,16 @@ def render(r):
         ("DDP overhead, (c) transformer", models["transformer"]["ratios"]["ddp_overhead"], 1.15),
         ("Wine end to end, ddp / Python", w["cpp"] / w["python"], 0.3),
     ]
+    if "collectives" in r:
+        c = r["collectives"]["median_ms"]
+        eight = r["collectives"]["bytes"].index(8 << 20)
+        goals += [
+            ("ddp-mpi / Python, (a) Wine MLP", models["wine"]["ratios"]["mpi_over_python"], 0.3),
+            ("ddp-mpi / Python, (b) 2M MLP", models["mlp2m"]["ratios"]["mpi_over_python"], 0.9),
+            ("ddp-mpi / Python, (c) transformer", models["transformer"]["ratios"]["mpi_over_python"], 0.95),
+            ("ddp-mpi DDP overhead, (c) transformer", models["transformer"]["ratios"]["mpi_ddp_overhead"], 1.10),
+            ("raw 8 MB all-reduce, mpi / gloo", c["mpi"][eight] / c["gloo"][eight], 0.35),
+        ]
     lines += [
         "",
         "No-comm runs the same two processes with the same per-rank batch and no process group. "

@@ -29,6 +29,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -99,13 +100,17 @@ class MpiRuntime {
     pending_done_.push_back(std::move(done));
   }
 
-  /// What the watchdog guards: the job running now and since when.
-  void set_running(const std::string* what, std::chrono::milliseconds timeout) {
+  /// What the watchdog guards: every operation started and not finished,
+  /// by id, with its label, start and timeout.
+  void watch(uint64_t id, const std::string& what, std::chrono::milliseconds timeout) {
     std::lock_guard<std::mutex> lock(watch_mutex_);
-    running_ = what ? *what : std::string();
-    running_since_ = Clock::now();
-    running_timeout_ = timeout;
+    watched_[id] = Watched{what, Clock::now(), timeout};
   }
+  void unwatch(uint64_t id) {
+    std::lock_guard<std::mutex> lock(watch_mutex_);
+    watched_.erase(id);
+  }
+  uint64_t next_id() { return next_id_.fetch_add(1); }
 
   int thread_level() const { return provided_; }
 
@@ -196,15 +201,20 @@ class MpiRuntime {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       std::string what;
       std::chrono::milliseconds timeout{};
-      Clock::time_point since;
+      bool overdue = false;
       {
         std::lock_guard<std::mutex> lock(watch_mutex_);
-        if (running_.empty()) continue;
-        what = running_;
-        timeout = running_timeout_;
-        since = running_since_;
+        const auto now = Clock::now();
+        for (const auto& [id, w] : watched_) {
+          if (now - w.since >= w.timeout) {
+            what = w.what;
+            timeout = w.timeout;
+            overdue = true;
+            break;  // the oldest id first: the map is ordered
+          }
+        }
       }
-      if (Clock::now() - since < timeout) continue;
+      if (!overdue) continue;
       std::fprintf(stderr,
                    "ddp: %s did not finish within the timeout of %.3g s; a peer may have died or stopped calling "
                    "collectives. MPI cannot cancel a collective, so ddp ends the whole job (MPI_Abort) for the "
@@ -224,10 +234,14 @@ class MpiRuntime {
   // Touched on the progress thread only.
   std::vector<MPI_Request> pending_requests_;
   std::vector<std::function<void(int)>> pending_done_;
+  struct Watched {
+    std::string what;
+    Clock::time_point since;
+    std::chrono::milliseconds timeout;
+  };
   std::mutex watch_mutex_;
-  std::string running_;
-  Clock::time_point running_since_;
-  std::chrono::milliseconds running_timeout_{0};
+  std::map<uint64_t, Watched> watched_;
+  std::atomic<uint64_t> next_id_{0};
   int provided_ = 0;
 };
 
@@ -353,7 +367,12 @@ void check_mpi(int rc, const char* call) {
 class MpiBackend : public c10d::Backend {
  public:
   MpiBackend(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout)
-      : c10d::Backend(rank, size), comm_(comm), timeout_(timeout) {}
+      : c10d::Backend(rank, size), comm_(comm), timeout_(timeout) {
+    // Blocking all-reduces on the progress thread by default: bench/RESULTS.md
+    // measures both (DDP_MPI_NONBLOCKING=1 posts MPI_Iallreduce instead).
+    const char* nonblocking = std::getenv("DDP_MPI_NONBLOCKING");
+    nonblocking_ = nonblocking && std::string(nonblocking) == "1";
+  }
 
   ~MpiBackend() override {
     MPI_Comm comm = comm_;
@@ -373,6 +392,21 @@ class MpiBackend : public c10d::Backend {
     MPI_Op mpi = mpi_op(op, tensor.scalar_type());
     WireType wire = wire_type(tensor.scalar_type(), /*reduces=*/true);
     const int world = size_;
+    if (nonblocking_) {
+      // MPI_Iallreduce, completed by the progress thread's polling: several
+      // buckets can be in flight at once.
+      auto staged = std::make_shared<at::Tensor>();
+      return launch_p2p(
+          c10d::OpType::ALLREDUCE, tensor, "all_reduce",
+          [=, comm = comm_](MPI_Request* request) {
+            *staged = wire.reduce_in_float32 ? tensor.to(at::kFloat) : tensor.contiguous();
+            return MPI_Iallreduce(MPI_IN_PLACE, staged->data_ptr(), count(*staged), wire.type, mpi, comm, request);
+          },
+          [=]() mutable {
+            if (op.op_ == c10d::ReduceOp::AVG) staged->div_(world);
+            if (!staged->is_same(tensor)) tensor.copy_(*staged);
+          });
+    }
     return launch(c10d::OpType::ALLREDUCE, {tensor}, "all_reduce", [=, comm = comm_]() mutable {
       at::Tensor work = wire.reduce_in_float32 ? tensor.to(at::kFloat) : tensor.contiguous();
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, work.data_ptr(), count(work), wire.type, mpi, comm), "MPI_Allreduce");
@@ -496,36 +530,58 @@ class MpiBackend : public c10d::Backend {
     auto label = std::make_shared<std::string>(describe(what));
     const auto timeout = timeout_;
     MpiRuntime::get().enqueue([work, body = std::move(body), label, timeout] {
-      MpiRuntime::get().set_running(label.get(), timeout);
+      auto& runtime = MpiRuntime::get();
+      const uint64_t id = runtime.next_id();
+      runtime.watch(id, *label, timeout);
       std::exception_ptr error;
       try {
         body();
       } catch (...) {
         error = std::current_exception();
       }
-      MpiRuntime::get().set_running(nullptr, timeout);
+      runtime.unwatch(id);
       work->finish(error);
     });
     return work;
   }
 
   c10::intrusive_ptr<c10d::Work> launch_p2p(c10d::OpType type, at::Tensor tensor, const char* what,
-                                            std::function<int(MPI_Request*)> post) {
+                                            std::function<int(MPI_Request*)> post,
+                                            std::function<void()> after = nullptr) {
     ++issued_;
     auto work = c10::make_intrusive<MpiWork>(rank_, type, std::vector<at::Tensor>{tensor});
     std::string label = describe(what);
-    MpiRuntime::get().enqueue([work, post = std::move(post), label] {
+    const auto timeout = timeout_;
+    MpiRuntime::get().enqueue([work, post = std::move(post), after = std::move(after), label, timeout] {
+      auto& runtime = MpiRuntime::get();
       MPI_Request request;
-      int rc = post(&request);
+      int rc = MPI_SUCCESS;
+      try {
+        rc = post(&request);
+      } catch (...) {
+        work->finish(std::current_exception());
+        return;
+      }
       if (rc != MPI_SUCCESS) {
         work->finish(std::make_exception_ptr(
             Error(c10::str("ddp: ", label, " could not start: ", mpi_error_text(rc)))));
         return;
       }
-      MpiRuntime::get().add_pending(request, [work, label](int status) {
-        work->finish(status == MPI_SUCCESS
-                         ? nullptr
-                         : std::make_exception_ptr(Error(c10::str("ddp: ", label, " failed: ", mpi_error_text(status)))));
+      const uint64_t id = runtime.next_id();
+      runtime.watch(id, label, timeout);
+      runtime.add_pending(request, [work, label, id, after](int status) {
+        MpiRuntime::get().unwatch(id);
+        if (status != MPI_SUCCESS) {
+          work->finish(std::make_exception_ptr(Error(c10::str("ddp: ", label, " failed: ", mpi_error_text(status)))));
+          return;
+        }
+        std::exception_ptr error;
+        try {
+          if (after) after();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        work->finish(error);
       });
     });
     return work;
@@ -533,6 +589,7 @@ class MpiBackend : public c10d::Backend {
 
   MPI_Comm comm_;
   std::chrono::milliseconds timeout_;
+  bool nonblocking_ = false;
   int64_t issued_ = 0;
 };
 

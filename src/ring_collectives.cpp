@@ -5,7 +5,6 @@
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
-#include <cstdlib>
 
 namespace ddp::detail {
 
@@ -200,10 +199,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_reduce_scatter(at::Tensor& out
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_all_gather(at::Tensor& output, at::Tensor& input) {
   std::lock_guard<std::mutex> lock(rings_mutex_);
-  if (std::getenv("DDP_AB_ONE_RING")) {
-    if (!reduce_scatter_ring_) reduce_scatter_ring_.reset(new detail::RingCollectives(*this, kReduceScatterTags));
-    return reduce_scatter_ring_->all_gather(output, input);
-  }
   if (!all_gather_ring_) all_gather_ring_.reset(new detail::RingCollectives(*this, kAllGatherTags));
   return all_gather_ring_->all_gather(output, input);
 }

@@ -3,6 +3,8 @@
 // here), and two "nodes" in network namespaces joined by a veth pair. Each
 // test skips, saying why, when its tools or privileges are missing.
 
+#include <ddp/process_group.h>
+
 #include <gtest/gtest.h>
 #include <support/launch.h>
 
@@ -148,6 +150,23 @@ TEST_F(SlurmCluster, TheSbatchTemplateRunsAJob) {
   EXPECT_EQ(loss_lines(job_out).size(), 20u) << job_out;  // rank 0 alone logs
   EXPECT_NE(job_out.find("Test accuracy:"), std::string::npos) << job_out;
   fs::remove_all(out_dir);
+}
+
+TEST_F(SlurmCluster, TheMpiSbatchTemplateRunsAJobOverMpi) {
+  if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
+  auto out_dir = make_temp_dir("sbatch_mpi_wine");
+  auto r = run_process({"sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2", "--output=" + out_dir + "/job.out",
+                        std::string(DDP_SOURCE_DIR) + "/scripts/slurm/ddp-mpi.sbatch", bin_path("wine_ddp"), "20",
+                        "10", "--checkpoint-dir", out_dir},
+                       one_rank({{"SLURM_CONF", conf_}}, std::chrono::seconds(180)));
+  std::string job_out = file_bytes(out_dir + "/job.out");
+  ASSERT_EQ(r.exit_code, 0) << r.describe() << job_out;
+  EXPECT_NE(job_out.find("2 tasks over mpi"), std::string::npos) << job_out;
+  auto ref = reference_run(2, {"20", "10"});
+  EXPECT_EQ(loss_lines(job_out), ref.losses) << job_out;
+  EXPECT_EQ(compare_state_dicts(out_dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  fs::remove_all(out_dir);
+  fs::remove_all(ref.dir);
 }
 
 // Two network namespaces, each a "node" with its own address, joined by a

@@ -38,7 +38,8 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 # Real cluster launchers: mpirun, a single-host Slurm, two network-namespace
 # nodes. Each test skips with its reason where its tools are missing.
 add_executable(ddp_cluster_tests test_cluster.cpp)
-target_link_libraries(ddp_cluster_tests PRIVATE ddp_test_support GTest::gtest_main)
+target_link_libraries(ddp_cluster_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_cluster_tests REUSE_FROM ddp)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
