@@ -404,7 +404,7 @@ elif [[ $HAVE_GTEST == 0 ]]; then
 fi
 [[ $HAVE_ZLIB == 0 ]] && NOTES+=("zlib.h not found (zlib1g-dev): examples not built, Wine runs skipped")
 [[ $GENERATOR != Ninja ]] && NOTES+=("ninja not found: using make")
-[[ -n $PREFIX_INCLUDE ]] && NOTES+=("carried Debian packages unpacked in $DEPS_PREFIX: Gloo from $GLOO_DIR, googletest from ${GTEST_DIR:-nowhere}, zlib from ${ZLIB_DIR:-nowhere}")
+[[ -n $PREFIX_INCLUDE ]] && NOTES+=("carried Debian packages unpacked in $DEPS_PREFIX: Gloo from $GLOO_DIR, googletest from ${GTEST_CONFIG:-${GTEST_DIR:-nowhere}}, zlib from ${ZLIB_DIR:-nowhere}")
 for note in "${NOTES[@]}"; do log "NOTE $note"; done
 
 # ---------------------------------------------------------------------------

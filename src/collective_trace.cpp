@@ -164,6 +164,24 @@ std::string CollectiveTrace::json_lines(int rank) const {
   return out.str();
 }
 
+namespace {
+std::mutex fallback_mutex;
+std::string& fallback_dir() {
+  static std::string dir;
+  return dir;
+}
+}  // namespace
+
+void set_trace_fallback_directory(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(fallback_mutex);
+  fallback_dir() = dir;
+}
+
+std::string trace_fallback_directory() {
+  std::lock_guard<std::mutex> lock(fallback_mutex);
+  return fallback_dir();
+}
+
 CollectiveTag::CollectiveTag(std::string tag) : previous_(std::move(current_tag)) { current_tag = std::move(tag); }
 
 CollectiveTag::~CollectiveTag() { current_tag = std::move(previous_); }

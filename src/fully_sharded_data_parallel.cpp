@@ -16,6 +16,7 @@
 #include <ddp/error.h>
 #include <ddp/fully_sharded_data_parallel.h>
 
+#include <ddp/detail/optimizer_state.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/snapshot.h>
 
@@ -690,45 +691,38 @@ StateDict FsdpState::full_state_dict(bool rank0_only) {
 }
 
 void FsdpState::load_full_state_dict(const StateDict& state) {
-  std::map<std::string, at::Tensor> by_name(state.begin(), state.end());
-  auto take = [&](const std::string& name, c10::IntArrayRef sizes) {
-    auto it = by_name.find(name);
-    DDP_CHECK(it != by_name.end(), "ddp: the state dict has no entry '", name, "' that the model needs");
-    DDP_CHECK(it->second.sizes() == sizes, "ddp: state dict entry '", name, "' has shape ", it->second.sizes(),
-                " but the model's has shape ", sizes);
-    at::Tensor value = it->second;
-    by_name.erase(it);
-    return value;
-  };
-  at::NoGradGuard no_grad;
-  // Check everything before changing anything.
-  std::vector<std::vector<at::Tensor>> values(units_.size());
-  for (size_t u = 0; u < units_.size(); ++u) {
-    for (size_t j = 0; j < units_[u]->params.size(); ++j) {
-      values[u].push_back(take(units_[u]->param_names[j], units_[u]->params[j].sizes()));
+  // load_state_dict's checks (every entry present with its shape, none
+  // extra) run against stand-ins: each unit's parameters as views of a new
+  // flat tensor, and copies of the buffers and frozen parameters. Only when
+  // all have passed does anything of the model change.
+  StateDict targets;
+  std::vector<at::Tensor> flats;
+  for (const auto& unit : units_) {
+    flats.push_back(at::zeros({unit->padded}, unit->full.options()));
+    for (size_t j = 0; j < unit->params.size(); ++j) {
+      targets.emplace_back(unit->param_names[j], flats.back()
+                                                     .narrow(0, unit->offsets[j], unit->params[j].numel())
+                                                     .view(unit->params[j].sizes()));
     }
   }
-  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
-  for (const auto& [name, tensor] : replicated()) buffers.emplace_back(tensor, take(name, tensor.sizes()));
-  DDP_CHECK(by_name.empty(), "ddp: the state dict has the entry '", by_name.begin()->first, "' that the model lacks");
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (the model's, its stand-in)
+  for (const auto& [name, tensor] : replicated()) {
+    buffers.emplace_back(tensor, at::empty_like(tensor, tensor.options().requires_grad(false)));
+    targets.emplace_back(name, buffers.back().second);
+  }
+  copy_state_into(targets, state);
 
+  at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
-    at::Tensor flat = at::zeros({unit.padded}, unit.full.options());
-    for (size_t j = 0; j < unit.params.size(); ++j) {
-      flat.narrow(0, unit.offsets[j], unit.params[j].numel()).copy_(values[u][j].reshape({-1}));
-    }
-    unit.shard.detach().copy_(flat.narrow(0, sharded() ? group_->rank() * unit.shard_numel : 0, unit.shard_numel));
-    if (unit.gathered && sharded()) unit.full.copy_(flat);
+    auto [start, length] = shard_range(unit);
+    unit.shard.detach().copy_(flats[u].narrow(0, start, length));
+    if (unit.gathered && sharded()) unit.full.copy_(flats[u]);
   }
-  for (auto& [target, value] : buffers) target.copy_(value);
+  for (auto& [target, value] : buffers) target.detach().copy_(value);
 }
 
 namespace {
-
-at::Tensor as_tensor_or_null(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
-
-c10::impl::GenericDict new_string_dict() { return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get()); }
 
 // The optimizer must be built over parameters(), one group, in order.
 void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& shards) {
@@ -742,141 +736,107 @@ void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vecto
 
 }  // namespace
 
-c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
-  check_optimizer_layout(optimizer, shards());
-  const bool keep = !rank0_only || group_->rank() == 0;
-  auto local = optimizer_state_dict(optimizer).toGenericDict();
-  auto local_state = local.at("state").toGenericDict();
+// Where the unit's parameters lie in its flat tensor, for the optimizer
+// state's re-layout.
+FlatLayout FsdpState::layout_of(const Unit& unit) const {
+  FlatLayout layout;
+  layout.names = unit.param_names;
+  layout.offsets = unit.offsets;
+  for (const auto& param : unit.params) layout.shapes.push_back(param.sizes().vec());
+  layout.padded = unit.padded;
+  return layout;
+}
+
+std::pair<int64_t, int64_t> FsdpState::shard_range(const Unit& unit) const {
+  if (!sharded()) return {0, unit.padded};
+  return {group_->rank() * unit.shard_numel, unit.shard_numel};
+}
+
+std::map<std::string, int64_t> FsdpState::parameter_indices() const {
   std::map<std::string, int64_t> index_of;
   int64_t count = 0;
   for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
+  return index_of;
+}
 
-  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
+  check_optimizer_layout(optimizer, shards());
+  const bool keep = !rank0_only || group_->rank() == 0;
+  auto local = parse_optimizer_state(optimizer_state_dict(optimizer), "FullyShardedDataParallel");
+  const auto index_of = parameter_indices();
+  const int64_t count = static_cast<int64_t>(index_of.size());
+
+  auto state = new_generic_dict();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
-    auto found = local_state.find(static_cast<int64_t>(u));
-    if (found == local_state.end()) continue;  // not stepped yet: the same on every rank
-    auto entry = found->value().toGenericDict();
-    // One dict each: copies of a GenericDict would share their contents.
-    std::vector<c10::impl::GenericDict> per_param;
-    for (size_t j = 0; j < unit.params.size(); ++j) per_param.push_back(new_string_dict());
-    for (const auto& item : entry) {
+    auto found = local.state.find(static_cast<int64_t>(u));
+    if (found == local.state.end()) continue;  // not stepped yet: the same on every rank
+    // The unit's flat entry: its per-element state gathered from every
+    // rank's shard (collectives, so on every rank), the rest as it is.
+    auto flat = new_generic_dict();
+    for (const auto& item : found->value().toGenericDict()) {
       const std::string key = item.key().toStringRef();
-      at::Tensor tensor = as_tensor_or_null(item.value());
-      if (is_per_element_state(key)) {
-        DDP_CHECK(tensor.defined() && tensor.numel() == unit.shard_numel, "ddp: optimizer state '", key,
-                    "' of unit '", unit.name, "' is not a tensor of the shard's ", unit.shard_numel, " elements");
-        at::Tensor full = tensor;
-        if (sharded() && group_->size() > 1) {
-          full = at::empty({unit.padded}, tensor.options());
-          at::Tensor input = tensor.contiguous();
-          group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
-        }
-        for (size_t j = 0; j < unit.params.size(); ++j) {
-          per_param[j].insert(key, full.narrow(0, unit.offsets[j], unit.params[j].numel())
-                                       .view(unit.params[j].sizes()).clone());
-        }
-      } else {
-        for (size_t j = 0; j < unit.params.size(); ++j) {
-          per_param[j].insert(key, tensor.defined() ? c10::IValue(tensor.clone()) : item.value());
-        }
+      if (!is_per_element_state(key)) {
+        flat.insert(key, item.value());
+        continue;
       }
+      at::Tensor tensor = item.value().isTensor() ? item.value().toTensor() : at::Tensor();
+      const int64_t length = shard_range(unit).second;
+      DDP_CHECK(tensor.defined() && tensor.numel() == length, "ddp: optimizer state '", key, "' of unit '",
+                unit.name, "' is not a tensor of the shard's ", length, " elements");
+      at::Tensor full = tensor;
+      if (sharded() && group_->size() > 1) {
+        full = at::empty({unit.padded}, tensor.options());
+        at::Tensor input = tensor.contiguous();
+        group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
+      }
+      flat.insert(key, full);
     }
     if (!keep) continue;
+    auto per_param = split_flat_entry(flat, layout_of(unit));
     for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.param_names[j]), per_param[j]);
   }
   if (!keep) return c10::IValue();
-
-  // Python orders the state by parameter index.
-  c10::impl::GenericDict ordered(c10::AnyType::get(), c10::AnyType::get());
-  for (int64_t i = 0; i < count; ++i) {
-    auto it = state.find(i);
-    if (it != state.end()) ordered.insert(i, it->value());
-  }
-  auto groups = local.at("param_groups").toList();
-  DDP_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
-  auto group = groups.get(0).toGenericDict().copy();
-  c10::impl::GenericList indices(c10::AnyType::get());  // an IntList would pickle as a TorchScript global
-  for (int64_t i = 0; i < count; ++i) indices.push_back(i);
-  group.insert_or_assign("params", indices);
-  c10::impl::GenericList new_groups(c10::AnyType::get());
-  new_groups.push_back(group);
-  auto result = new_string_dict();
-  result.insert("state", ordered);
-  result.insert("param_groups", new_groups);
-  return result;
+  // Python's layout for the unwrapped model: one entry per parameter, in
+  // index order.
+  return one_group_state(state, single_param_group(local, static_cast<int64_t>(units_.size()), "FSDP"), count);
 }
 
 void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
   check_optimizer_layout(optimizer, shards());
-  DDP_CHECK(full.isGenericDict(), "ddp: optimizer state must be a dict with 'state' and 'param_groups'");
-  auto dict = full.toGenericDict();
-  DDP_CHECK(dict.contains("state") && dict.contains("param_groups"),
-              "ddp: optimizer state needs 'state' and 'param_groups' entries");
-  auto full_state = dict.at("state").toGenericDict();
-  auto groups = dict.at("param_groups").toList();
-  DDP_CHECK(groups.size() == 1, "ddp: FSDP optimizer state supports one parameter group, got ", groups.size());
-  std::map<std::string, int64_t> index_of;
-  int64_t count = 0;
-  for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
-  auto group = groups.get(0).toGenericDict().copy();
-  DDP_CHECK(static_cast<int64_t>(group.at("params").toListRef().size()) == count, "ddp: the optimizer state has ",
-              group.at("params").toListRef().size(), " parameters but the model has ", count);
+  const std::string who = "FullyShardedDataParallel::load_full_optim_state_dict";
+  auto parts = parse_optimizer_state(full, who);
+  const auto index_of = parameter_indices();
+  auto group = single_param_group(parts, static_cast<int64_t>(index_of.size()), who);
 
-  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+  auto state = new_generic_dict();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
-    std::vector<c10::impl::GenericDict> entries;
+    std::vector<GenericDict> entries;
     for (const auto& name : unit.param_names) {
-      auto it = full_state.find(index_of.at(name));
-      if (it != full_state.end()) entries.push_back(it->value().toGenericDict());
+      auto it = parts.state.find(index_of.at(name));
+      if (it != parts.state.end()) entries.push_back(it->value().toGenericDict());
     }
     if (entries.empty()) continue;
     DDP_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
-                unit.name, "'; FSDP needs all or none");
-    auto entry = new_string_dict();
-    for (const auto& item : entries.front()) {
-      const std::string key = item.key().toStringRef();
-      at::Tensor first = as_tensor_or_null(item.value());
-      if (is_per_element_state(key)) {
-        DDP_CHECK(first.defined(), "ddp: optimizer state '", key, "' of parameter '", unit.param_names.front(),
-                    "' is not a tensor");
-        at::Tensor flat = at::zeros({unit.padded}, first.options());
-        for (size_t j = 0; j < unit.params.size(); ++j) {
-          at::Tensor value = as_tensor_or_null(entries[j].at(key));
-          DDP_CHECK(value.defined() && value.sizes() == unit.params[j].sizes(), "ddp: optimizer state '", key,
-                      "' of parameter '", unit.param_names[j], "' does not match its shape ", unit.params[j].sizes());
-          flat.narrow(0, unit.offsets[j], unit.params[j].numel()).copy_(value.reshape({-1}));
-        }
-        entry.insert(key, flat.narrow(0, sharded() ? group_->rank() * unit.shard_numel : 0, unit.shard_numel).clone());
-      } else {
-        entry.insert(key, item.value());
-      }
-    }
-    state.insert(static_cast<int64_t>(u), entry);
+              unit.name, "'; FSDP needs all or none");
+    auto [start, length] = shard_range(unit);
+    state.insert(static_cast<int64_t>(u), slice_flat_entry(join_flat_entry(entries, layout_of(unit)), start, length));
   }
-  c10::impl::GenericList indices(c10::AnyType::get());  // an IntList would pickle as a TorchScript global
-  for (size_t u = 0; u < units_.size(); ++u) indices.push_back(static_cast<int64_t>(u));
-  group.insert_or_assign("params", indices);
-  c10::impl::GenericList new_groups(c10::AnyType::get());
-  new_groups.push_back(group);
-  auto sharded_dict = new_string_dict();
-  sharded_dict.insert("state", state);
-  sharded_dict.insert("param_groups", new_groups);
-  load_optimizer_state_dict(optimizer, sharded_dict);
+  load_optimizer_state_dict(optimizer, one_group_state(state, group, static_cast<int64_t>(units_.size())));
 }
 
 c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
-  auto result = new_string_dict();
+  auto result = new_generic_dict();
   result.insert("format", std::string("ddp.fsdp.sharded/1"));
   result.insert("world_size", static_cast<int64_t>(group_->size()));
   result.insert("rank", static_cast<int64_t>(group_->rank()));
   result.insert("strategy", to_string(options_.sharding_strategy()));
   c10::impl::GenericList units(c10::AnyType::get());
   for (const auto& unit : units_) {
-    auto entry = new_string_dict();
+    auto entry = new_generic_dict();
     entry.insert("name", unit->name);
     entry.insert("numel", unit->numel);
     c10::impl::GenericList names(c10::AnyType::get());
@@ -886,7 +846,7 @@ c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
     units.push_back(entry);
   }
   result.insert("units", units);
-  auto buffers = new_string_dict();
+  auto buffers = new_generic_dict();
   for (const auto& [name, tensor] : replicated()) buffers.insert(name, tensor.detach().clone());
   result.insert("buffers", buffers);
   if (optimizer) {
@@ -916,7 +876,7 @@ void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::
     auto entry = units.get(u).toGenericDict();
     at::Tensor shard = entry.at("shard").toTensor();
     DDP_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
-                    shard.numel() == units_[u]->shard_numel,
+                    shard.numel() == shard_range(*units_[u]).second,
                 "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
                 entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
                 units_[u]->numel, " elements)");

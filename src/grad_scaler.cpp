@@ -80,6 +80,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     // skipped would leave the replicas different for good. With NCCL this
     // stays on the GPU; step() reads the result.
     at::Tensor sent = group_->to_control(found_inf);
+    CollectiveTag tag("grad scaler inf check");
     group_->all_reduce(sent, c10d::ReduceOp::MAX);
     found_inf = sent.to(scale_.device());
   }

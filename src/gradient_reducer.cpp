@@ -234,6 +234,8 @@ void GradientReducer::launch_full_buckets_in_order() {
   while (next_bucket_to_launch_ < buckets_.size() && buckets_[next_bucket_to_launch_].pending == 0) {
     Bucket& bucket = buckets_[next_bucket_to_launch_];
     GradBucket view(next_bucket_to_launch_, bucket.flat, next_bucket_to_launch_ + 1 == buckets_.size());
+    CollectiveTag tag("ddp bucket " + std::to_string(next_bucket_to_launch_ + 1) + "/" +
+                      std::to_string(buckets_.size()));
     bucket.reduced = comm_hook_->run(*group_, view);
     ++next_bucket_to_launch_;
   }
@@ -273,6 +275,7 @@ void GradientReducer::finish_backward() {
     int32_t* data = used_anywhere.data_ptr<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) data[i] = used_locally_[i];
     at::Tensor sent = group_->to_control(used_anywhere);
+    CollectiveTag tag("ddp unused-parameter flags");
     group_->all_reduce(sent);
     used_anywhere = sent.cpu();
   }
@@ -281,9 +284,9 @@ void GradientReducer::finish_backward() {
     Bucket& bucket = buckets_[b];
     bucket.reduced->wait();
     if (bucket.reduced->hasError()) {
-      DDP_CHECK(false, "ddp: reducing gradient bucket ", b, " failed on rank ", group_->rank(), " of ",
-                  group_->size(), "; a peer may have died or stopped training. Cause: ",
-                  bucket.reduced->tryRetrieveErrorMessage());
+      DDP_CHECK(false, "ddp: reducing gradient bucket ", b + 1, "/", buckets_.size(), " failed on rank ",
+                group_->rank(), " of ", group_->size(), "; a peer may have died or stopped training. ",
+                group_->explain_stall(), " Cause: ", bucket.reduced->tryRetrieveErrorMessage());
     }
     const c10::IValue& value = bucket.reduced->value();
     at::Tensor result = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
@@ -315,6 +318,7 @@ void GradientReducer::shadow_backward() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     zeros.push_back(at::zeros_like(buckets_[b].flat));
     GradBucket view(b, zeros.back(), b + 1 == buckets_.size());
+    CollectiveTag tag("ddp bucket " + std::to_string(b + 1) + "/" + std::to_string(buckets_.size()) + " (joined)");
     buckets_[b].reduced = comm_hook_->run(*group_, view);
   }
   if (options_.find_unused_parameters()) {

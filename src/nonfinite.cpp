@@ -20,6 +20,7 @@ std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup&
   // GPU loss under NCCL nothing here waits for the GPU (the list is read on
   // the host below, once the all-reduce is done).
   flags.select(0, group.rank()).copy_(at::isfinite(loss.detach()).all().logical_not());
+  CollectiveTag tag("nonfinite check");
   group.all_reduce(flags, c10d::ReduceOp::MAX);
   flags = flags.cpu();
   std::vector<int> bad;

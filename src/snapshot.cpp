@@ -1,6 +1,7 @@
 #include <ddp/snapshot.h>
 
 #include <ddp/error.h>
+#include <ddp/collective_trace.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
@@ -162,185 +163,10 @@ std::vector<std::pair<int64_t, std::string>> snapshot_files(const std::string& d
   return files;
 }
 
-// Adam and AdamW keep the same state under different types.
-template <typename State>
-GenericDict adam_state(const State& state) {
-  GenericDict d = new_dict();
-  d.insert("step", at::scalar_tensor(static_cast<double>(state.step()), at::kFloat));
-  d.insert("exp_avg", state.exp_avg());
-  d.insert("exp_avg_sq", state.exp_avg_sq());
-  if (state.max_exp_avg_sq().defined()) d.insert("max_exp_avg_sq", state.max_exp_avg_sq());
-  return d;
-}
-
-// A saved state tensor, checked against its parameter and placed like it.
-at::Tensor state_tensor(const GenericDict& d, const std::string& key, const at::Tensor& param, int64_t index) {
-  DDP_CHECK(d.contains(key), "ddp: the optimizer state of parameter ", index, " has no '", key,
-              "'; was it saved from a different optimizer?");
-  at::Tensor t = d.at(key).toTensor();
-  DDP_CHECK(t.sizes() == param.sizes(), "ddp: optimizer state '", key, "' of parameter ", index, " has shape ",
-              t.sizes(), " but the parameter has ", param.sizes());
-  return t.to(param.options().requires_grad(false), /*non_blocking=*/false, /*copy=*/true);
-}
-
-template <typename State>
-std::unique_ptr<torch::optim::OptimizerParamState> adam_state_from(const GenericDict& d, const at::Tensor& param,
-                                                                   int64_t index) {
-  DDP_CHECK(d.contains("step"), "ddp: the optimizer state of parameter ", index,
-              " has no 'step'; was it saved from a different optimizer?");
-  auto state = std::make_unique<State>();
-  state->step(static_cast<int64_t>(d.at("step").toTensor().item<double>()));
-  state->exp_avg(state_tensor(d, "exp_avg", param, index));
-  state->exp_avg_sq(state_tensor(d, "exp_avg_sq", param, index));
-  if (d.contains("max_exp_avg_sq")) state->max_exp_avg_sq(state_tensor(d, "max_exp_avg_sq", param, index));
-  return state;
-}
-
-template <typename Options>
-GenericDict adam_group(const Options& o) {
-  GenericDict g = new_dict();
-  g.insert("lr", o.lr());
-  g.insert("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
-  g.insert("eps", o.eps());
-  g.insert("weight_decay", o.weight_decay());
-  g.insert("amsgrad", o.amsgrad());
-  return g;
-}
-
-template <typename Options>
-void set_adam_group(Options& o, const GenericDict& g) {
-  o.lr(g.at("lr").toDouble());
-  const auto& betas = g.at("betas").toTupleRef().elements();
-  o.betas(std::make_tuple(betas[0].toDouble(), betas[1].toDouble()));
-  o.eps(g.at("eps").toDouble());
-  o.weight_decay(g.at("weight_decay").toDouble());
-  o.amsgrad(g.at("amsgrad").toBool());
-}
-
 }  // namespace
 
-c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer) {
-  GenericDict state = new_dict();
-  c10::impl::GenericList groups(c10::AnyType::get());
-  int64_t index = 0;
-  for (auto& group : optimizer.param_groups()) {
-    GenericDict g = new_dict();
-    auto& options = group.options();
-    if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-      g = adam_group(*adam);
-    } else if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-      g = adam_group(*adamw);
-    } else if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
-      g = new_dict();
-      g.insert("lr", sgd->lr());
-      g.insert("momentum", sgd->momentum());
-      g.insert("dampening", sgd->dampening());
-      g.insert("weight_decay", sgd->weight_decay());
-      g.insert("nesterov", sgd->nesterov());
-    } else {
-      DDP_CHECK(false, "ddp: optimizer_state_dict supports Adam, AdamW and SGD");
-    }
-    c10::impl::GenericList params(c10::AnyType::get());  // typed lists pickle as torch.jit globals
-    for (auto& p : group.params()) {
-      params.push_back(index);
-      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
-      if (it != optimizer.state().end()) {
-        auto* s = it->second.get();
-        if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(s)) {
-          state.insert(index, adam_state(*a));
-        } else if (auto* aw = dynamic_cast<torch::optim::AdamWParamState*>(s)) {
-          state.insert(index, adam_state(*aw));
-        } else if (auto* sg = dynamic_cast<torch::optim::SGDParamState*>(s)) {
-          GenericDict d = new_dict();
-          d.insert("momentum_buffer", sg->momentum_buffer());
-          state.insert(index, d);
-        }
-      }
-      ++index;
-    }
-    g.insert("params", params);
-    groups.push_back(g);
-  }
-  GenericDict result = new_dict();
-  result.insert("state", state);
-  result.insert("param_groups", groups);
-  return result;
-}
-
-bool is_per_element_state(const std::string& key) { return key != "step"; }
-
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& value) {
-  DDP_CHECK(value.isGenericDict(), "ddp: optimizer state must be a dict");
-  GenericDict dict = value.toGenericDict();
-  DDP_CHECK(dict.contains("state") && dict.contains("param_groups"),
-              "ddp: optimizer state needs 'state' and 'param_groups' entries");
-  GenericDict state = dict.at("state").toGenericDict();
-  auto groups = dict.at("param_groups").toListRef();
-  DDP_CHECK(groups.size() == optimizer.param_groups().size(), "ddp: the optimizer state has ",
-              groups.size(), " parameter groups but the optimizer has ", optimizer.param_groups().size());
-
-  // Everything is read and checked first and applied only at the end, so a
-  // bad file leaves the optimizer as it was.
-  std::vector<std::function<void()>> set_options;
-  std::vector<std::pair<void*, std::unique_ptr<torch::optim::OptimizerParamState>>> new_states;
-  int64_t index = 0;
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    auto& group = optimizer.param_groups()[gi];
-    GenericDict g = groups[gi].toGenericDict();
-    auto field = [&](const char* key) -> c10::IValue {
-      DDP_CHECK(g.contains(key), "ddp: parameter group ", gi, " of the optimizer state has no '", key,
-                  "'; was it saved from a different optimizer?");
-      return g.at(key);
-    };
-    DDP_CHECK(field("params").toListRef().size() == group.params().size(), "ddp: parameter group ", gi,
-                " of the optimizer state has ", field("params").toListRef().size(),
-                " parameters but the optimizer's has ", group.params().size());
-    auto& options = group.options();
-    enum class Kind { kAdam, kAdamW, kSgd } kind;
-    if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-      kind = Kind::kAdam;
-      field("lr"), field("betas"), field("eps"), field("weight_decay"), field("amsgrad");
-      set_options.push_back([o, g] { set_adam_group(*o, g); });
-    } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-      kind = Kind::kAdamW;
-      field("lr"), field("betas"), field("eps"), field("weight_decay"), field("amsgrad");
-      set_options.push_back([o, g] { set_adam_group(*o, g); });
-    } else if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
-      kind = Kind::kSgd;
-      double lr = field("lr").toDouble(), momentum = field("momentum").toDouble();
-      double dampening = field("dampening").toDouble(), weight_decay = field("weight_decay").toDouble();
-      bool nesterov = field("nesterov").toBool();
-      set_options.push_back([=] {
-        o->lr(lr).momentum(momentum).dampening(dampening).weight_decay(weight_decay).nesterov(nesterov);
-      });
-    } else {
-      DDP_CHECK(false, "ddp: load_optimizer_state_dict supports Adam, AdamW and SGD");
-    }
-    for (auto& p : group.params()) {
-      std::unique_ptr<torch::optim::OptimizerParamState> restored;
-      auto it = state.find(index);
-      if (it != state.end()) {
-        GenericDict s = it->value().toGenericDict();
-        if (kind == Kind::kAdam) {
-          restored = adam_state_from<torch::optim::AdamParamState>(s, p, index);
-        } else if (kind == Kind::kAdamW) {
-          restored = adam_state_from<torch::optim::AdamWParamState>(s, p, index);
-        } else {
-          auto sgd = std::make_unique<torch::optim::SGDParamState>();
-          sgd->momentum_buffer(state_tensor(s, "momentum_buffer", p, index));
-          restored = std::move(sgd);
-        }
-      }
-      new_states.emplace_back(p.unsafeGetTensorImpl(), std::move(restored));
-      ++index;
-    }
-  }
-  for (auto& apply : set_options) apply();
-  for (auto& [key, restored] : new_states) {
-    optimizer.state().erase(key);
-    if (restored) optimizer.state()[key] = std::move(restored);
-  }
-}
+// optimizer_state_dict, is_per_element_state and load_optimizer_state_dict:
+// src/optimizer_state.cpp, with the re-layouts ZeRO and FSDP make of them.
 
 Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
                           int64_t step) {
@@ -397,6 +223,7 @@ bool is_valid_snapshot(const std::string& path) {
 }  // namespace
 
 std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep) {
+  set_trace_fallback_directory(dir);  // collective traces go next to the snapshots
   std::string path = dir + "/snapshot_" + std::to_string(snapshot.epoch) + ".pt";
   save_snapshot(snapshot, path);
   // Older snapshots go only after the new one is safely on disk and reads
@@ -420,6 +247,7 @@ std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, i
 }
 
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir, std::vector<std::string>* skipped) {
+  set_trace_fallback_directory(dir);
   for (const auto& [epoch, path] : snapshot_files(dir)) {
     try {
       return load_snapshot(path);

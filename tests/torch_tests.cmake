@@ -110,3 +110,10 @@ target_precompile_headers(ddp_mpi_tests REUSE_FROM ddp)
 add_dependencies(ddp_mpi_tests ddp_worker fsdp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST)
+
+# When a job hangs or ranks disagree: the collective trace, stall reports,
+# the desync check, the trace analyser and stack dumps.
+add_executable(ddp_trace_tests test_collective_trace.cpp)
+target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_precompile_headers(ddp_trace_tests REUSE_FROM ddp)
+gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST)

@@ -78,6 +78,11 @@ class CollectiveTrace {
   int64_t last_end_ns_ = 0;
 };
 
+/// Where traces go when neither DDP_TRACE_DIR nor DDP_LOG_DIR is set: the
+/// snapshot directory, noted by save_snapshot_in and load_newest_snapshot.
+void set_trace_fallback_directory(const std::string& dir);
+std::string trace_fallback_directory();
+
 /// While alive, collectives issued by this thread carry `tag` in the trace
 /// (and in the desync check's fingerprint). Tags nest; the innermost wins.
 class CollectiveTag {

@@ -12,6 +12,7 @@
 
 #include <ddp/autocast.h>
 #include <ddp/checkpoint.h>
+#include <ddp/collective_trace.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
@@ -26,4 +27,5 @@
 #include <ddp/process_group.h>
 #include <ddp/progress.h>
 #include <ddp/snapshot.h>
+#include <ddp/stack_dump.h>
 #include <ddp/zero_redundancy_optimizer.h>

@@ -22,6 +22,7 @@
 #include <ddp/process_group.h>
 
 #include <ddp/checkpoint.h>
+#include <ddp/detail/module_sync.h>
 
 #include <ATen/core/ivalue.h>
 #include <torch/arg.h>
@@ -103,37 +104,6 @@ class NoSyncGuard {
 };
 
 namespace detail {
-
-/// The parameters and buffers of a module of any kind, by name, in the
-/// order of Python's state_dict(). DistributedDataParallel holds one.
-class ModuleTensors {
- public:
-  virtual ~ModuleTensors() = default;
-  virtual StateDict named_parameters() const = 0;
-  virtual StateDict named_buffers() const = 0;
-  /// Parameters then buffers per module, in registration order.
-  virtual StateDict state_dict() const = 0;
-  /// Layers whose gradients would be sparse, named, for a clear refusal.
-  virtual std::vector<std::string> sparse_gradient_parameters() const { return {}; }
-};
-
-std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module> module);
-/// Defined in the library; needs <torch/script.h> (or
-/// torch/csrc/jit/api/module.h) where DistributedDataParallel<torch::jit::Module>
-/// is used.
-std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module);
-
-/// Checks that every rank's module has the same parameters and buffers
-/// (names, shapes, dtypes, in order). On a mismatch every rank throws an
-/// error naming the first differing tensor and the ranks involved.
-void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group);
-void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group);
-
-/// Copies `root`'s parameters and/or buffers to every rank.
-void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bool parameters,
-                            bool buffers, int root = 0);
-void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters,
-                            bool buffers, int root = 0);
 
 // The tensors of a forward's result, for finding unused parameters early.
 // Results of other types yield none; unused parameters are then found at

@@ -3,6 +3,7 @@
 // A group of processes that run collectives together: rendezvous through a
 // c10d TCPStore hosted by rank 0, then a Gloo (CPU) or NCCL (CUDA) backend.
 
+#include <ddp/collective_trace.h>
 #include <ddp/env.h>
 #include <ddp/error_file.h>  // record_error(), for main()'s catch blocks
 
@@ -12,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,6 +30,7 @@ class RingCollectives;  // src/ring_collectives.h, not API
 struct RingDeleter {
   void operator()(RingCollectives* ring) const;
 };
+struct ProgressResponder;  // src/process_group.cpp
 }
 
 enum class BackendKind {
@@ -58,6 +61,16 @@ std::chrono::milliseconds default_timeout();
 /// --rdzv-id and torchrun), else "none".
 std::string default_run_id();
 
+/// How much checking collectives get.
+enum class DebugLevel {
+  kOff,     ///< the trace only (always on: it costs well under 1% of a Wine step)
+  kDetail,  ///< also a desync check before every collective: the ranks compare op, dtype, shape and tag
+};
+
+/// DDP_DEBUG from the environment: "detail" (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
+/// is kDetail, unset or "off" is kOff.
+DebugLevel default_debug_level();
+
 /// Options for init_process_group.
 ///
 ///   auto pg = ddp::init_process_group(
@@ -75,6 +88,9 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
   /// Identifies the job: ranks whose run ids differ refuse to form a group.
   TORCH_ARG(std::string, run_id) = default_run_id();
+  /// kDetail compares every collective's fingerprint across ranks before it
+  /// runs, so a desync is an error naming both sides instead of a hang.
+  TORCH_ARG(DebugLevel, debug) = default_debug_level();
 };
 
 /// A process group: the ranks of one job and the collectives between them.
@@ -151,8 +167,42 @@ class ProcessGroup {
   /// destructor.
   void shutdown();
 
+  /// This rank's record of its collectives (sequence numbers, tags, times).
+  const CollectiveTrace& trace() const { return *trace_; }
+  /// After a collective failed or timed out: asks every rank that can still
+  /// reach the store how far it got, and says which ranks are behind and in
+  /// which collective, e.g. "rank 1 never entered collective #532
+  /// (all_reduce, ddp bucket 2/3, 1.0 MiB); its last completed collective is
+  /// #531 (...)". Also writes this rank's trace (trace_path()). Never throws.
+  std::string explain_stall() const;
+  /// Where this rank's trace goes as JSON lines: DDP_TRACE_DIR, else
+  /// ddprun's --log-dir (DDP_LOG_DIR), else the snapshot directory last used;
+  /// empty when none is known.
+  std::string trace_path() const;
+  /// Writes the trace to trace_path(); returns the path, or "" if none.
+  std::string write_trace() const;
+
  private:
-  ProcessGroup() = default;
+  ProcessGroup() : trace_(std::make_shared<CollectiveTrace>()) {
+    // DDP_TRACE=off exists to measure what the trace costs (bench/RESULTS.md).
+    const char* trace = std::getenv("DDP_TRACE");
+    tracing_ = !(trace && std::string(trace) == "off");
+  }
+
+  // Every collective goes through these: a sequence number and trace record,
+  // the desync check under DebugLevel::kDetail, and the record's end when
+  // the work completes.
+  uint64_t enter(const char* op, const at::Tensor& tensor);
+  c10::intrusive_ptr<c10d::Work> track(uint64_t seq, c10::intrusive_ptr<c10d::Work> work);
+  void check_in_sync(uint64_t seq, const char* op, const at::Tensor& tensor);
+  // Answers another rank's explain_stall() from a thread of its own, so a
+  // rank that is merely behind still says how far it got.
+  void start_progress_responder();
+  std::string describe_or_number(uint64_t seq) const;
+
+  std::shared_ptr<CollectiveTrace> trace_;
+  bool tracing_ = true;
+  std::shared_ptr<detail::ProgressResponder> responder_;
 
   World world_;
   ProcessGroupOptions options_;

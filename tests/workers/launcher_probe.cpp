@@ -1,6 +1,7 @@
 // A worker for ddprun's tests: it needs no torch and does whatever its flags ask, in this order:
 //   setup:   --trap-term         on SIGTERM print "rank N got SIGTERM" and exit 0
 //            --ignore-term       ignore SIGTERM
+//            --trap-usr1         on SIGUSR1 print "rank N got SIGUSR1" and go on
 //            --spawn-grandchild DIR  fork a child that sleeps 300 s in our process group, holding
 //                                our stdout/stderr; its pid goes to DIR/grandchild.<rank>
 //            --pid-file DIR      write our pid to DIR/pid.<rank> (after the above: "ready")
@@ -58,6 +59,7 @@ struct ProbeOptions {
   std::string grandchild_dir;
   bool trap_term = false;
   bool ignore_term = false;
+  bool trap_usr1 = false;
   bool barrier = false;
 };
 
@@ -132,6 +134,8 @@ ProbeOptions parse(int argc, char** argv) {
       options.trap_term = true;
     } else if (flag == "--ignore-term") {
       options.ignore_term = true;
+    } else if (flag == "--trap-usr1") {
+      options.trap_usr1 = true;
     } else if (flag == "--barrier") {
       options.barrier = true;
     } else {
@@ -195,6 +199,14 @@ void on_term(int) {
   _exit(0);
 }
 
+char g_usr1_message[64];
+size_t g_usr1_message_size = 0;
+
+void on_usr1(int) {
+  ssize_t ignored = write(STDOUT_FILENO, g_usr1_message, g_usr1_message_size);
+  (void)ignored;
+}
+
 void print_env_line() {
   const char* names[] = {"RANK",
                          "LOCAL_RANK",
@@ -210,7 +222,8 @@ void print_env_line() {
                          "TORCHELASTIC_RESTART_COUNT",
                          "TORCHELASTIC_MAX_RESTARTS",
                          "TORCHELASTIC_RUN_ID",
-                         "DDP_RUN_ID"};
+                         "DDP_RUN_ID",
+                         "DDPRUN_ATTEMPT"};
   std::string line;
   for (const char* name : names) {
     const char* value = std::getenv(name);
@@ -232,6 +245,15 @@ int main(int argc, char** argv) {
     signal(SIGTERM, on_term);
   }
   if (options.ignore_term) signal(SIGTERM, SIG_IGN);
+  if (options.trap_usr1) {
+    g_usr1_message_size = static_cast<size_t>(
+        std::snprintf(g_usr1_message, sizeof g_usr1_message, "rank %d got SIGUSR1\n", rank));
+    struct sigaction action {};
+    action.sa_handler = on_usr1;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    sigaction(SIGUSR1, &action, nullptr);
+  }
   if (!options.grandchild_dir.empty()) {
     std::fflush(nullptr);
     pid_t child = fork();

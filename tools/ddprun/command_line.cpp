@@ -26,6 +26,9 @@ constexpr FlagSpec kFlags[] = {
     {"max-restarts", FlagKind::kValue},   {"log-dir", FlagKind::kValue},
     {"tee", FlagKind::kOptionalValue},    {"rdzv-id", FlagKind::kValue},
     {"run-id", FlagKind::kValue},         {"help", FlagKind::kSwitch},
+    {"rdzv-backend", FlagKind::kValue},   {"rdzv-endpoint", FlagKind::kValue},
+    {"rdzv-conf", FlagKind::kValue},      {"local-addr", FlagKind::kValue},
+    {"monitor-interval", FlagKind::kValue},
 };
 
 // torchrun's --tee takes 0..3; a bare --tee means both streams. Only those digits are taken
@@ -149,9 +152,61 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
     if (canonical == "nproc-per-node") {
       options.nproc_per_node = parse_nproc(spelled, value);
     } else if (canonical == "nnodes") {
-      options.nnodes = parse_int(spelled, value, 1, std::numeric_limits<int>::max(),
-                                 "expected a positive integer");
+      const std::string expectation = "expected a positive integer N or MIN:MAX";
+      const size_t colon = value.find(':');
+      if (colon == std::string::npos) {
+        options.nnodes = parse_int(spelled, value, 1, std::numeric_limits<int>::max(), expectation);
+        options.min_nodes = options.nnodes;
+      } else {
+        options.min_nodes =
+            parse_int(spelled, value.substr(0, colon), 1, std::numeric_limits<int>::max(), expectation);
+        options.nnodes =
+            parse_int(spelled, value.substr(colon + 1), 1, std::numeric_limits<int>::max(), expectation);
+        if (options.min_nodes > options.nnodes) bad_value(spelled, value, "MIN must not exceed MAX");
+      }
+    } else if (canonical == "rdzv-backend") {
+      if (value != "c10d" && value != "static") bad_value(spelled, value, "expected 'c10d' or 'static'");
+      options.rdzv_backend = value;
+    } else if (canonical == "rdzv-endpoint") {
+      const size_t colon = value.rfind(':');
+      const std::string host = colon == std::string::npos ? value : value.substr(0, colon);
+      if (host.empty()) bad_value(spelled, value, "expected HOST or HOST:PORT");
+      if (colon != std::string::npos) {
+        parse_int(spelled, value.substr(colon + 1), 1, 65535, "expected HOST or HOST:PORT, PORT in 1..65535");
+      }
+      options.rdzv_endpoint = value;
+    } else if (canonical == "rdzv-conf") {
+      // KEY=VALUE[,KEY=VALUE...]; the keys torchrun's c10d backend knows, plus heartbeat_timeout.
+      std::stringstream entries(value);
+      for (std::string entry; std::getline(entries, entry, ',');) {
+        if (entry.empty()) continue;
+        const size_t eq = entry.find('=');
+        if (eq == std::string::npos) bad_value(spelled, value, "expected KEY=VALUE[,KEY=VALUE...]");
+        const std::string key = entry.substr(0, eq);
+        const std::string number = entry.substr(eq + 1);
+        const std::string label = spelled + " " + key;
+        if (key == "join_timeout") {
+          options.join_timeout_seconds = parse_seconds(label, number);
+        } else if (key == "last_call_timeout") {
+          options.last_call_timeout_seconds = parse_seconds(label, number);
+        } else if (key == "heartbeat_timeout") {
+          options.heartbeat_timeout_seconds = parse_seconds(label, number);
+        } else if (key == "read_timeout" || key == "timeout" || key == "is_host" || key == "close_timeout") {
+          // torchrun's other keys: accepted so torchrun command lines keep working; every socket
+          // operation here has its own deadline.
+        } else {
+          bad_value(spelled, value,
+                    "unknown key '" + key + "' (known: join_timeout, last_call_timeout, heartbeat_timeout)");
+        }
+      }
+    } else if (canonical == "local-addr") {
+      if (value.empty()) bad_value(spelled, value, "expected a host name or IP address");
+      options.local_addr = value;
+    } else if (canonical == "monitor-interval") {
+      options.monitor_interval_seconds = parse_seconds(spelled, value);
+      if (options.monitor_interval_seconds <= 0) bad_value(spelled, value, "expected a number of seconds > 0");
     } else if (canonical == "node-rank") {
+      options.node_rank_given = true;
       options.node_rank =
           parse_int(spelled, value, 0, std::numeric_limits<int>::max(), "expected an integer >= 0");
     } else if (canonical == "master-addr") {
@@ -204,7 +259,10 @@ std::string usage_text() {
        << "                       (one per visible GPU) or 'auto' (one per GPU, else one per CPU)\n"
        << "                       (default: " << defaults.nproc_per_node << ")\n"
        << "  --nnodes N           number of nodes in the job (default: " << defaults.nnodes << ")\n"
-       << "  --node-rank I        rank of this node, 0 <= I < nnodes (default: "
+       << "                       With --rdzv-backend c10d also MIN:MAX: rounds form with MIN to MAX\n"
+       << "                       nodes, and a node may join or leave between rounds\n"
+       << "  --node-rank I        rank of this node, 0 <= I < nnodes; static mode only, c10d assigns\n"
+       << "                       node ranks (default: "
        << defaults.node_rank << ")\n"
        << "  --master-addr ADDR   address of the node running rank 0 (default: "
        << defaults.master_addr << ")\n"
@@ -229,11 +287,43 @@ std::string usage_text() {
        << "                       (default: off)\n"
        << "  --rdzv-id ID         job id, given to workers as TORCHELASTIC_RUN_ID and DDP_RUN_ID;\n"
        << "                       --run-id is the same flag (default: " << defaults.run_id << ")\n"
+       << "  --rdzv-backend B     'static': --master-addr and --node-rank by hand on every node;\n"
+       << "                       'c10d': the agents (one ddprun per node) meet in a store at\n"
+       << "                       --rdzv-endpoint, hosted by the ddprun on the endpoint's host (the\n"
+       << "                       first there to bind it); it assigns node ranks, each attempt's\n"
+       << "                       MASTER_ADDR/MASTER_PORT, and keeps one restart budget for the job\n"
+       << "                       (default: " << defaults.rdzv_backend << ")\n"
+       << "  --rdzv-endpoint H[:P] the store's address; it binds H only, never every interface\n"
+       << "                       (default: none; port 29400 when omitted)\n"
+       << "  --rdzv-conf K=V,...  join_timeout: seconds for MIN nodes to join the first round\n"
+       << "                       (default: " << defaults.join_timeout_seconds << "); last_call_timeout: once MIN joined, "
+          "seconds\n"
+       << "                       to wait for more, up to MAX (default: " << defaults.last_call_timeout_seconds
+       << "); heartbeat_timeout:\n"
+       << "                       an agent silent this long is declared lost (default: "
+       << defaults.heartbeat_timeout_seconds << ")\n"
+       << "  --local-addr ADDR    the address other nodes reach this node at, and the workers'\n"
+       << "                       MASTER_ADDR when it is node 0 (default: none, the address this node\n"
+       << "                       reaches the store from)\n"
+       << "  --monitor-interval S seconds between an agent's heartbeats to the store (default: "
+       << defaults.monitor_interval_seconds << ")\n"
        << "  -h, --help           print this help and exit\n"
        << "  --                   end of options; the next word is PROGRAM\n"
        << "\n"
        << "Everything from PROGRAM on is passed to PROGRAM untouched. If OMP_NUM_THREADS is unset\n"
        << "and there is more than one worker, workers get OMP_NUM_THREADS=1.\n"
+       << "\n"
+       << "With --rdzv-backend c10d: when a worker on any node fails, every node stops its workers\n"
+       << "and all start the next attempt together; --max-restarts counts for the whole job, and\n"
+       << "the root cause names the first failure across all nodes (node, rank, host). A node whose\n"
+       << "ddprun stops answering is declared lost within heartbeat_timeout + --monitor-interval\n"
+       << "(5.5 s by default) and named; the others go on without it if MIN nodes remain, else\n"
+       << "every ddprun exits 1. A node joining a job of fewer than MAX nodes enters at the next\n"
+       << "attempt. Restarts after a change of membership do not count against --max-restarts.\n"
+       << "Workers also get DDPRUN_ATTEMPT (rounds so far, membership changes included).\n"
+       << "\n"
+       << "SIGUSR1 is forwarded to every running worker (not to their children) and stops\n"
+       << "nothing; use it for stack dumps. A worker that does not handle SIGUSR1 dies of it.\n"
        << "\n"
        << "Exit status: 0 if all workers of an attempt exit 0, 1 if a worker fails with no\n"
        << "restart left (a root-cause summary goes to stderr), 128+N if ddprun receives signal N\n"

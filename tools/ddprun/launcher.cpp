@@ -18,12 +18,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 
 #include "error_record.h"
 #include "line_forwarder.h"
 #include "posix_util.h"
+#include "rdzv.h"
 #include "signal_pipe.h"
 #include "watchdog.h"
 
@@ -129,6 +131,22 @@ struct AttemptOutcome {
   int received_signal = 0;  // ddprun was asked to stop: never restart
   bool worker_failed = false;
   FailedWorker first_failure;  // when worker_failed
+  // With the c10d rendezvous: the store asked us to stop (another node failed, a node was lost
+  // or is joining), or the store itself stopped answering.
+  bool stopped_by_rendezvous = false;
+  bool store_lost = false;
+};
+
+// Where one attempt's workers sit in the job.
+struct Assignment {
+  int attempt = 0;        // rounds of the job, from 0: names log directories and error files
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: restarts after failures so far
+  int node_rank = 0;
+  int nnodes = 1;
+  int world_size = 1;
+  int base_rank = 0;  // global rank of local rank 0
+  std::string master_addr;
+  int master_port = 0;
 };
 
 std::string attempt_log_dir(const std::string& log_dir, int attempt) {
@@ -148,17 +166,16 @@ void create_directories(const std::string& path) {
 class Job {
  public:
   // The Job borrows everything; all of it must outlive the Job.
-  Job(const LaunchOptions& options, int attempt, const std::string& master_addr, int master_port,
-      const Environment& shared_environment, const std::string& error_dir, Watchdog& watchdog,
-      SignalPipe& signals)
+  Job(const LaunchOptions& options, const Assignment& assignment, const Environment& shared_environment,
+      const std::string& error_dir, Watchdog& watchdog, SignalPipe& signals, RdzvClient* client = nullptr)
       : options_(options),
-        attempt_(attempt),
+        assignment_(assignment),
+        attempt_(assignment.attempt),
         error_dir_(error_dir),
-        master_addr_(master_addr),
-        master_port_(master_port),
         shared_environment_(shared_environment),
         watchdog_(watchdog),
-        signals_(signals) {}
+        signals_(signals),
+        client_(client) {}
 
   AttemptOutcome run() {
     try {
@@ -185,15 +202,20 @@ class Job {
 
   void start_workers() {
     Environment shared = shared_environment_;
-    shared.set("MASTER_ADDR", master_addr_);
-    shared.set("MASTER_PORT", std::to_string(master_port_));
-    shared.set("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt_));
+    shared.set("MASTER_ADDR", assignment_.master_addr);
+    shared.set("MASTER_PORT", std::to_string(assignment_.master_port));
+    shared.set("TORCHELASTIC_RESTART_COUNT", std::to_string(assignment_.restart_count));
+    shared.set("DDPRUN_ATTEMPT", std::to_string(assignment_.attempt));
+    shared.set("WORLD_SIZE", std::to_string(assignment_.world_size));
+    shared.set("GROUP_RANK", std::to_string(assignment_.node_rank));
+    shared.set("GROUP_WORLD_SIZE", std::to_string(assignment_.nnodes));
+    shared.set("ROLE_WORLD_SIZE", std::to_string(assignment_.world_size));
 
     workers_.reserve(static_cast<size_t>(options_.nproc_per_node));
     for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
       Worker worker;
       worker.local_rank = local_rank;
-      worker.global_rank = options_.node_rank * options_.nproc_per_node + local_rank;
+      worker.global_rank = assignment_.base_rank + local_rank;
       workers_.push_back(std::move(worker));
     }
     // Every log file exists before the first worker starts, so a log directory we cannot write
@@ -316,6 +338,7 @@ class Job {
     while (true) {
       handle_signals();
       collect_exits();
+      check_rendezvous();
 
       const bool all_exited = std::all_of(workers_.begin(), workers_.end(),
                                           [](const Worker& worker) { return worker.exited; });
@@ -339,6 +362,29 @@ class Job {
     }
   }
 
+  // With the c10d rendezvous: stop the workers when the store says so, or when it is gone.
+  void check_rendezvous() {
+    if (client_ == nullptr || stage_ != Stage::kRunning) return;
+    if (client_->store_lost()) {
+      say("lost the rendezvous store at " + client_->endpoint() + ": no answer for " +
+          format_seconds(std::round(client_->seconds_since_answer() * 10) / 10) +
+          " s (the ddprun hosting it is gone, or the network is cut); stopping the workers");
+      store_lost_ = true;
+      stop_workers(SIGTERM);
+      return;
+    }
+    const RdzvView view = client_->view();
+    if (view.kind == RdzvView::kStop && view.round == attempt_) {
+      say("stopping the workers on this node: " + view.text);
+      stopped_by_rendezvous_ = true;
+      stop_workers(SIGTERM);
+    } else if (view.kind == RdzvView::kLost || view.kind == RdzvView::kFail) {
+      say("stopping the workers on this node: " + view.text);
+      store_lost_ = true;  // no later round can include this node
+      stop_workers(SIGTERM);
+    }
+  }
+
   bool any_stream_open() const {
     for (const Worker& worker : workers_) {
       for (const LineForwarder& stream : worker.streams) {
@@ -353,6 +399,8 @@ class Job {
     std::vector<pollfd> fds;
     std::vector<LineForwarder*> fd_streams;
     fds.push_back({signals_.read_fd(), POLLIN, 0});
+    if (client_ != nullptr) fds.push_back({client_->wake_fd(), POLLIN, 0});
+    const size_t first_stream = fds.size();
     for (Worker& worker : workers_) {
       for (LineForwarder& stream : worker.streams) {
         if (!stream.is_open()) continue;
@@ -369,6 +417,11 @@ class Job {
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       timeout_ms = static_cast<int>(std::clamp<long long>(remaining + 1, 0, 60 * 1000));
     }
+    if (client_ != nullptr) {
+      // The store's silence is measured here, whether or not the heartbeat thread wakes us.
+      const int monitor_ms = static_cast<int>(std::max(10.0, options_.monitor_interval_seconds * 1000));
+      timeout_ms = timeout_ms < 0 ? monitor_ms : std::min(timeout_ms, monitor_ms);
+    }
 
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0) {
@@ -376,8 +429,9 @@ class Job {
       throw_errno("poll");
     }
     // One read per stream per round keeps a chatty worker from starving the others.
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents != 0) fd_streams[i - 1]->read_some();
+    if (client_ != nullptr && fds[1].revents != 0) client_->drain_wake();
+    for (size_t i = first_stream; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) fd_streams[i - first_stream]->read_some();
     }
   }
 
@@ -385,6 +439,16 @@ class Job {
     for (int signal_number : signals_.drain()) {
       if (signal_number == SIGCHLD) continue;  // collect_exits() looks at every worker anyway
       const std::string name = signal_name(signal_number);
+      if (signal_number == SIGUSR1) {
+        // For stack dumps: passed on to every running worker (not their process groups), and
+        // nothing is stopped.
+        int forwarded = 0;
+        for (const Worker& worker : workers_) {
+          if (!worker.exited && ::kill(worker.pid, SIGUSR1) == 0) ++forwarded;
+        }
+        say("received SIGUSR1, forwarded it to " + std::to_string(forwarded) + " worker(s)");
+        continue;
+      }
       if (stage_ == Stage::kRunning) {
         received_signal_ = signal_number;
         say("received " + name + ", forwarding it to the workers (SIGKILL follows after " +
@@ -428,7 +492,8 @@ class Job {
     }
     if (newly_failed.empty()) return;
 
-    if (first_failed_ == nullptr) first_failed_ = newly_failed.front();
+    const bool first = first_failed_ == nullptr;
+    if (first) first_failed_ = newly_failed.front();
     for (Worker* worker : newly_failed) {
       // Its last words (a stack trace, an error message) belong before our verdict.
       for (LineForwarder& stream : worker->streams) stream.read_available();
@@ -438,6 +503,11 @@ class Job {
         message += " (127 usually means the program could not be executed)";
       }
       say(message);
+    }
+    if (first && client_ != nullptr) {
+      // At once, so that the other nodes stop their workers while ours stop.
+      const Worker& failed = *newly_failed.front();
+      client_->notify_failing(attempt_, failed.global_rank, describe_exit(failed.exit_code, failed.term_signal));
     }
     stop_workers(SIGTERM);
   }
@@ -483,7 +553,10 @@ class Job {
     AttemptOutcome outcome;
     outcome.received_signal = received_signal_;
     outcome.worker_failed = first_failed_ != nullptr;
-    if (outcome.received_signal == 0 && !outcome.worker_failed) return outcome;
+    outcome.stopped_by_rendezvous = stopped_by_rendezvous_;
+    outcome.store_lost = store_lost_;
+    if (outcome.received_signal == 0 && !outcome.worker_failed && !stopped_by_rendezvous_ && !store_lost_)
+      return outcome;
     for (const Worker& worker : workers_) {
       if (!worker.exited_while_stopping) continue;
       std::string how;
@@ -528,13 +601,15 @@ class Job {
   }
 
   const LaunchOptions& options_;
+  const Assignment& assignment_;
   const int attempt_;
   const std::string& error_dir_;
-  const std::string& master_addr_;
-  const int master_port_;
   const Environment& shared_environment_;
   Watchdog& watchdog_;
   SignalPipe& signals_;
+  RdzvClient* client_;
+  bool stopped_by_rendezvous_ = false;
+  bool store_lost_ = false;
   std::vector<Worker> workers_;
   Stage stage_ = Stage::kRunning;
   Clock::time_point kill_deadline_;
@@ -570,7 +645,7 @@ std::string host_name() {
 class Session {
  public:
   explicit Session(const LaunchOptions& options)
-      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {
+      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGUSR1}) {
     if (options_.log_dir.empty()) error_dir_ = make_error_dir();
   }
   ~Session() { remove_error_dir(); }
@@ -578,13 +653,21 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   int run() {
+    if (options_.rdzv_backend == "c10d") return run_rendezvous();
     const Environment shared = shared_environment();
-    const std::string master_addr = options_.standalone ? "127.0.0.1" : options_.master_addr;
-    int master_port = options_.standalone ? pick_free_port() : options_.master_port;
+    Assignment assignment;
+    assignment.master_addr = options_.standalone ? "127.0.0.1" : options_.master_addr;
+    assignment.master_port = options_.standalone ? pick_free_port() : options_.master_port;
+    assignment.node_rank = options_.node_rank;
+    assignment.nnodes = options_.nnodes;
+    assignment.world_size = options_.nnodes * options_.nproc_per_node;
+    assignment.base_rank = options_.node_rank * options_.nproc_per_node;
+    int& master_port = assignment.master_port;
 
     for (int attempt = 0;; ++attempt) {
-      AttemptOutcome outcome =
-          Job(options_, attempt, master_addr, master_port, shared, error_dir_, watchdog_, signals_).run();
+      assignment.attempt = attempt;
+      assignment.restart_count = attempt;
+      AttemptOutcome outcome = Job(options_, assignment, shared, error_dir_, watchdog_, signals_).run();
       if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
       if (!outcome.worker_failed) return finish(0);
       if (attempt >= options_.max_restarts) {
@@ -612,16 +695,145 @@ class Session {
   }
 
  private:
+  // The whole run with the c10d rendezvous: every round's place in the job comes from the
+  // agents' store, which one of the agents hosts.
+  int run_rendezvous() {
+    const Environment shared = shared_environment();
+    std::string host = options_.rdzv_endpoint;
+    int port = 29400;
+    const size_t colon = host.rfind(':');
+    if (colon != std::string::npos) {
+      port = std::atoi(host.c_str() + colon + 1);
+      host = host.substr(0, colon);
+    }
+    RdzvConfig config;
+    config.run_id = options_.run_id;
+    config.min_nodes = options_.min_nodes;
+    config.max_nodes = options_.nnodes;
+    config.max_restarts = options_.max_restarts;
+    config.join_timeout = options_.join_timeout_seconds;
+    config.last_call_timeout = options_.last_call_timeout_seconds;
+    config.heartbeat_timeout = options_.heartbeat_timeout_seconds;
+    std::string why;
+    int error_number = 0;
+    // The agent on the endpoint's host hosts the store (the first one there to bind it); the
+    // store listens on that address only. It lives as long as this ddprun.
+    std::unique_ptr<RdzvServer> server = RdzvServer::try_bind(host, port, config, &why, &error_number);
+    if (server) {
+      say("hosting the rendezvous store on " + host + ":" + std::to_string(port) + " (run id '" + options_.run_id +
+          "', " + std::to_string(options_.min_nodes) + ".." + std::to_string(options_.nnodes) + " nodes)");
+    } else if (error_number != EADDRINUSE && error_number != EADDRNOTAVAIL) {
+      say("cannot host the rendezvous store on " + host + ":" + std::to_string(port) + " (" + why +
+          "); joining it as a client");
+    }
+    if (options_.node_rank_given) say("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks");
+    RdzvClient client(host, port, options_.local_addr, options_.monitor_interval_seconds,
+                      options_.heartbeat_timeout_seconds);
+    client.join(options_.run_id, host_name(), options_.nproc_per_node, server != nullptr,
+                options_.join_timeout_seconds);
+    client.start_heartbeat();
+    auto end_job = [&](int code) {
+      // The others may still be polling for the outcome: the store goes when they know it.
+      if (server) server->wait_until_everyone_knows(options_.heartbeat_timeout_seconds + 1);
+      return finish(code);
+    };
+
+    int last_round = -1;
+    while (true) {
+      RdzvView view;
+      if (const int stop_signal = wait_for_round(client, last_round, &view)) {
+        say("received " + signal_name(stop_signal) + "; leaving the job");
+        client.leave();
+        return finish(128 + stop_signal);
+      }
+      if (view.kind == RdzvView::kDone) return end_job(0);
+      if (view.kind == RdzvView::kFail) {
+        std::string block;
+        std::stringstream lines(view.text);
+        for (std::string line; std::getline(lines, line);) block += "ddprun: " + line + "\n";
+        write_all(STDERR_FILENO, block);
+        return end_job(1);
+      }
+      if (view.kind != RdzvView::kRound) {
+        say(view.text);
+        return finish(1);
+      }
+      Assignment assignment;
+      assignment.attempt = view.round;
+      assignment.restart_count = view.restart_count;
+      assignment.node_rank = view.node_rank;
+      assignment.nnodes = view.nnodes;
+      assignment.world_size = view.world_size;
+      assignment.base_rank = view.base_rank;
+      assignment.master_addr = view.master_addr;
+      assignment.master_port = view.master_port;
+      say("rendezvous round " + std::to_string(view.round) + " (" + view.text + "): node rank " +
+          std::to_string(view.node_rank) + " of " + std::to_string(view.nnodes) + ", ranks " +
+          std::to_string(view.base_rank) + ".." + std::to_string(view.base_rank + options_.nproc_per_node - 1) +
+          " of world size " + std::to_string(view.world_size) + ", master " + view.master_addr + ":" +
+          std::to_string(view.master_port));
+      AttemptOutcome outcome =
+          Job(options_, assignment, shared, error_dir_, watchdog_, signals_, &client).run();
+      last_round = view.round;
+      if (outcome.received_signal != 0) {
+        client.report(view.round, "signal", {signal_name(outcome.received_signal)});
+        return finish(128 + outcome.received_signal);
+      }
+      if (outcome.store_lost) return finish(1);
+      if (outcome.worker_failed) {
+        const FailedWorker& f = outcome.first_failure;
+        const bool recorded = f.record.present;
+        client.report(view.round, "failed",
+                      {std::to_string(f.global_rank), std::to_string(f.local_rank), std::to_string(f.pid),
+                       describe_exit(f.exit_code, f.term_signal), f.last_line, f.log_path, recorded ? "1" : "0",
+                       recorded ? f.record.message : "", recorded && f.record.consequence ? "1" : "0",
+                       std::to_string(recorded ? f.record.timestamp_ns : 0), host_name()});
+      } else {
+        client.report(view.round, outcome.stopped_by_rendezvous ? "stopped" : "success", {});
+      }
+    }
+  }
+
+  // Waits for this node's next round (or the job's end). Returns a stop signal if ddprun was
+  // asked to stop meanwhile, else 0 with *view set.
+  int wait_for_round(RdzvClient& client, int& last_round, RdzvView* view) {
+    std::string last_wait_text;
+    while (true) {
+      for (int signal_number : signals_.drain()) {
+        if (signal_number != SIGCHLD && signal_number != SIGUSR1) return signal_number;
+      }
+      *view = client.view();
+      if (view->kind == RdzvView::kRound && view->round > last_round) return 0;
+      if (view->kind == RdzvView::kStop && view->round > last_round) {
+        // A round that formed and was stopped before we saw it: we are in it, so we end it.
+        say("rendezvous round " + std::to_string(view->round) +
+            " was stopped before this node started its workers: " + view->text);
+        client.report(view->round, "stopped", {});
+        last_round = view->round;
+        continue;
+      }
+      if (view->kind == RdzvView::kDone || view->kind == RdzvView::kFail || view->kind == RdzvView::kLost) return 0;
+      if (client.store_lost()) {
+        view->kind = RdzvView::kLost;
+        view->text = "lost the rendezvous store at " + client.endpoint() + ": no answer for " +
+                     format_seconds(std::round(client.seconds_since_answer() * 10) / 10) +
+                     " s (the ddprun hosting it is gone, or the network is cut)";
+        return 0;
+      }
+      if (view->kind == RdzvView::kWait && view->text != last_wait_text && last_round < 0) {
+        last_wait_text = view->text;
+        say("waiting for the rendezvous at " + client.endpoint() + ": " + view->text);
+      }
+      pollfd fds[2] = {{signals_.read_fd(), POLLIN, 0}, {client.wake_fd(), POLLIN, 0}};
+      if (::poll(fds, 2, 200) > 0 && fds[1].revents != 0) client.drain_wake();
+    }
+  }
+
   // The environment every worker of every attempt shares.
   Environment shared_environment() const {
     Environment environment = Environment::inherited();
-    const int world_size = options_.nnodes * options_.nproc_per_node;
-    environment.set("WORLD_SIZE", std::to_string(world_size));
     environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
-    environment.set("GROUP_RANK", std::to_string(options_.node_rank));
-    environment.set("GROUP_WORLD_SIZE", std::to_string(options_.nnodes));
     environment.set("ROLE_NAME", "default");
-    environment.set("ROLE_WORLD_SIZE", std::to_string(world_size));
     environment.set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     environment.set("TORCHELASTIC_RUN_ID", options_.run_id);
     environment.set("DDP_RUN_ID", options_.run_id);
@@ -640,7 +852,7 @@ class Session {
   int pending_stop_signal() {
     int stop_signal = 0;
     for (int signal_number : signals_.drain()) {
-      if (signal_number != SIGCHLD && stop_signal == 0) stop_signal = signal_number;
+      if (signal_number != SIGCHLD && signal_number != SIGUSR1 && stop_signal == 0) stop_signal = signal_number;
     }
     return stop_signal;
   }
@@ -733,7 +945,25 @@ void validate(const LaunchOptions& options) {
   if (options.nnodes < 1) {
     throw invalid("--nnodes", std::to_string(options.nnodes), "must be at least 1");
   }
-  if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
+  const bool c10d = options.rdzv_backend == "c10d";
+  if (options.rdzv_backend != "static" && !c10d) {
+    throw invalid("--rdzv-backend", options.rdzv_backend, "expected 'c10d' or 'static'");
+  }
+  if (c10d && options.rdzv_endpoint.empty()) {
+    throw std::invalid_argument("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]");
+  }
+  if (c10d && options.standalone) {
+    throw std::invalid_argument("--standalone runs a single node without a rendezvous; drop it or --rdzv-backend c10d");
+  }
+  if (!c10d && options.min_nodes != options.nnodes) {
+    throw invalid("--nnodes", std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes),
+                  "MIN:MAX needs --rdzv-backend c10d");
+  }
+  if (options.min_nodes < 1 || options.min_nodes > options.nnodes) {
+    throw invalid("--nnodes", std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes),
+                  "expected 1 <= MIN <= MAX");
+  }
+  if (!c10d && (options.node_rank < 0 || options.node_rank >= options.nnodes)) {
     throw invalid("--node-rank", std::to_string(options.node_rank),
                   "must be in [0, " + std::to_string(options.nnodes) + ") since --nnodes is " +
                       std::to_string(options.nnodes));
@@ -762,6 +992,14 @@ void validate(const LaunchOptions& options) {
   if (options.standalone && options.nnodes != 1) {
     throw std::invalid_argument("--standalone runs a single node, but --nnodes is " +
                                 std::to_string(options.nnodes) + "; drop one of them");
+  }
+  if (options.monitor_interval_seconds <= 0 || !std::isfinite(options.monitor_interval_seconds)) {
+    throw invalid("--monitor-interval", format_seconds(options.monitor_interval_seconds),
+                  "expected a number of seconds > 0");
+  }
+  if (c10d && options.heartbeat_timeout_seconds <= options.monitor_interval_seconds) {
+    throw invalid("--rdzv-conf heartbeat_timeout", format_seconds(options.heartbeat_timeout_seconds),
+                  "must be longer than --monitor-interval (" + format_seconds(options.monitor_interval_seconds) + " s)");
   }
   if (options.command.empty()) throw std::invalid_argument("missing PROGRAM to run");
 }

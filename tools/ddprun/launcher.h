@@ -34,6 +34,22 @@ struct LaunchOptions {
   int tee = 0;
   // Identifies the job; workers get it as TORCHELASTIC_RUN_ID and DDP_RUN_ID.
   std::string run_id = "none";
+  // Rendezvous of the agents (one ddprun per node): "static" (--master-addr and --node-rank
+  // given by hand on every node) or "c10d" (the agents meet in a store at rdzv_endpoint, which
+  // one of them hosts; node ranks, the master and restarts are agreed there).
+  std::string rdzv_backend = "static";
+  std::string rdzv_endpoint;  // HOST[:PORT], port 29400 when omitted
+  // --nnodes MIN:MAX: with c10d, rounds form with MIN..MAX nodes; nnodes holds MAX.
+  int min_nodes = 1;
+  bool node_rank_given = false;
+  double join_timeout_seconds = 600;
+  double last_call_timeout_seconds = 30;
+  double heartbeat_timeout_seconds = 5;
+  // The address this node advertises to the others (its workers' MASTER_ADDR when it is node
+  // 0); empty: the address it reaches the store from.
+  std::string local_addr;
+  // How often the agent polls the store (its heartbeat), in seconds.
+  double monitor_interval_seconds = 0.5;
   // PROGRAM followed by its arguments, passed to execvp untouched.
   std::vector<std::string> command;
 };

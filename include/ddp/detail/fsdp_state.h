@@ -13,6 +13,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -23,6 +24,8 @@ class Optimizer;
 }
 
 namespace ddp::detail {
+
+struct FlatLayout;  // <ddp/detail/optimizer_state.h>
 
 /// The engine of FullyShardedDataParallel, independent of the module type.
 class FsdpState {
@@ -75,6 +78,12 @@ class FsdpState {
   void finish_backward();
   void reset_backward_state();
   bool sharded() const;
+  /// This rank's part of the unit's flat tensor: [first, first + second).
+  std::pair<int64_t, int64_t> shard_range(const Unit& unit) const;
+  FlatLayout layout_of(const Unit& unit) const;
+  /// Each parameter's index in the root's named_parameters(), by name:
+  /// the unwrapped model's optimizer-state keys.
+  std::map<std::string, int64_t> parameter_indices() const;
   // Buffers and frozen parameters: whole on every rank.
   std::vector<std::pair<std::string, at::Tensor>> replicated() const;
 

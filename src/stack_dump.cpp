@@ -1,0 +1,203 @@
+#include <ddp/stack_dump.h>
+
+#include <ddp/collective_trace.h>
+
+#include <cxxabi.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+namespace ddp {
+namespace {
+
+// Each thread captures its own stack in a handler of this signal, one thread
+// at a time; the dumping thread symbolises the addresses outside any handler.
+const int kCaptureSignal = SIGRTMIN + 5;
+constexpr int kMaxFrames = 64;
+
+std::atomic<pid_t> capture_target{0};
+std::atomic<int> capture_count{0};
+std::atomic<bool> capture_done{false};
+void* capture_frames[kMaxFrames];
+
+int request_pipe[2] = {-1, -1};
+
+std::mutex traces_mutex;
+std::map<const void*, std::pair<const CollectiveTrace*, int>>& traces() {
+  static auto* registry = new std::map<const void*, std::pair<const CollectiveTrace*, int>>();
+  return *registry;
+}
+std::mutex dump_mutex;
+
+pid_t this_thread_id() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
+
+void on_capture(int) {
+  const int saved_errno = errno;
+  if (capture_target.load() == this_thread_id()) {
+    capture_count = ::backtrace(capture_frames, kMaxFrames);
+    capture_done = true;
+  }
+  errno = saved_errno;
+}
+
+void on_request(int) {
+  const int saved_errno = errno;
+  char byte = 1;
+  if (request_pipe[1] >= 0) (void)!::write(request_pipe[1], &byte, 1);
+  errno = saved_errno;
+}
+
+std::string frame_text(void* address) {
+  Dl_info info{};
+  std::ostringstream out;
+  out << address;
+  if (::dladdr(address, &info) != 0) {
+    if (info.dli_sname) {
+      int status = 0;
+      char* demangled = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+      out << " " << (status == 0 && demangled ? demangled : info.dli_sname);
+      std::free(demangled);
+      out << "+0x" << std::hex
+          << (reinterpret_cast<uintptr_t>(address) - reinterpret_cast<uintptr_t>(info.dli_saddr)) << std::dec;
+    }
+    if (info.dli_fname) {
+      const char* slash = std::strrchr(info.dli_fname, '/');
+      out << " (" << (slash ? slash + 1 : info.dli_fname) << ")";
+    }
+  }
+  return out.str();
+}
+
+std::string thread_name(pid_t tid) {
+  std::ifstream comm("/proc/self/task/" + std::to_string(tid) + "/comm");
+  std::string name;
+  std::getline(comm, name);
+  return name;
+}
+
+std::vector<pid_t> thread_ids() {
+  std::vector<pid_t> ids;
+  if (DIR* dir = ::opendir("/proc/self/task")) {
+    while (dirent* entry = ::readdir(dir)) {
+      if (entry->d_name[0] == '.') continue;
+      ids.push_back(static_cast<pid_t>(std::atoi(entry->d_name)));
+    }
+    ::closedir(dir);
+  }
+  return ids;
+}
+
+void dumper_loop() {
+  char byte;
+  while (::read(request_pipe[0], &byte, 1) >= 0) {
+    dump_stacks("signal received");
+  }
+}
+
+}  // namespace
+
+void dump_stacks(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(dump_mutex);
+  std::ostringstream out;
+  out << "ddp: stack dump of pid " << ::getpid() << " (" << reason << "); the program carries on\n";
+  const pid_t self = this_thread_id();
+  for (pid_t tid : thread_ids()) {
+    std::vector<void*> frames;
+    if (tid == self) {
+      void* own[kMaxFrames];
+      int n = ::backtrace(own, kMaxFrames);
+      frames.assign(own, own + n);
+    } else {
+      capture_done = false;
+      capture_count = 0;
+      capture_target = tid;
+      if (::syscall(SYS_tgkill, ::getpid(), tid, kCaptureSignal) == 0) {
+        for (int i = 0; i < 100 && !capture_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      capture_target = 0;
+      if (capture_done) frames.assign(capture_frames, capture_frames + capture_count.load());
+    }
+    out << "  thread " << tid << " (" << thread_name(tid) << ")" << (tid == self ? ", dumping" : "") << ":\n";
+    if (frames.empty()) out << "    (no stack: the thread did not answer)\n";
+    // The first frames are the capture itself.
+    for (size_t i = tid == self ? 1 : 0; i < frames.size(); ++i) {
+      out << "    #" << i << " " << frame_text(frames[i]) << "\n";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> traces_lock(traces_mutex);
+    for (const auto& [owner, entry] : traces()) {
+      out << "  rank " << entry.second << "'s last collectives (last entered #" << entry.first->last_entered()
+          << ", last completed #" << entry.first->last_completed() << "):\n";
+      for (const auto& r : entry.first->recent(10)) {
+        out << "    " << describe(r) << " "
+            << (r.state == CollectiveRecord::State::kCompleted ? "completed"
+                : r.state == CollectiveRecord::State::kFailed  ? "failed"
+                                                               : "not finished")
+            << "\n";
+      }
+    }
+  }
+  const std::string text = out.str();
+  std::fwrite(text.data(), 1, text.size(), stderr);
+  std::fflush(stderr);
+}
+
+bool install_stack_dump_handler(int signal) {
+  if (const char* setting = std::getenv("DDP_STACK_DUMP_SIGNAL"); setting && std::string(setting) == "off") {
+    return false;
+  }
+  static std::once_flag once;
+  std::call_once(once, [signal] {
+    // backtrace() loads its unwinder on first use: do that now, outside any
+    // signal handler.
+    void* warm[2];
+    ::backtrace(warm, 2);
+    struct sigaction capture {};
+    capture.sa_handler = on_capture;
+    capture.sa_flags = SA_RESTART;
+    sigemptyset(&capture.sa_mask);
+    ::sigaction(kCaptureSignal, &capture, nullptr);
+    if (::pipe(request_pipe) != 0) return;
+    ::fcntl(request_pipe[0], F_SETFD, FD_CLOEXEC);
+    ::fcntl(request_pipe[1], F_SETFD, FD_CLOEXEC);
+    struct sigaction request {};
+    request.sa_handler = on_request;
+    request.sa_flags = SA_RESTART;
+    sigemptyset(&request.sa_mask);
+    ::sigaction(signal, &request, nullptr);
+    std::thread(dumper_loop).detach();
+  });
+  return true;
+}
+
+namespace detail {
+
+void register_trace_for_dumps(const void* owner, const CollectiveTrace* trace, int rank) {
+  std::lock_guard<std::mutex> lock(traces_mutex);
+  traces()[owner] = {trace, rank};
+}
+
+void unregister_trace_for_dumps(const void* owner) {
+  std::lock_guard<std::mutex> lock(traces_mutex);
+  traces().erase(owner);
+}
+
+}  // namespace detail
+
+}  // namespace ddp
