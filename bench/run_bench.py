@@ -93,6 +93,11 @@ def main():
         "cpp_no_overlap": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "no-overlap", "--steps", s, "--warmup", w],
         "cpp_no_rebuild": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "no-rebuild", "--steps", s, "--warmup", w],
         "cpp_allreduce": lambda m, s, w: ddprun + [cpp_bench, "--model", m, "--mode", "allreduce", "--steps", s, "--warmup", w],
+        # What the collective trace (always on) and the desync check (DDP_DEBUG=detail) cost.
+        "cpp_no_trace": lambda m, s, w: ["env", "DDP_TRACE=off"] + ddprun + [cpp_bench, "--model", m, "--mode", "ddp",
+                                                                           "--steps", s, "--warmup", w],
+        "cpp_desync_check": lambda m, s, w: ["env", "DDP_DEBUG=detail"] + ddprun + [cpp_bench, "--model", m, "--mode",
+                                                                                  "ddp", "--steps", s, "--warmup", w],
     }
     if with_mpi:
         configs["cpp_mpi_ddp"] = lambda m, s, w: mpirun + [cpp_bench, "--model", m, "--mode", "ddp", "--backend", "mpi",
@@ -144,6 +149,8 @@ def main():
                 "no_overlap_over_overlap": med["cpp_no_overlap"] / med["cpp_ddp"],
                 "no_rebuild_over_rebuild": med["cpp_no_rebuild"] / med["cpp_ddp"],
                 "bucketed_over_raw_allreduce": med["cpp_allreduce"] / med["raw_allreduce"],
+                "trace_overhead": med["cpp_ddp"] / med["cpp_no_trace"],
+                "desync_check_overhead": med["cpp_desync_check"] / med["cpp_ddp"],
             },
         }
         if with_mpi:
@@ -306,6 +313,21 @@ def render(r):
         lines.append(f"| {name} | {med['cpp_local']:.3f} | **{q['ddp_overhead']:.2f}** | {q['python_ddp_overhead']:.2f} | "
                      f"{med['cpp_no_overlap']:.3f} | {q['no_overlap_over_overlap']:.2f} | {q['no_rebuild_over_rebuild']:.2f} | "
                      f"{med['raw_allreduce']:.3f} | {med['cpp_allreduce']:.3f} | {q['bucketed_over_raw_allreduce']:.2f} |")
+    if all("trace_overhead" in m["ratios"] for m in r["models"].values()):
+        lines += [
+            "",
+            "## What the debugging aids cost (ddp, gloo)",
+            "",
+            "The collective trace is always on; `DDP_TRACE=off` turns it off only to measure this. The desync "
+            "check (`DDP_DEBUG=detail`) adds one small all-gather before every collective.",
+            "",
+            "| model | ddp ms | trace off ms | trace cost (on / off) | desync check ms | desync check / off |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, m in r["models"].items():
+            med, q = m["median_ms"], m["ratios"]
+            lines.append(f"| {name} | {med['cpp_ddp']:.3f} | {med['cpp_no_trace']:.3f} | **{q['trace_overhead']:.3f}** | "
+                         f"{med['cpp_desync_check']:.3f} | {q['desync_check_overhead']:.2f} |")
     if "collectives" in r:
         c = r["collectives"]
         lines += [
@@ -342,6 +364,8 @@ def render(r):
         ("DDP overhead, (c) transformer", models["transformer"]["ratios"]["ddp_overhead"], 1.15),
         ("Wine end to end, ddp / Python", w["cpp"] / w["python"], 0.3),
     ]
+    if "trace_overhead" in models["wine"]["ratios"]:
+        goals.append(("collective trace cost, (a) Wine MLP (on / off)", models["wine"]["ratios"]["trace_overhead"], 1.02))
     if "collectives" in r:
         c = r["collectives"]["median_ms"]
         eight = r["collectives"]["bytes"].index(8 << 20)

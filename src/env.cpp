@@ -67,6 +67,11 @@ void validate(const World& w) {
               w.source, ") is ", w.local_rank, " but must be in [0, ", w.local_world_size, ")");
   DDP_CHECK(w.node_rank >= 0, "ddp: the node rank (", w.source, ") is ", w.node_rank,
               " but must not be negative");
+}
+
+}  // namespace
+
+void require_master(const World& w) {
   if (w.world_size > 1) {
     DDP_CHECK(!w.master_addr.empty(), "ddp: MASTER_ADDR is not set, but the world size is ",
                 w.world_size, " (", w.source,
@@ -75,6 +80,8 @@ void validate(const World& w) {
                 w.master_port, " but must be in [1, 65535]");
   }
 }
+
+namespace {
 
 void read_master(const EnvLookup& lookup, World& w, const std::string& fallback_addr) {
   w.master_addr = lookup("MASTER_ADDR").value_or(fallback_addr);

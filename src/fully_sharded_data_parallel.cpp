@@ -601,10 +601,16 @@ void FsdpState::reduce(Unit& unit) {
   // Averaged over ranks, like DDP's gradients; dividing first keeps the
   // sum in range for low-precision types.
   if (world > 1) unit.gradient_flat.div_(world);
+  // FSDPOptions::reduce_dtype: the collective runs in that dtype (as DDP's
+  // fp16/bf16 compression hooks do: divide, cast, sum), and
+  // finish_backward casts the result back to the parameters' dtype.
+  if (options_.reduce_dtype() && *options_.reduce_dtype() != unit.gradient_flat.scalar_type()) {
+    unit.gradient_flat = unit.gradient_flat.to(*options_.reduce_dtype());
+  }
   if (world == 1) {
     unit.gradient_shard = unit.gradient_flat;
   } else if (sharded()) {
-    unit.gradient_shard = at::empty({unit.shard_numel}, unit.full.options());
+    unit.gradient_shard = at::empty({unit.shard_numel}, unit.gradient_flat.options());
     unit.pending_reduce = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);
   } else {
     unit.gradient_shard = unit.gradient_flat;
@@ -632,11 +638,13 @@ void FsdpState::finish_backward() {
       group_->wait(work, sharded() ? "FSDP reduce_scatter of gradients" : "FSDP all_reduce of gradients");
     }
     if (!unit->gradient_shard.defined()) continue;  // no_sync(): kept in unsynced_gradient
+    at::Tensor reduced = unit->gradient_shard;
+    if (reduced.scalar_type() != unit->shard.scalar_type()) reduced = reduced.to(unit->shard.scalar_type());
     at::Tensor& grad = unit->shard.mutable_grad();
     if (grad.defined()) {
-      grad.add_(unit->gradient_shard);  // accumulation over several backward passes
+      grad.add_(reduced);  // accumulation over several backward passes
     } else {
-      grad = unit->gradient_shard;
+      grad = reduced;
     }
     unit->gradient_flat.reset();
     unit->gradient_shard.reset();
@@ -774,25 +782,17 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
     if (found == local.state.end()) continue;  // not stepped yet: the same on every rank
     // The unit's flat entry: its per-element state gathered from every
     // rank's shard (collectives, so on every rank), the rest as it is.
-    auto flat = new_generic_dict();
-    for (const auto& item : found->value().toGenericDict()) {
-      const std::string key = item.key().toStringRef();
-      if (!is_per_element_state(key)) {
-        flat.insert(key, item.value());
-        continue;
-      }
-      at::Tensor tensor = item.value().isTensor() ? item.value().toTensor() : at::Tensor();
-      const int64_t length = shard_range(unit).second;
+    const int64_t length = shard_range(unit).second;
+    auto flat = map_per_element_state(found->value().toGenericDict(), [&](const std::string& key,
+                                                                          const at::Tensor& tensor) {
       DDP_CHECK(tensor.defined() && tensor.numel() == length, "ddp: optimizer state '", key, "' of unit '",
                 unit.name, "' is not a tensor of the shard's ", length, " elements");
-      at::Tensor full = tensor;
-      if (sharded() && group_->size() > 1) {
-        full = at::empty({unit.padded}, tensor.options());
-        at::Tensor input = tensor.contiguous();
-        group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
-      }
-      flat.insert(key, full);
-    }
+      if (!sharded() || group_->size() == 1) return tensor;
+      at::Tensor full = at::empty({unit.padded}, tensor.options());
+      at::Tensor input = tensor.contiguous();
+      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
+      return full;
+    });
     if (!keep) continue;
     auto per_param = split_flat_entry(flat, layout_of(unit));
     for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.param_names[j]), per_param[j]);

@@ -174,19 +174,26 @@ GenericDict join_flat_entry(const std::vector<GenericDict>& entries, const FlatL
 }
 
 GenericDict slice_flat_entry(const GenericDict& flat, int64_t start, int64_t length) {
-  GenericDict part = new_generic_dict();
-  for (const auto& item : flat) {
+  return map_per_element_state(flat, [&](const std::string& key, const at::Tensor& tensor) {
+    DDP_CHECK(tensor.defined(), "ddp: optimizer state '", key, "' is not a tensor");
+    DDP_CHECK(start >= 0 && start + length <= tensor.numel(), "ddp: optimizer state '", key, "' has ",
+              tensor.numel(), " elements, too few for the part [", start, ", ", start + length, ")");
+    return tensor.narrow(0, start, length).clone();
+  });
+}
+
+GenericDict map_per_element_state(const GenericDict& entry,
+                                  const std::function<at::Tensor(const std::string&, const at::Tensor&)>& fn) {
+  GenericDict result = new_generic_dict();
+  for (const auto& item : entry) {
     const std::string key = item.key().toStringRef();
-    at::Tensor tensor = tensor_or_null(item.value());
-    if (is_per_element_state(key) && tensor.defined()) {
-      DDP_CHECK(start >= 0 && start + length <= tensor.numel(), "ddp: optimizer state '", key, "' has ",
-                tensor.numel(), " elements, too few for the part [", start, ", ", start + length, ")");
-      part.insert(key, tensor.narrow(0, start, length).clone());
+    if (is_per_element_state(key)) {
+      result.insert(key, fn(key, tensor_or_null(item.value())));
     } else {
-      part.insert(key, item.value());
+      result.insert(key, item.value());
     }
   }
-  return part;
+  return result;
 }
 
 }  // namespace detail

@@ -756,6 +756,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
     group->backend_ = detail::make_mpi_backend(group->world_, timeout);
     return group;
   }
+  require_master(world);
   // Cuts the store's connection when a wait of c10d's outlives the
   // rendezvous deadline (see StoreGuard); unused for one process.
   std::optional<StoreGuard> guard;

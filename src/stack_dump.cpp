@@ -134,9 +134,11 @@ void dump_stacks(const std::string& reason) {
     }
     out << "  thread " << tid << " (" << thread_name(tid) << ")" << (tid == self ? ", dumping" : "") << ":\n";
     if (frames.empty()) out << "    (no stack: the thread did not answer)\n";
-    // The first frames are the capture itself.
-    for (size_t i = tid == self ? 1 : 0; i < frames.size(); ++i) {
-      out << "    #" << i << " " << frame_text(frames[i]) << "\n";
+    // Leave out the capture itself: this function, or the signal handler
+    // and the kernel's return trampoline.
+    const size_t first = tid == self ? 1 : 2;
+    for (size_t i = first; i < frames.size(); ++i) {
+      out << "    #" << i - first << " " << frame_text(frames[i]) << "\n";
     }
   }
   {

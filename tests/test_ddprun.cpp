@@ -1103,13 +1103,16 @@ class DdprunRendezvous : public ::testing::Test {
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
 
   // Starts one agent: --local-addr 127.0.0.<2+index>, then `flags`, then PROGRAM and its args.
-  RdzvAgent& start_agent(const std::vector<std::string>& flags, const std::vector<std::string>& program) {
+  RdzvAgent& start_agent(const std::vector<std::string>& flags, const std::vector<std::string>& program,
+                         bool first_hosts = true) {
     std::vector<std::string> args = {"--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint(), "--local-addr",
                                      "127.0.0." + std::to_string(2 + agents_.size())};
     args.insert(args.end(), flags.begin(), flags.end());
     args.insert(args.end(), program.begin(), program.end());
     agents_.emplace_back();
     agents_.back().process = ddp::testing::start_background(ddprun_argv(args), run_options({{"OMP_NUM_THREADS", "1"}}));
+    // The first agent hosts the store, which makes it node 0; the others start once it does.
+    if (agents_.size() == 1 && first_hosts) EXPECT_TRUE(wait_for_err(agents_.back(), "hosting the rendezvous store")) << everything();
     return agents_.back();
   }
 
@@ -1246,6 +1249,49 @@ TEST_F(DdprunRendezvous, ASigkilledAgentIsNamedAsLostWithinTheBoundAndNothingIsL
   for (int pid : workers) EXPECT_TRUE(wait_until_dead(pid)) << "worker " << pid << " survived";
 }
 
+TEST_F(DdprunRendezvous, WhenTheStoresHostIsSigkilledTheOthersStopWithinTheBound) {
+  TempDir pids;
+  for (int n = 0; n < 2; ++n) {
+    start_agent({"--nnodes", "2", "--nproc-per-node", "2"}, {probe(), "--pid-file", pids.path(), "--sleep", "60"});
+  }
+  std::vector<int> workers;
+  for (int rank = 0; rank < 4; ++rank) {
+    workers.push_back(wait_for_pid_file(pids.file("pid." + std::to_string(rank))));
+    ASSERT_GT(workers.back(), 0) << everything();
+  }
+  const auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(agents_[0].process.pid, SIGKILL), 0);  // it hosts the store
+  ProcessResult& survivor = agents_[1].finish(30s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  agents_[0].finish(5s);
+  EXPECT_EQ(survivor.exit_code, 1) << everything();
+  EXPECT_NE(survivor.err.find("lost the rendezvous store at " + endpoint()), std::string::npos) << everything();
+  EXPECT_LT(seconds, 10.0) << everything();
+  std::printf("[ measured ] SIGKILLed store host: the other agent exited after %.2f s\n", seconds);
+  for (int pid : workers) EXPECT_TRUE(wait_until_dead(pid)) << "worker " << pid << " survived";
+}
+
+TEST_F(DdprunRendezvous, AGracefullyStoppedAgentLeavesAndTheElasticJobGoesOn) {
+  const std::string worker = "if [ \"$WORLD_SIZE\" = 4 ]; then exec sleep 60; fi; exit 0";
+  for (int n = 0; n < 2; ++n) {
+    start_agent({"--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-conf", "last_call_timeout=10"}, env_then(worker));
+  }
+  ASSERT_TRUE(wait_for_err(agents_[1], "node rank 1 of 2")) << everything();
+  std::this_thread::sleep_for(300ms);
+  const auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(agents_[1].process.pid, SIGTERM), 0);
+  ProcessResult& survivor = agents_[0].finish(30s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
+  ProcessResult& leaver = agents_[1].finish(5s);
+  EXPECT_EQ(leaver.exit_code, 128 + SIGTERM) << everything();
+  EXPECT_EQ(survivor.exit_code, 0) << everything();
+  EXPECT_NE(survivor.err.find("node 1 (" + hostname() + ", 127.0.0.3) left: its ddprun was asked to stop (SIGTERM)"),
+            std::string::npos)
+      << everything();
+  // Leaving is announced, not found out by a missed heartbeat.
+  EXPECT_LT(seconds, 3.0) << everything();
+}
+
 TEST_F(DdprunRendezvous, AnElasticJobGoesOnWithoutALostNodeAtTheSmallerWorldSize) {
   // 4 ranks wait forever; the world of 2 that remains after the loss finishes at once.
   const std::string worker = "if [ \"$WORLD_SIZE\" = 4 ]; then exec sleep 60; fi; exit 0";
@@ -1338,7 +1384,7 @@ TEST_F(DdprunRendezvous, AnAgentWhoseStoreNeverAppearsGivesUpAfterTheJoinTimeout
   address.sin_port = htons(static_cast<uint16_t>(port_));
   ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
   ASSERT_EQ(listen(fd, 16), 0);
-  RdzvAgent& agent = start_agent({"--nnodes", "2", "--rdzv-conf", "join_timeout=2"}, {probe()});
+  RdzvAgent& agent = start_agent({"--nnodes", "2", "--rdzv-conf", "join_timeout=2"}, {probe()}, false);
   ProcessResult& r = agent.finish();
   close(fd);
   EXPECT_EQ(r.exit_code, 1) << r.describe();

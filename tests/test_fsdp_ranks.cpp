@@ -5,6 +5,7 @@
 #include "support/ranks.h"
 
 #include <ddp/checkpoint.h>
+#include <ddp/comm_hooks.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -21,6 +22,8 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -360,15 +363,22 @@ void freeze(BranchyNet& net) {
   net->head->bias.requires_grad_(false);
 }
 
+// Steps `first` to first + count - 1 of the common batches.
 template <typename Model>
-void train_frozen(Model& model, std::vector<at::Tensor> params, const std::shared_ptr<ddp::ProcessGroup>& group) {
-  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  for (int64_t step = 0; step < kSteps; ++step) {
+void run_steps(Model& model, torch::optim::Optimizer& optimizer, const std::shared_ptr<ddp::ProcessGroup>& group,
+               int64_t first = 0, int64_t count = kSteps) {
+  for (int64_t step = first; step < first + count; ++step) {
     auto [x, y] = batch(step, group->rank(), group->size());
     optimizer.zero_grad();
     torch::nn::functional::mse_loss(model.forward(x), y).backward();
     optimizer.step();
   }
+}
+
+template <typename Model>
+void train_frozen(Model& model, std::vector<at::Tensor> params, const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  run_steps(model, optimizer, group);
 }
 
 class FrozenInUnit : public ::testing::TestWithParam<std::tuple<ddp::ShardingStrategy, int>> {};
@@ -546,6 +556,159 @@ TEST(FsdpUnusedAtTheEnd, AReachableParameterWithoutGradientOnOneRankMatchesDdp) 
   });
   expect_all_succeeded(ranks);
   for (const auto& r : ranks) EXPECT_NE(r.out.find("compared aux"), std::string::npos) << r.out;
+}
+
+}  // namespace
+
+namespace {
+
+// FSDPOptions::reduce_dtype: gradients reduce-scattered (all-reduced under
+// NO_SHARD) in float16 or bfloat16 equal DDP's with the matching compression
+// hook: the same arithmetic (divide by the world size, cast, sum in the low
+// dtype, cast back). SGD keeps the weights a linear image of the gradients,
+// so a rounding difference stays as small as it was made.
+template <typename Model>
+void train_sgd(Model& model, std::vector<at::Tensor> params, const std::shared_ptr<ddp::ProcessGroup>& group) {
+  torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.05));
+  run_steps(model, optimizer, group);
+}
+
+ddp::StateDict sgd_ddp(const std::shared_ptr<ddp::ProcessGroup>& group, std::shared_ptr<ddp::CommHook> hook) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::DistributedDataParallel<BranchyNet> model(net, group, ddp::DDPOptions().comm_hook(std::move(hook)));
+  train_sgd(model, model->parameters(), group);
+  return ddp::state_dict(*net);
+}
+
+ddp::StateDict sgd_fsdp(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::ShardingStrategy strategy,
+                        std::optional<at::ScalarType> reduce_dtype) {
+  torch::manual_seed(0);
+  BranchyNet net;
+  ddp::FullyShardedDataParallel<BranchyNet> model(
+      net, group, ddp::FSDPOptions().sharding_strategy(strategy).reduce_dtype(reduce_dtype));
+  train_sgd(model, model.parameters(), group);
+  for (const auto& shard : model.parameters()) EXPECT_EQ(shard.grad().scalar_type(), at::kFloat);
+  return model.full_state_dict(/*rank0_only=*/false);
+}
+
+class ReduceDtype : public ::testing::TestWithParam<int> {};
+
+// Tolerances. At 2 ranks each element's sum is one rounding of a + b in
+// both, so the weights must be bit-identical to DDP's with the hook. At 3
+// ranks Gloo's all-reduce and FSDP's ring (or Gloo's all-reduce of a unit's
+// buffer, chunked differently from DDP's bucket) associate (a + b) + c
+// differently, which can round an element by one unit in the last place of
+// the low dtype: the weights may then differ by up to 2 epsilon(dtype) of
+// how far training moved them (epsilon: 2^-10 for float16, 2^-7 for
+// bfloat16), the same bound that the compression itself must keep to.
+TEST_P(ReduceDtype, Fp16AndBf16MatchDdpsCompressionHooks) {
+  const int world = GetParam();
+  auto ranks = run_on_ranks(world, [world](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    torch::manual_seed(0);
+    ddp::StateDict initial = ddp::state_dict(*BranchyNet());
+    ddp::StateDict exact = sgd_ddp(group, nullptr);
+    const double moved = max_difference(initial, exact);
+    EXPECT_GT(moved, 1e-2);
+    struct Case {
+      at::ScalarType dtype;
+      std::shared_ptr<ddp::CommHook> hook;
+      double epsilon;
+    };
+    double fp16_effect = 0;
+    for (const Case& c : {Case{at::kHalf, ddp::fp16_compress_hook(), 1.0 / 1024},
+                          Case{at::kBFloat16, ddp::bf16_compress_hook(), 1.0 / 128}}) {
+      const double tolerance = 2 * c.epsilon * moved;
+      ddp::StateDict compressed = sgd_ddp(group, c.hook);
+      const double effect = max_difference(exact, compressed);
+      EXPECT_GT(effect, 0) << c.dtype << ": the rounding must show";
+      EXPECT_LE(effect, tolerance) << c.dtype;
+      for (auto strategy : {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kNoShard}) {
+        ddp::StateDict sharded = sgd_fsdp(group, strategy, c.dtype);
+        const double difference = max_difference(compressed, sharded);
+        if (world == 2) {
+          EXPECT_EQ(difference, 0.0) << c.dtype << " " << ddp::to_string(strategy) << " rank " << group->rank();
+        } else {
+          EXPECT_LE(difference, tolerance) << c.dtype << " " << ddp::to_string(strategy) << " rank " << group->rank();
+        }
+        EXPECT_GT(max_difference(exact, sharded), 0) << c.dtype << " " << ddp::to_string(strategy);
+        std::printf("rank %d %s %s: against the hook %.3g, compression %.3g, tolerance %.3g\n", group->rank(),
+                    c10::toString(c.dtype), ddp::to_string(strategy).c_str(), difference, effect, tolerance);
+      }
+      if (c.dtype == at::kHalf) fp16_effect = effect;
+      else EXPECT_GT(effect, fp16_effect) << "bf16 keeps fewer mantissa bits than fp16";
+    }
+    // The parameters' own dtype: no rounding at all.
+    EXPECT_LE(max_difference(exact, sgd_fsdp(group, ddp::ShardingStrategy::kFullShard, at::kFloat)), 1e-6);
+    std::printf("rank %d compared reduce dtypes\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared reduce dtypes"), std::string::npos) << r.out;
+  // Rank 0's measurements, in this test's output.
+  std::istringstream lines(ranks.front().out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("against the hook") != std::string::npos) std::printf("%s\n", line.c_str());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fsdp, ReduceDtype, ::testing::Values(2, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "_ranks"; });
+
+// A full checkpoint (model and optimizer, the unwrapped model's layout) taken
+// after 3 steps and loaded into a freshly built model resumes to the weights
+// of 6 uninterrupted steps, under every strategy (NO_SHARD too, whose shard
+// is the whole flat tensor). load_full_state_dict refuses a state dict with
+// an entry missing, of another shape or extra, as load_state_dict does, and
+// then leaves the model as it was.
+TEST(FsdpFullCheckpoint, ResumesUnderEveryStrategyAndRefusesMismatchedStateDicts) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    for (auto strategy :
+         {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kShardGradOp, ddp::ShardingStrategy::kNoShard}) {
+      const auto options = ddp::FSDPOptions().sharding_strategy(strategy);
+      ddp::StateDict straight, half, resumed;
+      c10::IValue half_optim;
+      {
+        torch::manual_seed(0);
+        ddp::FullyShardedDataParallel<BranchyNet> model(BranchyNet(), group, options);
+        torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+        run_steps(model, optimizer, group, 0, 3);
+        half = model.full_state_dict(/*rank0_only=*/false);
+        half_optim = model.full_optim_state_dict(optimizer, /*rank0_only=*/false);
+        run_steps(model, optimizer, group, 3, 3);
+        straight = model.full_state_dict(/*rank0_only=*/false);
+      }
+      torch::manual_seed(5);  // other weights: the checkpoint must replace them
+      ddp::FullyShardedDataParallel<BranchyNet> model(BranchyNet(), group, options);
+      torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+      ddp::StateDict before = model.full_state_dict(/*rank0_only=*/false);
+
+      ddp::StateDict missing(half.begin(), half.end() - 1);
+      ddp::StateDict reshaped = half;
+      reshaped.front().second = at::zeros({3});
+      ddp::StateDict extra = half;
+      extra.emplace_back("head.extra", at::zeros({1}));
+      const std::string missing_name = half.back().first, reshaped_name = half.front().first;
+      for (const auto& [state, expected] :
+           {std::pair{missing, "has no entry '" + missing_name + "' that the model needs"},
+            std::pair{reshaped, "entry '" + reshaped_name + "' has shape [3]"},
+            std::pair{extra, std::string("has the entry 'head.extra' that the model lacks")}}) {
+        std::string message = error_of([&, &state = state] { model.load_full_state_dict(state); });
+        EXPECT_NE(message.find(expected), std::string::npos) << message;
+        EXPECT_EQ(max_difference(before, model.full_state_dict(/*rank0_only=*/false)), 0.0) << expected;
+      }
+
+      model.load_full_state_dict(half);
+      model.load_full_optim_state_dict(optimizer, half_optim);
+      run_steps(model, optimizer, group, 3, 3);
+      resumed = model.full_state_dict(/*rank0_only=*/false);
+      EXPECT_EQ(max_difference(straight, resumed), 0.0) << ddp::to_string(strategy) << " rank " << group->rank();
+    }
+    std::printf("rank %d compared checkpoints\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("compared checkpoints"), std::string::npos) << r.out;
 }
 
 }  // namespace

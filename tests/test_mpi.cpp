@@ -332,6 +332,75 @@ TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
   EXPECT_EQ(survivors, 0);
 }
 
+// Two "hosts": network namespaces joined by a veth pair, each with its own
+// hostname (Open MPI groups ranks into nodes by hostname). mpirun runs on
+// the first and starts the second's ranks through a launch agent that enters
+// its namespace, as ssh would enter a real host.
+TEST(Mpi, FourRanksOnTwoNamespaceNodesMatchFourOnOneNode) {
+  SKIP_WITHOUT_MPI();
+  if (::geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root";
+  if (run_process({"sh", "-c", "command -v unshare && command -v ip"}).exit_code != 0) {
+    GTEST_SKIP() << "needs unshare and ip (util-linux, iproute2)";
+  }
+  const std::string id = std::to_string(::getpid());
+  const std::vector<std::string> ns = {"ddpmpi0_" + id, "ddpmpi1_" + id};
+  const std::vector<std::string> veth = {"ddpm0_" + id, "ddpm1_" + id};
+  // Test hosts on a link of our own that nothing outside can reach.
+  const std::vector<std::string> addr = {"10.213.79.1", "10.213.79.2"};
+  struct Cleanup {
+    std::vector<std::string> ns;
+    ~Cleanup() {
+      for (const auto& n : ns) run_process({"ip", "netns", "del", n});
+    }
+  } cleanup{ns};
+  std::vector<std::vector<std::string>> steps = {
+      {"ip", "netns", "add", ns[0]},
+      {"ip", "netns", "add", ns[1]},
+      {"ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]},
+      {"ip", "link", "set", veth[0], "netns", ns[0]},
+      {"ip", "link", "set", veth[1], "netns", ns[1]},
+  };
+  for (int n = 0; n < 2; ++n) {
+    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "addr", "add", addr[n] + "/24", "dev", veth[n]});
+    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "link", "set", veth[n], "up"});
+    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "link", "set", "lo", "up"});
+  }
+  for (const auto& step : steps) {
+    auto r = run_process(step);
+    if (r.exit_code != 0) GTEST_SKIP() << "cannot build the two-node network: " << r.err;
+  }
+  const std::string dir = make_temp_dir("ddp_mpi_two_nodes");
+  const std::string agent = dir + "/enter_node.sh";
+  {
+    std::ofstream script(agent);
+    script << "#!/bin/sh\n"
+           << "# Open MPI launch agent: HOST COMMAND..., run inside HOST's namespace with its own hostname\n"
+           << "host=$1; shift\n"
+           << "case $host in\n"
+           << "  " << addr[0] << ") ns=" << ns[0] << "; name=node0 ;;\n"
+           << "  " << addr[1] << ") ns=" << ns[1] << "; name=node1 ;;\n"
+           << "  *) echo \"unknown host $host\" >&2; exit 1 ;;\n"
+           << "esac\n"
+           << "exec ip netns exec \"$ns\" unshare --uts /bin/sh -c \"hostname $name; $*\"\n";
+  }
+  fs::permissions(agent, fs::perms::owner_all);
+  fs::create_directories(dir + "/two_nodes");
+  fs::create_directories(dir + "/one_node");
+  const std::string subnet = "10.213.79.0/24";
+  std::string mpirun_command = "hostname node0; mpirun --allow-run-as-root --oversubscribe -np 4 --host " + addr[0] +
+                               ":2," + addr[1] + ":2 --mca plm_rsh_agent " + agent + " --mca btl_tcp_if_include " +
+                               subnet + " --mca oob_tcp_if_include " + subnet + " -x DDP_TIMEOUT_SECONDS=60 " +
+                               bin_path("wine_ddp") + " 8 4 --backend mpi --checkpoint-dir " + dir + "/two_nodes";
+  auto two = run_process({"ip", "netns", "exec", ns[0], "unshare", "--uts", "/bin/sh", "-c", mpirun_command},
+                         one_rank({}, std::chrono::seconds(120)));
+  ASSERT_EQ(two.exit_code, 0) << two.describe();
+  auto one = run_process(under_ddprun(4, "wine_ddp", {"8", "4", "--checkpoint-dir", dir + "/one_node"}), one_rank({}));
+  ASSERT_EQ(one.exit_code, 0) << one.describe();
+  EXPECT_EQ(loss_lines(two.out), loss_lines(one.out));
+  EXPECT_LE(max_difference(dir + "/one_node/model_final.pt", dir + "/two_nodes/model_final.pt"), 1e-6);
+  fs::remove_all(dir);
+}
+
 TEST(Mpi, OutsideAnMpiLauncherTheErrorNamesTheFix) {
   if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
   const std::string port = std::to_string(free_port());

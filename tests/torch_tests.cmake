@@ -9,6 +9,7 @@ add_executable(ddp_unit_tests
   test_env.cpp
   test_sampler.cpp
   test_bucket_assignment.cpp
+  test_optimizer_state.cpp
   test_checkpoint.cpp
   test_snapshot.cpp
   test_progress.cpp

@@ -45,4 +45,8 @@ std::string first_host_of_slurm_nodelist(const std::string& nodelist);
 /// that names the variable.
 int parse_int_env(const std::string& name, const std::string& value);
 
+/// Checks that a world of several ranks knows its master (MASTER_ADDR and
+/// MASTER_PORT), as the TCPStore rendezvous needs; the mpi backend does not.
+void require_master(const World& world);
+
 }  // namespace ddp

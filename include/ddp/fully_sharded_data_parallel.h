@@ -39,6 +39,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -91,6 +92,14 @@ struct FSDPOptions {
   /// Check that all ranks built the same model and copy rank 0's parameters
   /// and buffers to every rank before sharding.
   TORCH_ARG(bool, sync_module_states) = true;
+  /// The dtype gradients are reduce-scattered (all-reduced under kNoShard)
+  /// in, e.g. at::kHalf or at::kBFloat16 to halve the bytes sent: each
+  /// unit's gradient is divided by the world size, cast to it, summed across
+  /// ranks in it, and the shard's part cast back to the parameters' dtype.
+  /// The same arithmetic as DDPOptions().comm_hook(ddp::fp16_compress_hook())
+  /// (or bf16_compress_hook()). Unset: the parameters' dtype (PyTorch's
+  /// MixedPrecision(reduce_dtype=...)).
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
 };
 
 /// Bytes this rank holds for the model's state right now.

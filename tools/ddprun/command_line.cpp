@@ -158,10 +158,14 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
         options.nnodes = parse_int(spelled, value, 1, std::numeric_limits<int>::max(), expectation);
         options.min_nodes = options.nnodes;
       } else {
-        options.min_nodes =
-            parse_int(spelled, value.substr(0, colon), 1, std::numeric_limits<int>::max(), expectation);
-        options.nnodes =
-            parse_int(spelled, value.substr(colon + 1), 1, std::numeric_limits<int>::max(), expectation);
+        try {
+          options.min_nodes =
+              parse_int(spelled, value.substr(0, colon), 1, std::numeric_limits<int>::max(), expectation);
+          options.nnodes =
+              parse_int(spelled, value.substr(colon + 1), 1, std::numeric_limits<int>::max(), expectation);
+        } catch (const UsageError&) {
+          bad_value(spelled, value, expectation);
+        }
         if (options.min_nodes > options.nnodes) bad_value(spelled, value, "MIN must not exceed MAX");
       }
     } else if (canonical == "rdzv-backend") {
@@ -172,7 +176,11 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
       const std::string host = colon == std::string::npos ? value : value.substr(0, colon);
       if (host.empty()) bad_value(spelled, value, "expected HOST or HOST:PORT");
       if (colon != std::string::npos) {
-        parse_int(spelled, value.substr(colon + 1), 1, 65535, "expected HOST or HOST:PORT, PORT in 1..65535");
+        try {
+          parse_int(spelled, value.substr(colon + 1), 1, 65535, "");
+        } catch (const UsageError&) {
+          bad_value(spelled, value, "expected HOST or HOST:PORT, PORT in 1..65535");
+        }
       }
       options.rdzv_endpoint = value;
     } else if (canonical == "rdzv-conf") {

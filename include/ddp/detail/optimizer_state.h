@@ -20,6 +20,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -86,5 +87,9 @@ GenericDict join_flat_entry(const std::vector<GenericDict>& entries, const FlatL
 /// A flat entry's part [start, start + length): per-element state narrowed
 /// and copied, the rest kept (an FSDP rank's shard of a unit's state).
 GenericDict slice_flat_entry(const GenericDict& flat, int64_t start, int64_t length);
+/// `entry` with each per-element state replaced by fn(key, tensor) (an
+/// undefined tensor where the value is not one), the rest kept, in order.
+GenericDict map_per_element_state(const GenericDict& entry,
+                                  const std::function<at::Tensor(const std::string&, const at::Tensor&)>& fn);
 
 }  // namespace ddp::detail
