@@ -118,4 +118,13 @@ bool record_error(const std::string& message) noexcept {
   }
 }
 
+int report_failure(const std::exception& error) noexcept {
+  record_error(error);
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  const char* message = torch_error ? torch_error->what_without_backtrace() : error.what();
+  std::fprintf(stderr, "error: %s\n", message);
+  std::fflush(stderr);
+  return 1;
+}
+
 }  // namespace ddp

@@ -1392,6 +1392,17 @@ TEST_F(DdprunRendezvous, AnAgentWhoseStoreNeverAppearsGivesUpAfterTheJoinTimeout
   EXPECT_LT(r.seconds, 2 + 6.0) << r.describe();
 }
 
+TEST(DdprunRendezvousCommandLine, WithTheStaticBackendTheEndpointIsTheMaster) {
+  const int port = ddp::testing::free_port();
+  ProcessResult result = ddprun({"--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
+                                 probe(), "--print-env"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  auto env = env_by_rank(result.out);
+  EXPECT_EQ(env[0]["MASTER_ADDR"], "127.0.0.1") << result.describe();
+  EXPECT_EQ(env[0]["MASTER_PORT"], std::to_string(port)) << result.describe();
+  EXPECT_EQ(env[0]["DDPRUN_ATTEMPT"], "0") << result.describe();
+}
+
 TEST(DdprunRendezvousCommandLine, BadRendezvousFlagsExitWithCodeTwo) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--nnodes", "3:2", "true"}, "'3:2' for --nnodes"},

@@ -149,14 +149,9 @@ int main(int argc, char** argv) {
       std::printf("Test accuracy: %.4f\n", accuracy_on(model, data.test));
     }
     group->barrier();  // no rank leaves while rank 0 may still need it
-  } catch (const c10::Error& e) {
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // ddp's errors carry their cause and fix; no C++ backtrace is printed.
+    return ddp::report_failure(e);
   }
   return 0;
 }

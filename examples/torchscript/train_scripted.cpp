@@ -80,8 +80,7 @@ int main(int argc, char** argv) {
     model->train();
     torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-3));
 
-    wine::Split data = wine::train_test_split(wine::read_csv(wine::default_csv_path()), 0.2, 42);
-    wine::standardize(data.train, data.test);
+    wine::Split data = wine::load_split();
     ddp::DistributedSampler sampler(data.train.size(), ddp::SamplerOptions(group->size(), group->rank()));
     auto loader = torch::data::make_data_loader(wine::WineDataset(data.train).map(torch::data::transforms::Stack<>()),
                                                 sampler, torch::data::DataLoaderOptions().batch_size(args.batch_size));
@@ -106,16 +105,9 @@ int main(int argc, char** argv) {
       std::printf("wrote %s.pt and %s_state.pt\n", args.out.c_str(), args.out.c_str());
     }
     group->barrier();
-  } catch (const c10::Error& e) {
-    // ddp's errors (ddp::Error) print no C++ backtrace in what() either;
-    // LibTorch's own need what_without_backtrace().
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // ddp's errors carry their cause and fix; no C++ backtrace is printed.
+    return ddp::report_failure(e);
   }
   return 0;
 }

@@ -148,4 +148,12 @@ void standardize(Dataset& fit_on, Dataset& also) {
 
 std::string default_csv_path() { return DDP_WINE_CSV; }
 
+Split load_split(const std::string& train_csv, const std::string& test_csv) {
+  TORCH_CHECK(train_csv.empty() == test_csv.empty(), "give both a train and a test file, or neither");
+  Split data = train_csv.empty() ? train_test_split(read_csv(default_csv_path()), 0.2, 42)
+                                 : Split{read_csv(train_csv), read_csv(test_csv)};
+  standardize(data.train, data.test);
+  return data;
+}
+
 }  // namespace wine

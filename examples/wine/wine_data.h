@@ -41,4 +41,8 @@ void standardize(Dataset& fit_on, Dataset& also);
 /// Where the shipped copy of the data lives.
 std::string default_csv_path();
 
+/// The examples' data: the shipped file's seeded 80/20 split, or the given
+/// train and test files (both or neither), standardised on the training split.
+Split load_split(const std::string& train_csv = "", const std::string& test_csv = "");
+
 }  // namespace wine

@@ -51,13 +51,7 @@ int main(int argc, char** argv) {
     const auto nonfinite_policy = ddp::parse_nonfinite_policy(args.on_nonfinite);
 
     // Every rank loads the same data and makes the same seeded split.
-    wine::Split data;
-    if (args.train_csv.empty()) {
-      data = wine::train_test_split(wine::read_csv(wine::default_csv_path()), 0.2, 42);
-    } else {
-      data = {wine::read_csv(args.train_csv), wine::read_csv(args.test_csv)};
-    }
-    wine::standardize(data.train, data.test);
+    wine::Split data = wine::load_split(args.train_csv, args.test_csv);
     const int64_t train_size = data.train.size();
     data.test.features = data.test.features.to(device);
     data.test.labels = data.test.labels.to(device);
@@ -158,16 +152,9 @@ int main(int argc, char** argv) {
     ddp::save(ddp_model, args.checkpoint_dir + "/model_final.pt");
     if (is_master) std::printf("Test accuracy: %.4f\n", test_accuracy());
     group->barrier();  // no rank leaves while rank 0 may still need it
-  } catch (const c10::Error& e) {
-    // ddp's errors (ddp::Error) print no C++ backtrace in what() either;
-    // LibTorch's own need what_without_backtrace().
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // ddp's errors carry their cause and fix; no C++ backtrace is printed.
+    return ddp::report_failure(e);
   }
   return 0;
 }

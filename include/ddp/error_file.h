@@ -8,13 +8,11 @@
 //    "ddp": {"timestamp_ns": <unix ns>, "consequence": false, "rank": "1", "pid": 4242}}
 //
 // The launcher then names the earliest original error of the job as its root
-// cause, not whichever worker happened to exit first. Call it from main()'s
-// catch block:
+// cause, not whichever worker happened to exit first. report_failure() does
+// that and prints the message, from main()'s catch block:
 //
 //   } catch (const std::exception& e) {
-//     ddp::record_error(e);
-//     std::cerr << "error: " << e.what() << "\n";
-//     return 1;
+//     return ddp::report_failure(e);
 //   }
 
 #include <exception>
@@ -29,6 +27,16 @@ namespace ddp {
 bool record_error(const std::exception& error) noexcept;
 /// The same for a message.
 bool record_error(const std::string& message) noexcept;
+
+/// The whole of a program's failure path, for main()'s catch block:
+/// records `error` (record_error), prints "error: <message>" to stderr
+/// without a C++ backtrace (LibTorch's c10::Error included), and returns 1
+/// for main() to return.
+///
+///   } catch (const std::exception& e) {
+///     return ddp::report_failure(e);
+///   }
+int report_failure(const std::exception& error) noexcept;
 
 /// Whether `message` describes a consequence of another process's failure
 /// rather than a cause: a connection closed or reset by a peer, a timeout

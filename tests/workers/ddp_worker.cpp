@@ -571,13 +571,8 @@ int main(int argc, char** argv) {
     if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";
     return 2;
-  } catch (const c10::Error& e) {
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // ddp's errors carry their cause and fix; no C++ backtrace is printed.
+    return ddp::report_failure(e);
   }
 }

@@ -209,13 +209,8 @@ int main(int argc, char** argv) {
     std::cerr << "usage: gpu_worker equivalence|grad_scaler [--device cpu|cuda] [--backend auto|gloo|nccl] "
                  "[--share-devices] [--hook allreduce|fp16|bf16] [--tolerance X] [--inf-rank R] [--inf-step S]\n";
     return 2;
-  } catch (const c10::Error& e) {
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // ddp's errors carry their cause and fix; no C++ backtrace is printed.
+    return ddp::report_failure(e);
   }
 }

@@ -239,6 +239,12 @@ CommandLine parse_command_line(const std::vector<std::string>& args) {
     }
   }
 
+  if (options.rdzv_backend == "static" && !options.rdzv_endpoint.empty()) {
+    // As torchrun: with the static backend the endpoint is the master's address and port.
+    const size_t colon = options.rdzv_endpoint.rfind(':');
+    options.master_addr = options.rdzv_endpoint.substr(0, colon);
+    if (colon != std::string::npos) options.master_port = std::atoi(options.rdzv_endpoint.c_str() + colon + 1);
+  }
   options.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
   try {
     validate(options);
@@ -301,7 +307,8 @@ std::string usage_text() {
        << "                       first there to bind it); it assigns node ranks, each attempt's\n"
        << "                       MASTER_ADDR/MASTER_PORT, and keeps one restart budget for the job\n"
        << "                       (default: " << defaults.rdzv_backend << ")\n"
-       << "  --rdzv-endpoint H[:P] the store's address; it binds H only, never every interface\n"
+       << "  --rdzv-endpoint H[:P] the store's address; it binds H only, never every interface;\n"
+       << "                       with 'static', the master's address and port, as in torchrun\n"
        << "                       (default: none; port 29400 when omitted)\n"
        << "  --rdzv-conf K=V,...  join_timeout: seconds for MIN nodes to join the first round\n"
        << "                       (default: " << defaults.join_timeout_seconds << "); last_call_timeout: once MIN joined, "
