@@ -799,6 +799,12 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   return group;
 }
 
+ProcessGroup::ProcessGroup() : trace_(std::make_shared<CollectiveTrace>()) {
+  // DDP_TRACE=off exists to measure what the trace costs (bench/RESULTS.md).
+  const char* trace = std::getenv("DDP_TRACE");
+  tracing_ = !(trace && std::string(trace) == "off");
+}
+
 ProcessGroup::~ProcessGroup() {
   detail::unregister_trace_for_dumps(this);
   try {

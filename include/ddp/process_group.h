@@ -183,11 +183,7 @@ class ProcessGroup {
   std::string write_trace() const;
 
  private:
-  ProcessGroup() : trace_(std::make_shared<CollectiveTrace>()) {
-    // DDP_TRACE=off exists to measure what the trace costs (bench/RESULTS.md).
-    const char* trace = std::getenv("DDP_TRACE");
-    tracing_ = !(trace && std::string(trace) == "off");
-  }
+  ProcessGroup();
 
   // Every collective goes through these: a sequence number and trace record,
   // the desync check under DebugLevel::kDetail, and the record's end when
