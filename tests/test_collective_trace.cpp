@@ -248,4 +248,26 @@ TEST(CollectiveTraceRanks, StackDumpOnDemandShowsTheBlockedFrameAndTheJobContinu
   EXPECT_NE(err.find("(all_reduce, blocked step, 16 B) not finished"), std::string::npos) << err;
 }
 
+// Under ddprun --log-dir, the traces land beside the attempt's logs.
+TEST(CollectiveTraceRanks, UnderDdprunTheTraceGoesToTheLogDirectory) {
+  const std::string dir = ddp::testing::make_temp_dir("ddp_trace_logdir");
+  auto r = run_process({ddp::testing::bin_path("ddprun"), "--standalone", "--nproc-per-node", "2", "--log-dir", dir,
+                        ddp::testing::bin_path("ddp_worker"), "stall"},
+                       [] {
+                         ddp::testing::RunOptions options;
+                         options.env = {{"DDP_TIMEOUT_SECONDS", "3"}};
+                         options.unset_env = {"DDP_TRACE_DIR", "DDP_LOG_DIR"};
+                         options.timeout = std::chrono::seconds(60);
+                         return options;
+                       }());
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  const std::string trace = dir + "/attempt_0/trace_rank0.jsonl";
+  ASSERT_TRUE(fs::exists(trace)) << r.describe();
+  std::ifstream in(trace);
+  std::string first;
+  std::getline(in, first);
+  EXPECT_EQ(first.rfind("{\"rank\":0,\"seq\":1,\"op\":\"barrier\"", 0), 0u) << first;
+  fs::remove_all(dir);
+}
+
 }  // namespace

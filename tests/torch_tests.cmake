@@ -117,4 +117,5 @@ gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 
 add_executable(ddp_trace_tests test_collective_trace.cpp)
 target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_trace_tests REUSE_FROM ddp)
+add_dependencies(ddp_trace_tests ddprun ddp_worker)
 gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST)

@@ -231,6 +231,9 @@ class Job {
       worker.error_file = error_file_for(worker);
       ::unlink(worker.error_file.c_str());
       environment.set("TORCHELASTIC_ERROR_FILE", worker.error_file);
+      // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
+      // collective fails, next to the attempt's logs.
+      if (!options_.log_dir.empty()) environment.set("DDP_LOG_DIR", attempt_log_dir(options_.log_dir, attempt_));
       spawn(worker, environment);
     }
   }
