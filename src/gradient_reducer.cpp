@@ -286,7 +286,8 @@ void GradientReducer::finish_backward() {
     if (bucket.reduced->hasError()) {
       DDP_CHECK(false, "ddp: reducing gradient bucket ", b + 1, "/", buckets_.size(), " failed on rank ",
                 group_->rank(), " of ", group_->size(), "; a peer may have died or stopped training. ",
-                group_->explain_stall(), " Cause: ", bucket.reduced->tryRetrieveErrorMessage());
+                group_->explain_stall(bucket.reduced->tryRetrieveErrorMessage()), " Cause: ",
+                bucket.reduced->tryRetrieveErrorMessage());
     }
     const c10::IValue& value = bucket.reduced->value();
     at::Tensor result = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);

@@ -842,7 +842,7 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
       work->wait(options_.timeout());
     }
   } catch (const c10::Error& e) {
-    const std::string stall = explain_stall();
+    const std::string stall = explain_stall(e.what_without_backtrace());
     DDP_CHECK(false, "ddp: ", operation, " failed on rank ", world_.rank, " of ",
                 world_.world_size, " (timeout ", seconds_text(options_.timeout()),
                 "); a peer may have died or stopped calling collectives. ", stall, stall.empty() ? "" : " ",
@@ -1135,12 +1135,12 @@ void ProcessGroup::start_progress_responder() {
         write_text(path, trace->json_lines(rank));
         return;
       }
-      for (int i = 0; i < 10 && !state->stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      for (int i = 0; i < 4 && !state->stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   });
 }
 
-std::string ProcessGroup::explain_stall() const {
+std::string ProcessGroup::explain_stall(const std::string& cause) const {
   try {
     const std::string written = write_trace();
     const std::string wrote = written.empty() ? "" : " This rank's trace: " + written + ".";
@@ -1149,11 +1149,18 @@ std::string ProcessGroup::explain_stall() const {
     const uint64_t failed = completed + 1;
     auto record = trace_->find(failed);
     const std::string what = record ? describe(*record) : "#" + std::to_string(failed);
+    // A peer whose connection closed is gone: waiting for its answer would
+    // only delay this message (and the launcher may stop this rank first).
+    for (const char* gone : {"onnection reset", "onnection closed", "roken pipe", "EOF"}) {
+      if (cause.find(gone) != std::string::npos) {
+        return "This rank is in collective " + what + "; a peer closed its connection (it died or left)." + wrote;
+      }
+    }
 
     const std::string mine = progress_of(*trace_);
     store_->set(progress_key(world_.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
     store_->set(kStallRequestKey, std::vector<uint8_t>{'1'});
-    // The others answer within about half a second (their responder polls).
+    // The others answer within about 0.2 s (their responders poll).
     const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2));
     std::vector<int> waiting;
     for (int r = 0; r < world_.world_size; ++r) {

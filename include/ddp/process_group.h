@@ -174,7 +174,9 @@ class ProcessGroup {
   /// which collective, e.g. "rank 1 never entered collective #532
   /// (all_reduce, ddp bucket 2/3, 1.0 MiB); its last completed collective is
   /// #531 (...)". Also writes this rank's trace (trace_path()). Never throws.
-  std::string explain_stall() const;
+  /// `cause` is the backend's error: when it says a peer's connection
+  /// closed or reset (the peer is gone), nobody is asked and it returns at once.
+  std::string explain_stall(const std::string& cause = "") const;
   /// Where this rank's trace goes as JSON lines: DDP_TRACE_DIR, else
   /// ddprun's --log-dir (DDP_LOG_DIR), else the snapshot directory last used;
   /// empty when none is known.
