@@ -17,6 +17,7 @@
 #include "bench_stats.h"
 
 #include <ddp/bucket_assignment.h>
+#include <ddp/collective_trace.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
@@ -222,9 +223,41 @@ int collectives(const Config& c) {
   return 0;
 }
 
+// What the collective trace adds to one collective, measured alone: a
+// record begun and ended, and the completion callback on a future, as
+// ProcessGroup::enter and track do. No process group, no noise from peers.
+int trace_cost() {
+  ddp::CollectiveTrace trace;
+  at::Tensor t = at::zeros({1091});
+  ddp::CollectiveTag tag("ddp bucket 1/1");
+  const int n = 200000;
+  std::vector<double> per_call;
+  for (int round = 0; round < 5; ++round) {
+    auto start = Clock::now();
+    for (int i = 0; i < n; ++i) {
+      const uint64_t seq = trace.begin("all_reduce", t);
+      auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+      future->addCallback([&trace, seq](c10::ivalue::Future& done) { trace.end(seq, !done.hasError()); });
+      future->markCompleted(c10::IValue(t));
+    }
+    const double total_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    // The same loop without the trace: the future alone.
+    start = Clock::now();
+    for (int i = 0; i < n; ++i) {
+      auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+      future->markCompleted(c10::IValue(t));
+    }
+    const double bare_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    per_call.push_back((total_us - bare_us) / n);
+  }
+  std::printf("{\"impl\":\"cpp\",\"mode\":\"trace-cost\",\"us_per_collective\":%.4f}\n", median(per_call));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
     Config c = parse(argc, argv);
+    if (c.mode == "trace-cost") return trace_cost();
     at::set_num_threads(1);  // one intra-op thread per rank, as on the Python side
     if (c.mode == "collective") return collectives(c);
     torch::manual_seed(0);

@@ -350,6 +350,7 @@ void FsdpState::start_gather(Unit& unit) {
     return;
   }
   at::Tensor input = unit.shard.detach();
+  CollectiveTag tag("fsdp unit '" + unit.name + "' all-gather");
   unit.pending_gather = group_->all_gather_into_async(unit.full, input);
 }
 
@@ -611,9 +612,11 @@ void FsdpState::reduce(Unit& unit) {
     unit.gradient_shard = unit.gradient_flat;
   } else if (sharded()) {
     unit.gradient_shard = at::empty({unit.shard_numel}, unit.gradient_flat.options());
+    CollectiveTag tag("fsdp unit '" + unit.name + "' reduce-scatter");
     unit.pending_reduce = group_->reduce_scatter_async(unit.gradient_shard, unit.gradient_flat);
   } else {
     unit.gradient_shard = unit.gradient_flat;
+    CollectiveTag tag("fsdp unit '" + unit.name + "' all-reduce");
     unit.pending_reduce = group_->all_reduce_async(unit.gradient_flat);
   }
   unit.reduced = true;
@@ -680,6 +683,7 @@ StateDict FsdpState::full_state_dict(bool rank0_only) {
     } else {
       full = at::empty({unit->padded}, unit->full.options());
       at::Tensor input = unit->shard.detach();
+      CollectiveTag tag("fsdp full state dict");
       group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather for the full state dict");
     }
     if (!keep) continue;
@@ -790,6 +794,7 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
       if (!sharded() || group_->size() == 1) return tensor;
       at::Tensor full = at::empty({unit.padded}, tensor.options());
       at::Tensor input = tensor.contiguous();
+      CollectiveTag tag("fsdp full optimizer state");
       group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
       return full;
     });

@@ -213,6 +213,7 @@ std::string broadcast_text(ProcessGroup& group, const std::string& text, int roo
 
 void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
   if (group.size() == 1) return;
+  CollectiveTag tag("replica check");
   auto mine = signatures_of(module);
   std::string encoded = encode_all(mine);
 
@@ -245,6 +246,7 @@ void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bo
   if (buffers) {
     for (auto& [name, b] : module.named_buffers()) tensors.push_back(b);
   }
+  CollectiveTag tag(parameters ? "broadcast of module state" : "buffer broadcast");
   broadcast_tensors(tensors, group, root);
 }
 

@@ -281,6 +281,7 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
       if (skipped) skipped->push_back(std::string("ddp: cannot scan '") + dir + "' for snapshots: " + e.what());
     }
   }
+  CollectiveTag tag("snapshot broadcast");
   at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), group.control_options().dtype(at::kLong));
   group.broadcast(size, 0);
   int64_t n = size.item<int64_t>();

@@ -66,6 +66,7 @@ void ZeroRedundancyOptimizer::step() {
     for (size_t i = 0; i < params_.size(); ++i) {
       if (owners_[i] == owner) shard.push_back(params_[i].detach());
     }
+    CollectiveTag tag("zero broadcast from rank " + std::to_string(owner));
     detail::broadcast_tensors(shard, *group_, owner);
   }
 }
