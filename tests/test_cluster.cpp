@@ -153,6 +153,27 @@ TEST_F(SlurmCluster, TheSbatchTemplateRunsAJob) {
   fs::remove_all(out_dir);
 }
 
+// srun's PMIx plugin starts the ranks and wires MPI together: no mpirun.
+// MPI's rank, size and local rank must agree with what world_from_env reads
+// from Slurm's variables, or the backend refuses to start.
+TEST_F(SlurmCluster, SrunWithPmixStartsMpiRanks) {
+  if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
+  auto plugins = run_process({"srun", "--mpi=list"}, one_rank({{"SLURM_CONF", conf_}}, std::chrono::seconds(30)));
+  if ((plugins.out + plugins.err).find("pmix") == std::string::npos) {
+    GTEST_SKIP() << "this Slurm has no PMIx plugin: " << plugins.out << plugins.err;
+  }
+  auto out_dir = make_temp_dir("slurm_pmix_wine");
+  auto r = run_process({"srun", "--mpi=pmix", "-n", "2", "--export=ALL", bin_path("wine_ddp"), "20", "10", "--backend",
+                        "mpi", "--checkpoint-dir", out_dir},
+                       one_rank({{"SLURM_CONF", conf_}, {"OMP_NUM_THREADS", "1"}}, std::chrono::seconds(120)));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  auto ref = reference_run(2, {"20", "10"});
+  EXPECT_EQ(loss_lines(r.out), ref.losses);
+  EXPECT_EQ(compare_state_dicts(out_dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  fs::remove_all(out_dir);
+  fs::remove_all(ref.dir);
+}
+
 TEST_F(SlurmCluster, TheMpiSbatchTemplateRunsAJobOverMpi) {
   if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";
   auto out_dir = make_temp_dir("sbatch_mpi_wine");
