@@ -275,29 +275,6 @@ TEST(Wine, CorruptNewestSnapshotIsSkippedWithAWarning) {
 
 namespace {
 
-// The pid of ddprun's worker with global rank `rank`, or -1.
-int worker_pid(int launcher_pid, int rank) {
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    std::string name = entry.path().filename();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream fields(line.substr(close + 2));
-    std::string state;
-    int ppid = 0;
-    fields >> state >> ppid;
-    if (ppid != launcher_pid) continue;
-    std::ifstream environ(entry.path() / "environ", std::ios::binary);
-    std::string env((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
-    if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + std::string("\0", 1)) != std::string::npos) {
-      return std::stoi(name);
-    }
-  }
-  return -1;
-}
 
 TEST(Wine, ARankKilledMidTrainingIsRestartedAndFinishesBitIdentical) {
   auto straight = make_temp_dir("wine_uninterrupted");

@@ -5,6 +5,10 @@
 #include <support/subprocess.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <regex>
 
 #include <string>
@@ -66,6 +70,32 @@ inline std::string compare_state_dicts(const std::string& a, const std::string& 
                         a, b});
   if (r.exit_code != 0) return "python failed: " + r.err;
   return r.out.substr(0, r.out.find('\n'));
+}
+
+/// The pid of the worker with global rank `rank` among `launcher_pid`'s
+/// children (ddprun's or torchrun's), found through /proc, or -1.
+inline int worker_pid(int launcher_pid, int rank) {
+  namespace fs = std::filesystem;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream fields(line.substr(close + 2));
+    std::string state;
+    int ppid = 0;
+    fields >> state >> ppid;
+    if (ppid != launcher_pid) continue;
+    std::ifstream environ(entry.path() / "environ", std::ios::binary);
+    std::string env((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+    if (env.find(std::string("\0RANK=", 6) + std::to_string(rank) + std::string("\0", 1)) != std::string::npos) {
+      return std::stoi(name);
+    }
+  }
+  return -1;
 }
 
 }  // namespace ddp::testing
