@@ -16,7 +16,7 @@
 #include "bench_models.h"
 #include "bench_stats.h"
 
-#include <ddp/bucket_assignment.h>
+#include <ddp/detail/bucket_assignment.h>
 #include <ddp/collective_trace.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
@@ -122,9 +122,9 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
     } else if (c.mode == "allreduce") {
       // The bucketed path's communication alone against one all-reduce of
       // the same bytes: what the engine costs over the transport.
-      std::vector<ddp::BucketTensorInfo> infos;
+      std::vector<ddp::detail::BucketTensorInfo> infos;
       for (auto& p : model->parameters()) infos.push_back({p.numel(), p.scalar_type(), p.device()});
-      auto buckets = ddp::compute_bucket_assignment(infos, 1 << 20, 25 << 20);
+      auto buckets = ddp::detail::compute_bucket_assignment(infos, 1 << 20, 25 << 20);
       std::vector<int64_t> sizes;
       auto params = model->parameters();
       for (auto& b : buckets) {

@@ -5,6 +5,12 @@
 //
 //   ddprun --standalone --nproc-per-node 2 memory_bench --strategy fsdp-full
 //
+// --param-dtype bf16 (fsdp-full and fsdp-grad-op only) gathers and computes
+// the units in bfloat16 (FSDPOptions::param_dtype, the shards stay float32
+// master weights) with the loss in float32 (output_dtype); the JSON line's
+// peak_param_bytes is the most parameter bytes held at any moment during the
+// steps (ShardedMemory::peak_parameter_bytes; 0 for ddp and zero1).
+//
 // --strategy collectives times Gloo's all-reduce, reduce-scatter and
 // all-gather of one layer's worth of floats instead: what FSDP's
 // communication costs next to DDP's.
@@ -97,6 +103,7 @@ int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_
 int main(int argc, char** argv) {
   try {
     std::string strategy = "ddp";
+    std::string param_dtype = "fp32";
     int64_t width = 2560, layers = 8, steps = 5;
     for (int i = 1; i + 1 < argc; i += 2) {
       std::string k = argv[i], v = argv[i + 1];
@@ -104,12 +111,18 @@ int main(int argc, char** argv) {
       else if (k == "--width") width = std::stoll(v);
       else if (k == "--layers") layers = std::stoll(v);
       else if (k == "--steps") steps = std::stoll(v);
+      else if (k == "--param-dtype") param_dtype = v;
       else throw std::invalid_argument("unknown flag " + k);
     }
     const bool is_fsdp = strategy == "fsdp-full" || strategy == "fsdp-grad-op";
     if (strategy != "ddp" && strategy != "zero1" && !is_fsdp && strategy != "collectives") {
       throw std::invalid_argument("--strategy must be ddp, zero1, fsdp-full, fsdp-grad-op or collectives");
     }
+    if (param_dtype != "fp32" && param_dtype != "bf16") {
+      throw std::invalid_argument("--param-dtype must be bf16 or fp32");
+    }
+    const bool bf16 = param_dtype == "bf16";
+    if (bf16 && !is_fsdp) throw std::invalid_argument("--param-dtype bf16 needs --strategy fsdp-full or fsdp-grad-op");
     at::set_num_threads(1);
     auto group = ddp::init_process_group();
     if (strategy == "collectives") return time_collectives(group, width * width, 2 * steps + 1);
@@ -122,10 +135,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<ddp::FullyShardedDataParallel<torch::nn::Sequential>> fsdp_model;
     std::vector<at::Tensor> params;
     if (is_fsdp) {
-      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(
-          net, group,
-          ddp::FSDPOptions().min_num_params(1).sharding_strategy(
-              strategy == "fsdp-full" ? ddp::ShardingStrategy::kFullShard : ddp::ShardingStrategy::kShardGradOp));
+      auto options = ddp::FSDPOptions().min_num_params(1).sharding_strategy(
+          strategy == "fsdp-full" ? ddp::ShardingStrategy::kFullShard : ddp::ShardingStrategy::kShardGradOp);
+      // bf16 compute, float32 master weights in the shards, float32 loss.
+      if (bf16) options.param_dtype(at::kBFloat16).output_dtype(at::kFloat);
+      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(net, group, options);
       params = fsdp_model->parameters();
     } else {
       ddp_model = std::make_unique<ddp::DistributedDataParallel<torch::nn::Sequential>>(net, group);
@@ -145,6 +159,8 @@ int main(int argc, char** argv) {
     at::Tensor x = at::randn({8, width}, generator);
     at::Tensor y = at::randint(0, width, {8}, generator, at::kLong);
     std::vector<double> step_ms;
+    // The peak over the steps, not over construction.
+    if (is_fsdp) fsdp_model->reset_peak_memory();
     for (int64_t s = 0; s < steps; ++s) {
       group->barrier();
       auto start = std::chrono::steady_clock::now();
@@ -156,12 +172,13 @@ int main(int argc, char** argv) {
         step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
       }
     }
-    int64_t param_bytes = 0, grad_bytes = 0, bucket_bytes = 0, numel = 0;
+    int64_t param_bytes = 0, grad_bytes = 0, bucket_bytes = 0, numel = 0, peak_param_bytes = 0;
     for (auto& p : net->parameters()) numel += p.numel();
     if (is_fsdp) {
       auto held = fsdp_model->memory();
       param_bytes = held.parameter_bytes;
       grad_bytes = held.gradient_bytes;
+      peak_param_bytes = held.peak_parameter_bytes;
     } else {
       for (auto& p : params) {
         param_bytes += static_cast<int64_t>(p.nbytes());
@@ -177,11 +194,12 @@ int main(int argc, char** argv) {
     // Every rank reports; the driver keeps the largest.
     std::printf("{\"strategy\":\"%s\",\"world\":%d,\"rank\":%d,\"parameters\":%lld,\"param_bytes\":%lld,"
                 "\"grad_bytes\":%lld,\"bucket_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_rss_bytes\":%lld,"
-                "\"step_ms\":%.1f}\n",
+                "\"peak_param_bytes\":%lld,\"param_dtype\":\"%s\",\"step_ms\":%.1f}\n",
                 strategy.c_str(), group->size(), group->rank(), static_cast<long long>(numel),
                 static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
                 static_cast<long long>(bucket_bytes), static_cast<long long>(optimizer_bytes),
-                static_cast<long long>(usage.ru_maxrss) * 1024, bench::median(step_ms));
+                static_cast<long long>(usage.ru_maxrss) * 1024, static_cast<long long>(peak_param_bytes),
+                param_dtype.c_str(), bench::median(step_ms));
     std::fflush(stdout);
     group->barrier();
   } catch (const c10::Error& e) {

@@ -1,7 +1,8 @@
 """Per-rank memory and step time of DDP, ZeRO-1 and FSDP (FULL_SHARD and
 SHARD_GRAD_OP) at 1, 2 and 4 ranks, measured side by side, with the ZeRO
 paper's per-rank model-state formulas projected to 8 and 64 ranks, and the
-cost of Gloo's reduce-scatter and all-gather against our ring versions.
+cost of Gloo's reduce-scatter and all-gather against our ring versions, and
+FULL_SHARD with bf16 parameters (FSDPOptions::param_dtype) at 2 and 4 ranks.
 Writes bench/MEMORY.md, bench/memory.json and the memory section of
 bench/RESULTS.md.
 
@@ -21,13 +22,16 @@ MiB = 1024 * 1024
 
 
 STRATEGIES = ("ddp", "zero1", "fsdp-full", "fsdp-grad-op")
+# Extra runs: label -> (strategy, memory_bench flags), at MIXED_WORLDS ranks.
+MIXED = {"fsdp-full-bf16": ("fsdp-full", ["--param-dtype", "bf16"])}
+MIXED_WORLDS = (2, 4)
 RESULTS_BEGIN = "<!-- memory benchmark: begin (bench/run_memory_bench.py) -->"
 RESULTS_END = "<!-- memory benchmark: end -->"
 
 
-def run(build_dir, strategy, world):
+def run(build_dir, strategy, world, flags=(), label=None):
     cmd = [os.path.join(build_dir, "bin", "ddprun"), "--standalone", "--nproc-per-node", str(world),
-           os.path.join(build_dir, "bin", "memory_bench"), "--strategy", strategy]
+           os.path.join(build_dir, "bin", "memory_bench"), "--strategy", strategy, *flags]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                          timeout=900)
     if out.returncode != 0:
@@ -36,7 +40,7 @@ def run(build_dir, strategy, world):
     if strategy == "collectives":
         return {k: (statistics.median(r[k] for r in rows) if k.endswith("_ms") else rows[0][k]) for k in rows[0]}
     worst = {k: max(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], (int, float))}
-    worst["strategy"] = strategy
+    worst["strategy"] = label or strategy
     return worst
 
 
@@ -49,8 +53,7 @@ def main():
         with open(os.path.join(HERE, "memory.json")) as f:
             saved = json.load(f)
         lines = render(saved["runs"], saved["collectives"], saved["date"])
-        with open(os.path.join(HERE, "MEMORY.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_memory_md(lines)
         update_results_md(lines)
         return
     build_dir = os.path.abspath(args.build_dir)
@@ -61,19 +64,43 @@ def main():
             results.append(r)
             print(f"{strategy} x{world}: model states {states_of(r) / MiB:.0f} MiB, "
                   f"peak {r['peak_rss_bytes'] / MiB:.0f} MiB, step {r['step_ms']:.0f} ms", file=sys.stderr)
+    for world in MIXED_WORLDS:
+        for label, (strategy, flags) in MIXED.items():
+            r = run(build_dir, strategy, world, flags, label)
+            results.append(r)
+            print(f"{label} x{world}: parameters {r['param_bytes'] / MiB:.0f} MiB, "
+                  f"peak parameters {r['peak_param_bytes'] / MiB:.0f} MiB, step {r['step_ms']:.0f} ms", file=sys.stderr)
     collectives = [run(build_dir, "collectives", world) for world in (2, 4)]
     date = datetime.datetime.now().isoformat(timespec="seconds")
     with open(os.path.join(HERE, "memory.json"), "w") as f:
         json.dump({"date": date, "runs": results, "collectives": collectives}, f, indent=1)
     lines = render(results, collectives, date)
-    with open(os.path.join(HERE, "MEMORY.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_memory_md(lines)
     update_results_md(lines)
     print("\n".join(lines))
 
 
 def states_of(r):
     return r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+
+
+KEPT_MARKER = "<!-- Below: notes written by hand, kept as they are by bench/run_memory_bench.py -->"
+
+
+def write_memory_md(lines):
+    """MEMORY.md is the rendered tables, then whatever follows KEPT_MARKER in
+    the current file (measurements and notes that are not re-run)."""
+    path = os.path.join(HERE, "MEMORY.md")
+    kept = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+        if KEPT_MARKER in text:
+            kept = text[text.index(KEPT_MARKER):]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+        if kept:
+            f.write("\n" + kept)
 
 
 def render(results, collectives, date):
@@ -93,6 +120,8 @@ def render(results, collectives, date):
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if r["strategy"] not in STRATEGIES:
+            continue  # the mixed-precision runs have a section of their own
         ddp = find[(r["world"], "ddp")]
         lines.append(f"| {r['world']} | {r['strategy']} | {r['param_bytes'] / MiB:.0f} | {r['grad_bytes'] / MiB:.0f} | "
                      f"{r['bucket_bytes'] / MiB:.0f} | {r['optimizer_bytes'] / MiB:.0f} | {states_of(r) / MiB:.0f} | "
@@ -120,6 +149,9 @@ def render(results, collectives, date):
         "Peak RSS also counts what every strategy holds transiently (the autograd graph, a unit's gathered "
         "parameters and full gradients while it runs, the allocator's cache) and torch itself (~300 MiB), so it "
         "shrinks less than model states do.",
+    ]
+    lines += render_mixed(find)
+    lines += [
         "",
         "## Gloo's collectives against ring versions built from send/recv",
         "",
@@ -156,6 +188,48 @@ def render(results, collectives, date):
         "SHARD_GRAD_OP here holds what FULL_SHARD does between steps (16Ψ/N): our ZeRO-2 frees the gathered "
         "parameters after backward, and keeps them only from forward to backward. The paper's ZeRO-2 keeps "
         "full fp16 weights on every rank; its column is the paper's formula.",
+    ]
+    return lines
+
+
+def render_mixed(find):
+    """FULL_SHARD with bf16 parameters against float32, when memory.json has
+    those runs (older ones do not: then nothing)."""
+    worlds = [n for n in MIXED_WORLDS if (n, "fsdp-full-bf16") in find and (n, "fsdp-full") in find]
+    if not worlds:
+        return []
+
+    def mib(r, key):
+        return f"{r[key] / MiB:.0f}" if key in r else "not measured"
+
+    lines = [
+        "",
+        "## Mixed precision: FULL_SHARD with bf16 parameters",
+        "",
+        "`memory_bench --strategy fsdp-full --param-dtype bf16`: `FSDPOptions().param_dtype(at::kBFloat16)"
+        ".output_dtype(at::kFloat)`. The shards stay float32 master weights (what Adam steps), so parameters "
+        "between steps do not change; each unit is cast to bfloat16 before its all-gather, so the gathered "
+        "units take half the bytes and the all-gathers send half as much. Peak parameters: the most parameter "
+        "bytes held at any moment during the steps (shards plus every unit gathered at once, "
+        "`ShardedMemory::peak_parameter_bytes`), the largest over the ranks.",
+        "",
+        "| ranks | param dtype | parameters MiB between steps | peak parameters MiB | gathered at peak MiB | "
+        "step ms | vs fp32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in worlds:
+        fp32, bf16 = find[(n, "fsdp-full")], find[(n, "fsdp-full-bf16")]
+        for dtype, r in (("fp32", fp32), ("bf16", bf16)):
+            gathered = (f"{(r['peak_param_bytes'] - r['param_bytes']) / MiB:.0f}" if "peak_param_bytes" in r
+                        else "not measured")
+            lines.append(f"| {n} | {dtype} | {mib(r, 'param_bytes')} | {mib(r, 'peak_param_bytes')} | {gathered} | "
+                         f"{r['step_ms']:.0f} | {r['step_ms'] / fp32['step_ms']:.2f} |")
+    lines += [
+        "",
+        "Gathered at peak: peak parameters less parameters between steps (the shards). The step time includes "
+        "the casts (float32 shard to bfloat16 before each all-gather, bfloat16 gradients to float32 for the "
+        "reduce-scatter); on CPUs without native bfloat16 arithmetic the bf16 matrix multiplies can be slower "
+        "than float32 ones, so only the memory columns carry over to GPUs.",
     ]
     return lines
 

@@ -1,4 +1,4 @@
-#include <ddp/bucket_assignment.h>
+#include <ddp/detail/bucket_assignment.h>
 
 #include <ddp/error.h>
 
@@ -8,7 +8,7 @@
 #include <set>
 #include <tuple>
 
-namespace ddp {
+namespace ddp::detail {
 
 std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<BucketTensorInfo>& params,
                                                            size_t first_bucket_cap_bytes,
@@ -59,4 +59,4 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<Buc
   return buckets;
 }
 
-}  // namespace ddp
+}  // namespace ddp::detail

@@ -8,6 +8,7 @@ namespace {
 class AllreduceHook : public CommHook {
  public:
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
+    if (bucket.scatters()) return group.reduce_scatter_async(bucket.shard(), bucket.buffer())->getFuture();
     return group.all_reduce_async(bucket.buffer())->getFuture();
   }
 };
@@ -22,13 +23,22 @@ class CompressHook : public CommHook {
   // collective by events, without blocking the host.
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
     at::Tensor compressed = bucket.buffer().to(wire_dtype_);
-    at::Tensor buffer = bucket.buffer();
-    auto future = group.all_reduce_async(compressed)->getFuture();
+    // The result goes back into the bucket, or into the shard when the
+    // bucket is reduce-scattered: only this rank's part is sent back.
+    at::Tensor result = bucket.scatters() ? bucket.shard() : bucket.buffer();
+    at::Tensor received = compressed;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    if (bucket.scatters()) {
+      received = at::empty({result.numel()}, compressed.options());
+      future = group.reduce_scatter_async(received, compressed)->getFuture();
+    } else {
+      future = group.all_reduce_async(compressed)->getFuture();
+    }
     return future->then(
-        [compressed, buffer](c10::ivalue::Future& done) -> c10::IValue {
+        [compressed, received, result](c10::ivalue::Future& done) -> c10::IValue {
           done.value();  // rethrows the collective's error, if any
-          buffer.copy_(compressed);
-          return buffer;
+          result.copy_(received.view_as(result));
+          return result;
         },
         c10::TensorType::get());
   }

@@ -23,10 +23,27 @@ const char* kind_name(int64_t kind) {
 
 // An ordinary c10d Work: wait(timeout) blocks until the ring thread has run
 // the operation and rethrows its error, if any.
+// Its future (what comm hooks and the gradient engine wait on) completes
+// with the output, or with the error.
 class RingCollectives::RingWork : public c10d::Work {
  public:
-  RingWork(int rank, c10d::OpType type) : c10d::Work(rank, type) {}
-  void complete(std::exception_ptr error) { finish(std::move(error)); }
+  RingWork(int rank, c10d::OpType type, at::Tensor output)
+      : c10d::Work(rank, type),
+        output_(std::move(output)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(std::move(error));
+    } else {
+      future_->markCompleted(c10::IValue(std::vector<at::Tensor>{output_}));
+    }
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  at::Tensor output_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 RingCollectives::RingCollectives(ProcessGroup& group, uint32_t tag_base) : group_(group), tag_base_(tag_base) {
@@ -42,8 +59,8 @@ RingCollectives::~RingCollectives() {
   worker_.join();
 }
 
-c10::intrusive_ptr<c10d::Work> RingCollectives::enqueue(Operation operation, c10d::OpType type) {
-  auto work = c10::make_intrusive<RingWork>(group_.rank(), type);
+c10::intrusive_ptr<c10d::Work> RingCollectives::enqueue(Operation operation, c10d::OpType type, at::Tensor output) {
+  auto work = c10::make_intrusive<RingWork>(group_.rank(), type, std::move(output));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     DDP_CHECK(!stopping_, "ddp: ring ", type == c10d::OpType::REDUCE_SCATTER ? "reduce_scatter" : "all_gather",
@@ -151,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> RingCollectives::reduce_scatter(at::Tensor output
           }
         }
       },
-      c10d::OpType::REDUCE_SCATTER);
+      c10d::OpType::REDUCE_SCATTER, output);
 }
 
 c10::intrusive_ptr<c10d::Work> RingCollectives::all_gather(at::Tensor output, at::Tensor input) {
@@ -173,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> RingCollectives::all_gather(at::Tensor output, at
           exchange(outgoing, incoming, tag + 1, "ring all_gather exchange");
         }
       },
-      c10d::OpType::_ALLGATHER_BASE);
+      c10d::OpType::_ALLGATHER_BASE, output);
 }
 
 }  // namespace ddp::detail

@@ -53,7 +53,7 @@ class RingCollectives {
  private:
   class RingWork;
   using Operation = std::function<void(uint32_t tag, uint64_t sequence)>;
-  c10::intrusive_ptr<c10d::Work> enqueue(Operation operation, c10d::OpType type);
+  c10::intrusive_ptr<c10d::Work> enqueue(Operation operation, c10d::OpType type, at::Tensor output);
   void run();
   void exchange(at::Tensor& send, at::Tensor& receive, uint32_t tag, const char* what);
   void check_header(int64_t kind, int64_t part, at::ScalarType dtype, uint64_t sequence, uint32_t tag);

@@ -9,6 +9,7 @@ add_executable(ddp_unit_tests
   test_env.cpp
   test_sampler.cpp
   test_bucket_assignment.cpp
+  test_fsdp_units.cpp
   test_optimizer_state.cpp
   test_checkpoint.cpp
   test_snapshot.cpp
@@ -90,7 +91,7 @@ gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOU
 
 # ddp inside LibTorch programs, on several ranks: buffer-sync warning, sparse
 # gradients, checkpoints from rank 0, TorchScript modules.
-add_executable(ddp_integration_rank_tests test_integration_ranks.cpp)
+add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradient_sync.cpp)
 target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_integration_rank_tests REUSE_FROM ddp)
 gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240

@@ -29,6 +29,7 @@
 
 #include <ddp/error.h>
 #include <ddp/checkpoint.h>
+#include <ddp/comm_hooks.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
@@ -42,6 +43,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -100,12 +102,42 @@ struct FSDPOptions {
   /// (or bf16_compress_hook()). Unset: the parameters' dtype (PyTorch's
   /// MixedPrecision(reduce_dtype=...)).
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The dtype a unit's parameters are gathered and computed in (PyTorch
+  /// FSDP2's MixedPrecisionPolicy(param_dtype=...)): each rank's shard, what
+  /// the optimizer steps, stays in the parameters' own dtype (the master
+  /// weights), is cast to param_dtype before the all-gather, and floating-
+  /// point tensor inputs of the forward (the root's and each unit's) are cast
+  /// to it too. Gradients then arrive in param_dtype; they are reduced in
+  /// reduce_dtype (unset: param_dtype) and land in the shard's gradient in the
+  /// shard's dtype. Halves the gathered parameters' memory and the all-gather
+  /// traffic with at::kBFloat16. Inside summon_full_params() the module's
+  /// parameters are in param_dtype too; full_state_dict() always comes from
+  /// the shards, in their own dtype, and destroying the wrapper gives the
+  /// module its own dtype back. Unset: no casts.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype floating-point tensor results of the root's forward are cast
+  /// to (FSDP2's output_dtype), e.g. at::kFloat so a loss runs in float32
+  /// after a bfloat16 forward. Unset: results stay as computed.
+  TORCH_ARG(std::optional<at::ScalarType>, output_dtype) = std::nullopt;
+  /// How each unit's gradient is reduce-scattered (all-reduced under
+  /// kNoShard): the GradBucket a hook gets holds the unit's flat gradient,
+  /// divided by the world size, and, when sharded, the shard it must be
+  /// reduce-scattered into (GradBucket::scatters()). The same hooks as
+  /// DDPOptions::comm_hook: fp16_compress_hook() and bf16_compress_hook()
+  /// work for both. Null: a plain reduce-scatter (or, with a reduce_dtype
+  /// narrower than the gradients, the matching compression). Not combinable
+  /// with reduce_dtype.
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 };
 
 /// Bytes this rank holds for the model's state right now.
 struct ShardedMemory {
   int64_t parameter_bytes = 0;  ///< shards, plus any full parameters now gathered
   int64_t gradient_bytes = 0;   ///< gradients of the shards
+  /// The most parameter bytes held at any moment since the wrapper was built
+  /// (or since reset_peak_memory()): shards plus every unit gathered at once,
+  /// in param_dtype when one is set.
+  int64_t peak_parameter_bytes = 0;
 };
 
 namespace detail {
@@ -123,6 +155,8 @@ class FsdpUnitModule : public torch::nn::Module {
   void after_forward(const std::vector<at::Tensor>& outputs);
   /// Set by FullyShardedDataParallel; without one the wrapper is a no-op, so
   /// the same model also runs alone or under DistributedDataParallel.
+  /// What floating-point inputs are cast to (FSDPOptions::param_dtype).
+  std::optional<at::ScalarType> input_dtype() const;
   void attach(FsdpState* state, size_t unit) {
     state_ = state;
     unit_ = unit;
@@ -139,6 +173,42 @@ class FsdpUnitModule : public torch::nn::Module {
   FsdpState* state_ = nullptr;
   size_t unit_ = 0;
 };
+
+/// FSDPOptions::param_dtype: floating-point tensor arguments are cast to it;
+/// everything else passes through unchanged.
+template <typename T>
+decltype(auto) cast_input(T&& value, const std::optional<at::ScalarType>& dtype) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    if (dtype && value.defined() && value.is_floating_point() && value.scalar_type() != *dtype) {
+      return at::Tensor(value.to(*dtype));
+    }
+    return at::Tensor(std::forward<T>(value));
+  } else {
+    return std::forward<T>(value);
+  }
+}
+
+/// FSDPOptions::output_dtype: floating-point tensors of a result (a tensor,
+/// or a vector, tuple or pair of them) are cast to it.
+template <typename T>
+void cast_output(T& /*not a tensor*/, at::ScalarType /*dtype*/) {}
+inline void cast_output(at::Tensor& value, at::ScalarType dtype) {
+  if (value.defined() && value.is_floating_point() && value.scalar_type() != dtype) value = value.to(dtype);
+}
+inline void cast_output(std::vector<at::Tensor>& values, at::ScalarType dtype) {
+  for (auto& value : values) cast_output(value, dtype);
+}
+template <typename A, typename B>
+void cast_output(std::pair<A, B>& values, at::ScalarType dtype);
+template <typename... Ts>
+void cast_output(std::tuple<Ts...>& values, at::ScalarType dtype) {
+  std::apply([dtype](auto&... value) { (cast_output(value, dtype), ...); }, values);
+}
+template <typename A, typename B>
+void cast_output(std::pair<A, B>& values, at::ScalarType dtype) {
+  cast_output(values.first, dtype);
+  cast_output(values.second, dtype);
+}
 
 /// The tensors of a forward's result; FSDP hooks them to gather each unit
 /// again for backward, so a result without tensors is an error.
@@ -175,7 +245,8 @@ class FsdpUnitImpl : public detail::FsdpUnitModule {
   auto forward(Args&&... args) {
     if (!attached()) return module_->forward(std::forward<Args>(args)...);
     before_forward();
-    auto result = module_->forward(std::forward<Args>(args)...);
+    const auto dtype = input_dtype();
+    auto result = module_->forward(detail::cast_input(std::forward<Args>(args), dtype)...);
     after_forward(detail::forward_outputs(result));
     return result;
   }
@@ -247,8 +318,10 @@ class FullyShardedDataParallel {
   template <typename... Args>
   auto forward(Args&&... args) {
     state_->begin_forward();
-    auto result = run(std::forward<Args>(args)...);
+    const auto dtype = state_->input_dtype();
+    auto result = run(detail::cast_input(std::forward<Args>(args), dtype)...);
     state_->end_forward(detail::forward_outputs(result));
+    if (auto output = state_->output_dtype()) detail::cast_output(result, *output);
     return result;
   }
   template <typename... Args>
@@ -314,6 +387,8 @@ class FullyShardedDataParallel {
   /// The units, by name ("" is the root unit).
   std::vector<std::string> unit_names() const { return state_->unit_names(); }
   ShardedMemory memory() const { return state_->memory(); }
+  /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
+  void reset_peak_memory() { state_->reset_peak_memory(); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
 
  private:

@@ -1,14 +1,15 @@
 #pragma once
 
-// The gradient engine: averages every parameter's gradient across ranks during
-// backward. Parameters are grouped into buckets (bucket_assignment.h); a hook
-// on each parameter's gradient accumulator copies the fresh gradient into its
+// DDP's gradient averaging: every parameter's gradient is averaged across
+// ranks during backward. Parameters are grouped into buckets
+// (detail/bucket_assignment.h); as each gradient becomes final it is copied into its
 // bucket, and a full bucket is handed to the communication hook (by default
 // an async all-reduce) at once, in bucket order, while backward goes on
-// computing earlier layers. When backward ends, a callback waits for every
-// bucket and writes the averages back into .grad.
+// computing earlier layers. When backward ends, the engine waits for every
+// bucket and the averages go back into .grad.
 
 #include <ddp/comm_hooks.h>
+#include <ddp/detail/gradient_sync.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -16,13 +17,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace ddp {
 
@@ -52,12 +48,17 @@ struct ReducerOptions {
 /// Averages the gradients of `params` across `group` during each backward.
 /// DistributedDataParallel owns one; use it directly to add data parallelism
 /// to parameters that are not one module's.
-class GradientReducer {
+///
+/// The hooks, the launch order, the end of backward and the guards belong to
+/// the engine shared with FSDP (detail/gradient_sync.h); the reducer is the
+/// bucket policy: which gradients share a bucket, how a gradient enters its
+/// bucket, and how a reduced bucket goes back into .grad.
+class GradientReducer : private detail::SyncPolicy {
  public:
   /// `params` are the parameters to average, `names` their names for errors.
   GradientReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                   std::shared_ptr<ProcessGroup> group, ReducerOptions options = {});
-  ~GradientReducer();
+  ~GradientReducer() override;
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
@@ -82,11 +83,11 @@ class GradientReducer {
   void shadow_backward();
 
   /// Off: backward only accumulates local gradients (DDP's no_sync()).
-  void set_require_sync(bool require_sync) { require_sync_ = require_sync; }
-  bool require_sync() const { return require_sync_; }
+  void set_require_sync(bool require_sync) { sync_->set_require_sync(require_sync); }
+  bool require_sync() const { return sync_->require_sync(); }
 
   /// Parameter indices of each bucket, in launch order.
-  const std::vector<std::vector<size_t>>& bucket_assignment() const { return assignment_; }
+  const std::vector<std::vector<size_t>>& bucket_assignment() const { return sync_->groups(); }
   /// Number of backward passes whose gradients were averaged.
   int64_t reduced_steps() const { return reduced_steps_; }
   /// Whether the buckets were regrouped after the first iteration.
@@ -96,20 +97,22 @@ class GradientReducer {
 
  private:
   struct Bucket {
-    std::vector<size_t> params;    // indices into params_
     std::vector<int64_t> offsets;  // element offset of each param in `flat`
     at::Tensor flat;               // contiguous gradients of the bucket
-    size_t pending = 0;            // gradients not yet in `flat` this round
-    c10::intrusive_ptr<c10::ivalue::Future> reduced;
   };
+
+  // detail::SyncPolicy: the engine calls these during backward.
+  std::vector<size_t> on_round_start(bool synchronised) override;
+  void on_parameter_ready(size_t param, bool has_gradient) override;
+  c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t bucket) override;
+  void before_waiting(const std::vector<char>& used_locally) override;
+  void finish_group(size_t bucket, const at::Tensor& result) override;
+  void on_round_end(bool synchronised) override;
+  std::string group_label(size_t bucket) const override;
+  std::string collective_tag(size_t bucket) const override;
 
   void build_buckets(const std::vector<std::vector<size_t>>& assignment);
   at::Tensor slot_of(size_t param_index);
-  void on_gradient_ready(size_t param_index);
-  void mark_ready(size_t param_index, bool has_gradient);
-  void launch_full_buckets_in_order();
-  void finish_backward();
-  void start_round();
   void maybe_rebuild_buckets();
 
   std::vector<at::Tensor> params_;
@@ -117,29 +120,18 @@ class GradientReducer {
   std::shared_ptr<ProcessGroup> group_;
   ReducerOptions options_;
   std::shared_ptr<CommHook> comm_hook_;
-  std::vector<std::vector<size_t>> assignment_;
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_param_;
   std::vector<size_t> position_in_bucket_;
-  std::vector<char> ready_;
-  std::vector<char> used_locally_;      // got a gradient from this backward
-  std::vector<char> used_since_sync_;   // got one in a no_sync() backward since
-  std::vector<size_t> unused_after_forward_;
-  std::vector<size_t> ready_order_;     // first iteration's, for rebuilding
-  // The accumulators are owned weakly by their parameters; holding them keeps
-  // our hooks attached for as long as the reducer lives.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::vector<size_t> ready_order_;  // first iteration's, for rebuilding
+  at::Tensor used_anywhere_;         // find_unused_parameters: per parameter, this pass
   at::Tensor world_size_;  // 0-dim, the divisor of every gradient
-  std::mutex mutex_;  // hooks of different devices run on different threads
-  bool require_sync_ = true;
   bool forward_seen_ = false;
   bool warned_missing_forward_ = false;
   std::string missing_forward_warning_;
-  bool round_active_ = false;
   bool buckets_rebuilt_ = false;
-  size_t next_bucket_to_launch_ = 0;
   int64_t reduced_steps_ = 0;
+  std::unique_ptr<detail::GradientSync> sync_;  // last: its hooks call the members above
 };
 
 }  // namespace ddp

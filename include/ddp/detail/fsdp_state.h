@@ -7,6 +7,8 @@
 // ddp::FullyShardedDataParallel instead.
 
 #include <ddp/checkpoint.h>
+#include <ddp/comm_hooks.h>
+#include <ddp/detail/gradient_sync.h>
 #include <ddp/process_group.h>
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -15,6 +17,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,11 +30,14 @@ namespace ddp::detail {
 
 struct FlatLayout;  // <ddp/detail/optimizer_state.h>
 
-/// The engine of FullyShardedDataParallel, independent of the module type.
-class FsdpState {
+/// FullyShardedDataParallel, independent of the module type: units, their
+/// gathering and freeing, and state dicts. As the gradient engine's policy
+/// (detail/gradient_sync.h), a unit is a group: when its gradients are
+/// final it is flattened and reduce-scattered into the shard.
+class FsdpState : private SyncPolicy {
  public:
   FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
-  ~FsdpState();
+  ~FsdpState() override;
   FsdpState(const FsdpState&) = delete;
   FsdpState& operator=(const FsdpState&) = delete;
 
@@ -47,6 +53,10 @@ class FsdpState {
   std::vector<at::Tensor> shards() const;
   std::vector<std::string> unit_names() const;
   ShardedMemory memory() const;
+  void reset_peak_memory();
+  /// FSDPOptions::param_dtype, if it casts: what floating inputs become.
+  std::optional<at::ScalarType> input_dtype() const { return mixed_ ? options_.param_dtype() : std::nullopt; }
+  std::optional<at::ScalarType> output_dtype() const { return options_.output_dtype(); }
 
   StateDict full_state_dict(bool rank0_only);
   void load_full_state_dict(const StateDict& state);
@@ -57,8 +67,8 @@ class FsdpState {
 
   void gather_all();
   void free_all();
-  void set_requires_gradient_sync(bool sync) { require_sync_ = sync; }
-  bool requires_gradient_sync() const { return require_sync_; }
+  void set_requires_gradient_sync(bool sync) { sync_->set_require_sync(sync); }
+  bool requires_gradient_sync() const { return sync_->require_sync(); }
 
  private:
   struct Unit;
@@ -70,14 +80,24 @@ class FsdpState {
   void prefetch_after(size_t unit, bool forward);
   void register_pre_backward(size_t unit, const std::vector<at::Tensor>& outputs);
   void pre_backward(size_t unit);
-  void find_unreachable(const std::vector<at::Tensor>& outputs);
-  void begin_backward();
-  void on_gradient_ready(size_t unit, size_t param);
-  void launch_ready_in_order();
-  void reduce(Unit& unit);
-  void finish_backward();
   void reset_backward_state();
+  at::Tensor flatten_gradients(Unit& unit);
+  void note_parameter_memory();
+
+  // SyncPolicy: the gradient engine calls these during backward.
+  std::vector<size_t> on_round_start(bool synchronised) override;
+  void on_parameter_ready(size_t /*param*/, bool /*has_gradient*/) override {}
+  c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t unit) override;
+  void on_group_complete_without_sync(size_t unit) override;
+  void finish_group(size_t unit, const at::Tensor& result) override;
+  void on_round_end(bool synchronised) override;
+  std::string group_label(size_t unit) const override;
+  std::string collective_tag(size_t unit) const override;
+
   bool sharded() const;
+  /// The shard is the unit's flat tensor itself: nothing is ever freed or
+  /// gathered (kNoShard without param_dtype).
+  bool shard_is_full() const { return !sharded() && !mixed_; }
   /// This rank's part of the unit's flat tensor: [first, first + second).
   std::pair<int64_t, int64_t> shard_range(const Unit& unit) const;
   FlatLayout layout_of(const Unit& unit) const;
@@ -96,17 +116,10 @@ class FsdpState {
   std::vector<size_t> sequential_unit_of_group_;
   std::vector<size_t> forward_order_;       // this iteration's non-root units, as they ran
   std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
-  // One backward pass. Reduce-scatters are launched in reduce_order_ only
-  // (the reverse of forward_order_, then the units that did not run, the
-  // root last): the same order on every rank, whenever each rank's
-  // gradients arrive. A unit is launched once it and every unit before it
-  // in that order have all their gradients.
-  std::vector<size_t> reduce_order_;
-  size_t next_reduce_ = 0;
-  std::vector<std::pair<size_t, size_t>> unreachable_;  // (unit, param) the last forward's graph cannot reach
-  bool require_sync_ = true;  // false inside no_sync()
-  bool callback_queued_ = false;
-  bool in_backward_ = false;  // from the first hook of a backward until finish_backward has completed
+  std::vector<size_t> launch_order_;        // this backward pass's, from on_round_start
+  bool mixed_ = false;  // FSDPOptions::param_dtype is set
+  int64_t peak_parameter_bytes_ = 0;
+  std::unique_ptr<GradientSync> sync_;  // last: its hooks call the members above
 };
 
 

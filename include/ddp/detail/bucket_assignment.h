@@ -1,7 +1,8 @@
 #pragma once
 
-// Which gradients travel together in one all-reduce. Pure functions: no
-// tensors are touched, so the rules are unit-tested directly.
+// Internal, not API: which gradients travel together in one all-reduce
+// (DDP's buckets, the gradient engine's groups). Pure functions: no tensors
+// are touched, so the rules are unit-tested directly.
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -10,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace ddp {
+namespace ddp::detail {
 
 /// What bucket assignment needs to know about one parameter.
 struct BucketTensorInfo {
@@ -39,4 +40,4 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<Buc
                                                            size_t first_bucket_cap_bytes,
                                                            size_t bucket_cap_bytes);
 
-}  // namespace ddp
+}  // namespace ddp::detail

@@ -1,0 +1,300 @@
+// FullyShardedDataParallel's state dicts: full (the unwrapped model's keys,
+// loadable at any world size and by Python) and sharded (one file per rank),
+// for the module and for the optimizer built over its shards.
+
+#include <ddp/error.h>
+#include <ddp/fully_sharded_data_parallel.h>
+
+#include <ddp/detail/optimizer_state.h>
+#include <ddp/snapshot.h>
+
+#include "fsdp_unit.h"
+
+#include <ATen/Functions.h>
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <map>
+
+namespace ddp {
+namespace detail {
+
+// --- state dicts -----------------------------------------------------------
+
+StateDict FsdpState::full_state_dict(bool rank0_only) {
+  const bool keep = !rank0_only || group_->rank() == 0;
+  std::map<std::string, at::Tensor> gathered;
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    // From the shards, in their own dtype: a unit gathered in param_dtype
+    // holds rounded values.
+    at::Tensor full;
+    if (unit->gathered && !mixed_) {
+      full = unit->full;
+    } else if (!sharded()) {
+      full = unit->shard.detach();
+    } else {
+      full = at::empty({unit->padded}, unit->shard.options());
+      at::Tensor input = unit->shard.detach();
+      CollectiveTag tag("fsdp full state dict");
+      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather for the full state dict");
+    }
+    if (!keep) continue;
+    for (size_t j = 0; j < unit->params.size(); ++j) {
+      gathered[unit->param_names[j]] =
+          full.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()).clone();
+    }
+  }
+  StateDict state;
+  if (!keep) return state;
+  // In the unwrapped model's order (ddp::state_dict's, Python's).
+  for (const auto& [name, tensor] : ddp::state_dict(*root_)) {
+    auto it = gathered.find(name);
+    state.emplace_back(name, it != gathered.end() ? it->second : tensor.detach().clone());
+  }
+  return state;
+}
+
+void FsdpState::load_full_state_dict(const StateDict& state) {
+  // load_state_dict's checks (every entry present with its shape, none
+  // extra) run against stand-ins: each unit's parameters as views of a new
+  // flat tensor, and copies of the buffers and frozen parameters. Only when
+  // all have passed does anything of the model change.
+  StateDict targets;
+  std::vector<at::Tensor> flats;
+  for (const auto& unit : units_) {
+    flats.push_back(at::zeros({unit->padded}, unit->shard.options()));
+    for (size_t j = 0; j < unit->params.size(); ++j) {
+      targets.emplace_back(unit->param_names[j], flats.back()
+                                                     .narrow(0, unit->offsets[j], unit->params[j].numel())
+                                                     .view(unit->params[j].sizes()));
+    }
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (the model's, its stand-in)
+  for (const auto& [name, tensor] : replicated()) {
+    buffers.emplace_back(tensor, at::empty_like(tensor, tensor.options().requires_grad(false)));
+    targets.emplace_back(name, buffers.back().second);
+  }
+  copy_state_into(targets, state);
+
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    auto [start, length] = shard_range(unit);
+    unit.shard.detach().copy_(flats[u].narrow(0, start, length));
+    if (unit.gathered && !shard_is_full()) unit.full.copy_(flats[u]);
+  }
+  for (auto& [target, value] : buffers) target.detach().copy_(value);
+}
+
+namespace {
+
+// The optimizer must be built over parameters(), one group, in order.
+void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& shards) {
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer.param_groups()) params.insert(params.end(), group.params().begin(), group.params().end());
+  bool same = params.size() == shards.size();
+  for (size_t i = 0; same && i < params.size(); ++i) same = params[i].is_same(shards[i]);
+  DDP_CHECK(same, "ddp: the optimizer must be built over FullyShardedDataParallel::parameters(), in order (it has ",
+              params.size(), " parameters, the model has ", shards.size(), " shards)");
+}
+
+}  // namespace
+
+// Where the unit's parameters lie in its flat tensor, for the optimizer
+// state's re-layout.
+FlatLayout FsdpState::layout_of(const Unit& unit) const {
+  FlatLayout layout;
+  layout.names = unit.param_names;
+  layout.offsets = unit.offsets;
+  for (const auto& param : unit.params) layout.shapes.push_back(param.sizes().vec());
+  layout.padded = unit.padded;
+  return layout;
+}
+
+std::pair<int64_t, int64_t> FsdpState::shard_range(const Unit& unit) const {
+  if (!sharded()) return {0, unit.padded};
+  return {group_->rank() * unit.shard_numel, unit.shard_numel};
+}
+
+std::map<std::string, int64_t> FsdpState::parameter_indices() const {
+  std::map<std::string, int64_t> index_of;
+  int64_t count = 0;
+  for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
+  return index_of;
+}
+
+c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
+  check_optimizer_layout(optimizer, shards());
+  const bool keep = !rank0_only || group_->rank() == 0;
+  auto local = parse_optimizer_state(optimizer_state_dict(optimizer), "FullyShardedDataParallel");
+  const auto index_of = parameter_indices();
+  const int64_t count = static_cast<int64_t>(index_of.size());
+
+  auto state = new_generic_dict();
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    auto found = local.state.find(static_cast<int64_t>(u));
+    if (found == local.state.end()) continue;  // not stepped yet: the same on every rank
+    // The unit's flat entry: its per-element state gathered from every
+    // rank's shard (collectives, so on every rank), the rest as it is.
+    const int64_t length = shard_range(unit).second;
+    auto flat = map_per_element_state(found->value().toGenericDict(), [&](const std::string& key,
+                                                                          const at::Tensor& tensor) {
+      DDP_CHECK(tensor.defined() && tensor.numel() == length, "ddp: optimizer state '", key, "' of unit '",
+                unit.name, "' is not a tensor of the shard's ", length, " elements");
+      if (!sharded() || group_->size() == 1) return tensor;
+      at::Tensor full = at::empty({unit.padded}, tensor.options());
+      at::Tensor input = tensor.contiguous();
+      CollectiveTag tag("fsdp full optimizer state");
+      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
+      return full;
+    });
+    if (!keep) continue;
+    auto per_param = split_flat_entry(flat, layout_of(unit));
+    for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.param_names[j]), per_param[j]);
+  }
+  if (!keep) return c10::IValue();
+  // Python's layout for the unwrapped model: one entry per parameter, in
+  // index order.
+  return one_group_state(state, single_param_group(local, static_cast<int64_t>(units_.size()), "FSDP"), count);
+}
+
+void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
+  check_optimizer_layout(optimizer, shards());
+  const std::string who = "FullyShardedDataParallel::load_full_optim_state_dict";
+  auto parts = parse_optimizer_state(full, who);
+  const auto index_of = parameter_indices();
+  auto group = single_param_group(parts, static_cast<int64_t>(index_of.size()), who);
+
+  auto state = new_generic_dict();
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    std::vector<GenericDict> entries;
+    for (const auto& name : unit.param_names) {
+      auto it = parts.state.find(index_of.at(name));
+      if (it != parts.state.end()) entries.push_back(it->value().toGenericDict());
+    }
+    if (entries.empty()) continue;
+    DDP_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
+              unit.name, "'; FSDP needs all or none");
+    auto [start, length] = shard_range(unit);
+    state.insert(static_cast<int64_t>(u), slice_flat_entry(join_flat_entry(entries, layout_of(unit)), start, length));
+  }
+  load_optimizer_state_dict(optimizer, one_group_state(state, group, static_cast<int64_t>(units_.size())));
+}
+
+c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
+  auto result = new_generic_dict();
+  result.insert("format", std::string("ddp.fsdp.sharded/1"));
+  result.insert("world_size", static_cast<int64_t>(group_->size()));
+  result.insert("rank", static_cast<int64_t>(group_->rank()));
+  result.insert("strategy", to_string(options_.sharding_strategy()));
+  c10::impl::GenericList units(c10::AnyType::get());
+  for (const auto& unit : units_) {
+    auto entry = new_generic_dict();
+    entry.insert("name", unit->name);
+    entry.insert("numel", unit->numel);
+    c10::impl::GenericList names(c10::AnyType::get());
+    for (const auto& n : unit->param_names) names.push_back(n);
+    entry.insert("param_names", names);
+    entry.insert("shard", unit->shard.detach().clone());
+    units.push_back(entry);
+  }
+  result.insert("units", units);
+  auto buffers = new_generic_dict();
+  for (const auto& [name, tensor] : replicated()) buffers.insert(name, tensor.detach().clone());
+  result.insert("buffers", buffers);
+  if (optimizer) {
+    check_optimizer_layout(*optimizer, shards());
+    result.insert("optimizer", optimizer_state_dict(*optimizer));
+  }
+  return result;
+}
+
+void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::Optimizer* optimizer) {
+  DDP_CHECK(value.isGenericDict() && value.toGenericDict().contains("format") &&
+                  value.toGenericDict().at("format").isString() &&
+                  value.toGenericDict().at("format").toStringRef() == "ddp.fsdp.sharded/1",
+              "ddp: not an FSDP sharded state dict (no 'format': 'ddp.fsdp.sharded/1')");
+  auto dict = value.toGenericDict();
+  int64_t world = dict.at("world_size").toInt();
+  int64_t rank = dict.at("rank").toInt();
+  DDP_CHECK(world == group_->size(), "ddp: this sharded checkpoint was written by ", world,
+              " ranks but this job has ", group_->size(),
+              "; a sharded checkpoint reloads only into the same world size: load a full state dict instead");
+  DDP_CHECK(rank == group_->rank(), "ddp: rank ", group_->rank(), " was given rank ", rank,
+              "'s shard of the checkpoint");
+  auto units = dict.at("units").toList();
+  DDP_CHECK(units.size() == units_.size(), "ddp: the sharded checkpoint has ", units.size(),
+              " units but the model has ", units_.size(), "; wrap the model the same way as when it was saved");
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto entry = units.get(u).toGenericDict();
+    at::Tensor shard = entry.at("shard").toTensor();
+    DDP_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
+                    shard.numel() == shard_range(*units_[u]).second,
+                "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
+                entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
+                units_[u]->numel, " elements)");
+  }
+  auto buffers = dict.at("buffers").toGenericDict();
+  for (const auto& [name, tensor] : replicated()) {
+    DDP_CHECK(buffers.contains(name), "ddp: the sharded checkpoint lacks the buffer or frozen parameter '", name, "'");
+  }
+  if (optimizer) {
+    DDP_CHECK(dict.contains("optimizer"), "ddp: the sharded checkpoint holds no optimizer state");
+    check_optimizer_layout(*optimizer, shards());
+    load_optimizer_state_dict(*optimizer, dict.at("optimizer"));
+  }
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = *units_[u];
+    unit.shard.detach().copy_(units.get(u).toGenericDict().at("shard").toTensor());
+    if (unit.gathered && !shard_is_full()) {
+      // Keep the gathered copy consistent: gather it again.
+      unit.gathered = false;
+      finish_gather(unit);
+    }
+  }
+  for (const auto& [name, tensor] : replicated()) {
+    at::Tensor target = tensor;
+    target.detach().copy_(buffers.at(name).toTensor());
+  }
+}
+
+}  // namespace detail
+
+std::string save_sharded_checkpoint(const c10::IValue& state, const std::string& dir, ProcessGroup& group) {
+  std::filesystem::create_directories(dir);
+  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
+  save_value(state, path);
+  group.barrier();
+  return path;
+}
+
+c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group) {
+  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
+  if (!std::filesystem::exists(path)) {
+    std::string found;
+    if (std::filesystem::is_directory(dir)) {
+      for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+        std::string name = entry.path().filename().string();
+        if (name.rfind("shard_", 0) == 0) {
+          found = name;
+          break;
+        }
+      }
+    }
+    DDP_CHECK(false, "ddp: no sharded checkpoint for rank ", group.rank(), " of ", group.size(), " in '", dir,
+                "' (expected ", path, ")",
+                found.empty() ? std::string()
+                              : "; it holds " + found +
+                                    ", written by another world size: a sharded checkpoint reloads only into the "
+                                    "same world size, load a full state dict instead");
+  }
+  return load_value(path);
+}
+
+}  // namespace ddp

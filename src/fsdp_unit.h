@@ -1,0 +1,48 @@
+#pragma once
+
+// Internal to src/: one FSDP unit's tensors and per-pass state, shared by
+// fully_sharded_data_parallel.cpp (units, gathering, gradients) and
+// fsdp_state_dict.cpp (state dicts).
+
+#include <ddp/comm_hooks.h>
+#include <ddp/fully_sharded_data_parallel.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddp::detail {
+
+struct FsdpState::Unit {
+  std::string name;
+  std::vector<std::string> param_names;  // dotted names in the root module
+  std::vector<at::Tensor> params;        // the module's own leaf tensors
+  std::vector<int64_t> offsets;
+  int64_t numel = 0;        // real elements
+  int64_t padded = 0;       // numel rounded up to a multiple of the world size
+  int64_t shard_numel = 0;  // padded / world size
+  at::Tensor full;          // `padded` elements in param_dtype; memory only while gathered
+  at::Tensor shard;         // this rank's part in the parameters' dtype; the optimizer's parameter
+  at::Tensor gather_input;  // the shard cast to param_dtype, while its all-gather runs
+  bool is_root = false;
+  bool reshard_after_forward = true;
+  bool gathered = false;
+  c10::intrusive_ptr<c10d::Work> pending_gather;
+  // How gradients are reduced: in `reduce_dtype` (the flat gradient's
+  // dtype), by `hook`.
+  at::ScalarType reduce_dtype = at::kFloat;
+  std::shared_ptr<CommHook> hook;
+  // One backward pass.
+  bool reduced = false;
+  bool pre_backward_ran = false;
+  at::Tensor gradient_flat;
+  at::Tensor gradient_shard;
+  // no_sync(): the sum of the unsharded gradients of backward passes whose
+  // reduce-scatter was skipped, reduced with the next synchronised one.
+  at::Tensor unsynced_gradient;
+};
+
+}  // namespace ddp::detail
