@@ -47,6 +47,8 @@ StateDict FsdpState::full_state_dict(bool rank0_only) {
   }
   StateDict state;
   if (!keep) return state;
+  // Frozen parameters in their own dtype, not the module's cast copy.
+  for (const auto& [name, tensor] : frozen_) gathered.emplace(name, tensor.detach().clone());
   // In the unwrapped model's order (ddp::state_dict's, Python's).
   for (const auto& [name, tensor] : ddp::state_dict(*root_)) {
     auto it = gathered.find(name);
@@ -85,6 +87,7 @@ void FsdpState::load_full_state_dict(const StateDict& state) {
     if (unit.gathered && !shard_is_full()) unit.full.copy_(flats[u]);
   }
   for (auto& [target, value] : buffers) target.detach().copy_(value);
+  refresh_frozen_parameters();
 }
 
 namespace {
@@ -262,6 +265,7 @@ void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::
     at::Tensor target = tensor;
     target.detach().copy_(buffers.at(name).toTensor());
   }
+  refresh_frozen_parameters();
 }
 
 }  // namespace detail

@@ -137,6 +137,7 @@ FsdpState::~FsdpState() {
         }
         at::NoGradGuard no_grad;
         for (size_t j = 0; j < unit->params.size(); ++j) {
+          unit->params[j].mutable_grad().reset();  // in param_dtype, if any: not the parameter's any more
           unit->params[j].set_data(
               whole.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()));
         }
@@ -144,6 +145,9 @@ FsdpState::~FsdpState() {
         start_gather(*unit);
         finish_gather(*unit);
       }
+    }
+    for (size_t i = 0; i < frozen_.size(); ++i) {
+      if (!frozen_params_[i].is_same(frozen_[i].second)) frozen_params_[i].set_data(frozen_[i].second);
     }
   } catch (...) {
     // A dead peer: nothing more to gather from.
@@ -219,6 +223,17 @@ void FsdpState::build_units() {
     units_.back()->is_root = true;
   }
   DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with trainable parameters (requires_grad true)");
+  // Under param_dtype frozen parameters compute in it too (activations
+  // arrive in param_dtype), while state dicts keep their own dtype: the
+  // module gets a cast copy, frozen_ keeps the original.
+  for (auto& [name, original] : frozen_) {
+    frozen_params_.push_back(original);
+    if (!mixed_ || !original.is_floating_point()) continue;
+    at::NoGradGuard no_grad;
+    at::Tensor master = original.detach().clone();
+    original.set_data(master.to(*options_.param_dtype()));
+    original = master;
+  }
   for (auto& unit : units_) unit->reshard_after_forward = options_.sharding_strategy() == ShardingStrategy::kFullShard;
   for (const auto& [name, reshard] : options_.reshard_after_forward()) {
     auto it = std::find_if(units_.begin(), units_.end(), [&](const auto& unit) { return unit->name == name; });
@@ -321,6 +336,13 @@ ShardedMemory FsdpState::memory() const {
   }
   memory.peak_parameter_bytes = std::max(peak_parameter_bytes_, memory.parameter_bytes);
   return memory;
+}
+
+void FsdpState::refresh_frozen_parameters() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < frozen_.size(); ++i) {
+    if (!frozen_params_[i].is_same(frozen_[i].second)) frozen_params_[i].detach().copy_(frozen_[i].second);
+  }
 }
 
 void FsdpState::reset_peak_memory() {
@@ -444,7 +466,12 @@ void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
   // engine's pass (and so fixes the launch order).
   for (const auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
-    out.register_hook([this](const at::Tensor&) { sync_->begin_round(); });
+    out.register_hook([this](const at::Tensor&) {
+      // A second backward through the same graph (retain_graph) needs the
+      // root unit again: the first one freed it.
+      if (units_.back()->is_root) finish_gather(*units_.back());
+      sync_->begin_round();
+    });
   }
 }
 

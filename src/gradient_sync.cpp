@@ -31,6 +31,7 @@ GradientSync::GradientSync(std::vector<at::Tensor> params, std::vector<std::stri
       options_(std::move(options)) {
   DDP_CHECK(params_.size() == names_.size(), "ddp: the gradient engine needs one name per parameter");
   ready_.assign(params_.size(), 0);
+  counted_unused_.assign(params_.size(), 0);
   used_locally_.assign(params_.size(), 0);
   used_since_sync_.assign(params_.size(), 0);
   if (!options_.install_hooks) return;
@@ -98,9 +99,11 @@ void GradientSync::begin_round() {
 
 void GradientSync::check_previous_round_finished() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!round_active_) return;
-  // The autograd engine never ran finish_round: backward threw part-way.
+  if (!round_active_ && !round_failed_) return;
+  // The autograd engine never ran finish_round (backward threw part-way), or
+  // a reduction failed inside it.
   round_active_ = false;
+  round_failed_ = false;
   unreachable_.clear();
   DDP_CHECK(false, "ddp: the previous backward pass", options_.owner, " on rank ", group_->rank(),
             " did not finish (an error was raised inside it), so its gradient ", options_.collectives,
@@ -127,6 +130,7 @@ void GradientSync::start_round() {
   round_active_ = true;
   round_synchronised_ = require_sync_;
   std::fill(ready_.begin(), ready_.end(), 0);
+  std::fill(counted_unused_.begin(), counted_unused_.end(), 0);
   std::fill(used_locally_.begin(), used_locally_.end(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
     pending_[g] = groups_[g].size();
@@ -143,9 +147,14 @@ void GradientSync::start_round() {
 }
 
 void GradientSync::mark_ready(size_t param, bool has_gradient) {
+  DDP_CHECK(!(ready_[param] && counted_unused_[param]), "ddp: parameter '", names_[param],
+            "' got a gradient, but the forward's outputs cannot reach it, so it was counted as unused (zeros) when ",
+            "backward started. Compute the loss from the forward's result only, or return every tensor the loss ",
+            "uses from the forward.");
   DDP_CHECK(!ready_[param], "ddp: the gradient of parameter '", names_[param],
             "' became ready twice in one backward pass; reentrant backward is not supported");
   ready_[param] = 1;
+  counted_unused_[param] = has_gradient ? 0 : 1;
   const size_t group = group_of_param_[param];
   if (!round_synchronised_) {
     if (has_gradient) used_since_sync_[param] = 1;
@@ -207,13 +216,20 @@ void GradientSync::finish_round() {
               "wrapping the model.");
   }
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
-  policy_.before_waiting(used_locally_);
-  for (size_t group : launch_order_) {
-    wait_for(group);
-    const c10::IValue& value = reductions_[group]->value();
-    at::Tensor result = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
-    reductions_[group].reset();
-    policy_.finish_group(group, result);
+  try {
+    policy_.before_waiting(used_locally_);
+    for (size_t group : launch_order_) {
+      wait_for(group);
+      const c10::IValue& value = reductions_[group]->value();
+      at::Tensor result = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+      reductions_[group].reset();
+      policy_.finish_group(group, result);
+    }
+  } catch (...) {
+    // Some gradients are reduced and some are not, and the ranks may be out
+    // of step: the next forward must not go on as if nothing happened.
+    round_failed_ = true;
+    throw;
   }
   ++synchronised_rounds_;
   policy_.on_round_end(/*synchronised=*/true);

@@ -81,11 +81,15 @@ void RingCollectives::run() {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (stopping_) {
         // Nobody will wait for what is left: do not talk to the peers again.
-        for (auto& entry : queue_) {
+        // The works complete outside the lock, since their futures run
+        // callbacks.
+        auto left = std::move(queue_);
+        queue_.clear();
+        lock.unlock();
+        for (auto& entry : left) {
           entry.second->complete(std::make_exception_ptr(
               Error("ddp: ring operation cancelled: its process group was shut down first")));
         }
-        queue_.clear();
         return;
       }
       operation = std::move(queue_.front().first);

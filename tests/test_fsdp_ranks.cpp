@@ -1117,3 +1117,77 @@ TEST(FsdpCommHook, Fp16HookOnReduceScatterEqualsReduceDtypeFp16) {
 }
 
 }  // namespace
+
+namespace {
+
+// Review fixes around param_dtype.
+//
+// Frozen parameters (in a unit and in the root) compute in param_dtype like
+// the rest, so a bf16 forward does not meet a float32 weight; state dicts
+// and the module after the wrapper is gone keep them exactly as built.
+TEST(MixedPrecision, FrozenParametersComputeInParamDtypeAndKeepTheirOwnValues) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    for (auto strategy : {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kNoShard}) {
+      torch::manual_seed(0);
+      BranchyNet net;
+      freeze(net);
+      const at::Tensor frozen_weight = net->block->module()->fc1->weight.detach().clone();
+      const at::Tensor frozen_bias = net->head->bias.detach().clone();
+      {
+        ddp::FullyShardedDataParallel<BranchyNet> model(
+            net, group,
+            ddp::FSDPOptions().sharding_strategy(strategy).param_dtype(at::kBFloat16).reduce_dtype(at::kFloat)
+                .output_dtype(at::kFloat));
+        EXPECT_EQ(net->head->bias.scalar_type(), at::kBFloat16) << ddp::to_string(strategy);
+        torch::optim::AdamW optimizer(model.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+        run_steps(model, optimizer, group);
+        auto state = by_name(model.full_state_dict(/*rank0_only=*/false));
+        EXPECT_EQ(state.at("block.fc1.weight").scalar_type(), at::kFloat);
+        EXPECT_TRUE(state.at("block.fc1.weight").equal(frozen_weight)) << ddp::to_string(strategy);
+        EXPECT_TRUE(state.at("head.bias").equal(frozen_bias)) << ddp::to_string(strategy);
+      }
+      EXPECT_EQ(net->head->bias.scalar_type(), at::kFloat);
+      EXPECT_TRUE(net->head->bias.equal(frozen_bias)) << ddp::to_string(strategy);
+      EXPECT_TRUE(net->block->module()->fc1->weight.equal(frozen_weight)) << ddp::to_string(strategy);
+      EXPECT_EQ(net->first->module()->weight.scalar_type(), at::kFloat) << "the wrapper gives the module its dtype back";
+    }
+    std::printf("rank %d checked frozen parameters under param_dtype\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+}
+
+// Two backward passes through one forward (retain_graph) accumulate twice
+// the gradient of one, under every strategy, with and without param_dtype:
+// the second pass finds the root unit gathered again.
+TEST(MixedPrecision, TwoBackwardPassesThroughOneForwardAccumulate) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    for (auto strategy : {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kShardGradOp,
+                          ddp::ShardingStrategy::kNoShard}) {
+      for (bool bf16 : {false, true}) {
+        auto options = ddp::FSDPOptions().sharding_strategy(strategy);
+        if (bf16) options.param_dtype(at::kBFloat16).reduce_dtype(at::kFloat).output_dtype(at::kFloat);
+        auto [x, y] = batch(0, group->rank(), group->size());
+        std::vector<at::Tensor> once, twice;
+        for (int passes : {1, 2}) {
+          torch::manual_seed(0);
+          BranchyNet net;
+          ddp::FullyShardedDataParallel<BranchyNet> model(net, group, options);
+          at::Tensor loss = torch::nn::functional::mse_loss(model.forward(x), y);
+          for (int p = 0; p < passes; ++p) loss.backward({}, /*retain_graph=*/true);
+          for (const auto& shard : model.parameters()) (passes == 1 ? once : twice).push_back(shard.grad().clone());
+        }
+        const std::string what = ddp::to_string(strategy) + (bf16 ? " bf16" : "");
+        ASSERT_EQ(once.size(), twice.size()) << what;
+        for (size_t i = 0; i < once.size(); ++i) {
+          EXPECT_TRUE(twice[i].allclose(2 * once[i], 1e-6, 1e-7)) << what << " shard " << i;
+        }
+      }
+    }
+    std::printf("rank %d checked retain_graph\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+}
+
+}  // namespace

@@ -38,6 +38,11 @@ class RecordingPolicy : public ddp::detail::SyncPolicy {
   c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t g) override {
     events.push_back("launch " + std::to_string(g));
     launched.push_back(g);
+    if (g == failing_group) {
+      auto failed = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+      failed->setError(std::make_exception_ptr(std::runtime_error("the wire was cut")));
+      return failed;
+    }
     at::Tensor number = at::full({1}, static_cast<float>(g));
     return group_->all_reduce_async(number)->getFuture();
   }
@@ -56,6 +61,7 @@ class RecordingPolicy : public ddp::detail::SyncPolicy {
   }
 
   std::vector<size_t> order = {0, 1, 2};
+  size_t failing_group = SIZE_MAX;
   std::vector<std::string> events;
   std::vector<size_t> launched, finished;
   std::vector<double> sums;
@@ -215,6 +221,43 @@ TEST(GradientSync, NoSyncPassesStartNoCollectiveAndTheirGradientsCountLater) {
       EXPECT_EQ(f.policy.used_locally, (std::vector<char>{1, 1, 1})) << tracked;
       EXPECT_EQ(f.sync->synchronised_rounds(), 1) << tracked;
     }
+  });
+  expect_all_succeeded(ranks);
+}
+
+// A reduction that fails inside the end of backward also leaves the engine
+// refusing the next forward once: some gradients were reduced and some not.
+TEST(GradientSync, AFailedReductionIsAnErrorAtTheNextForward) {
+  auto ranks = run_on_ranks(1, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    Fixture f(group, ddp::detail::SyncOptions());
+    f.policy.failing_group = 1;
+    at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
+    std::string message = error_of([&] { (a + b + c).sum().backward(); });
+    EXPECT_NE(message.find("reducing test group 1 failed on rank 0 of 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("the wire was cut"), std::string::npos) << message;
+    EXPECT_EQ(f.policy.finished, (std::vector<size_t>{0}));
+    message = error_of([&] { f.sync->check_previous_round_finished(); });
+    EXPECT_NE(message.find("did not finish"), std::string::npos) << message;
+    EXPECT_EQ(error_of([&] { f.sync->check_previous_round_finished(); }), "");
+  });
+  expect_all_succeeded(ranks);
+}
+
+// A gradient for a parameter the forward's outputs could not reach (so it was
+// counted as unused when backward started) is named, not silently dropped.
+TEST(GradientSync, AGradientForAParameterCountedUnusedIsNamed) {
+  auto ranks = run_on_ranks(1, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    ddp::detail::SyncOptions options;
+    options.allow_unused = true;
+    Fixture f(group, options);
+    at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
+    at::Tensor out = a * 2 + c;
+    f.sync->find_unreachable({out});
+    at::Tensor side = b * 3;  // not among the outputs the engine was shown
+    std::string message = error_of([&] { (out + side).sum().backward(); });
+    EXPECT_NE(message.find("parameter 'b' got a gradient, but the forward's outputs cannot reach it"),
+              std::string::npos)
+        << message;
   });
   expect_all_succeeded(ranks);
 }

@@ -126,7 +126,8 @@ struct FSDPOptions {
   /// DDPOptions::comm_hook: fp16_compress_hook() and bf16_compress_hook()
   /// work for both. Null: a plain reduce-scatter (or, with a reduce_dtype
   /// narrower than the gradients, the matching compression). Not combinable
-  /// with reduce_dtype.
+  /// with reduce_dtype. At one rank there is nothing to reduce: neither the
+  /// hook nor a compression runs.
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 };
 
@@ -174,15 +175,22 @@ class FsdpUnitModule : public torch::nn::Module {
   size_t unit_ = 0;
 };
 
-/// FSDPOptions::param_dtype: floating-point tensor arguments are cast to it;
-/// everything else passes through unchanged.
+/// FSDPOptions::param_dtype: floating-point tensor arguments (a tensor or
+/// a vector of them) are cast to it; everything else passes through
+/// unchanged. A module under FSDP therefore takes its tensors by value or by
+/// const reference, as LibTorch's own modules do.
 template <typename T>
 decltype(auto) cast_input(T&& value, const std::optional<at::ScalarType>& dtype) {
-  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+  using Plain = std::decay_t<T>;
+  if constexpr (std::is_same_v<Plain, at::Tensor>) {
     if (dtype && value.defined() && value.is_floating_point() && value.scalar_type() != *dtype) {
       return at::Tensor(value.to(*dtype));
     }
     return at::Tensor(std::forward<T>(value));
+  } else if constexpr (std::is_same_v<Plain, std::vector<at::Tensor>>) {
+    std::vector<at::Tensor> cast(std::forward<T>(value));
+    for (auto& tensor : cast) tensor = cast_input(tensor, dtype);
+    return cast;
   } else {
     return std::forward<T>(value);
   }
@@ -197,6 +205,13 @@ inline void cast_output(at::Tensor& value, at::ScalarType dtype) {
 }
 inline void cast_output(std::vector<at::Tensor>& values, at::ScalarType dtype) {
   for (auto& value : values) cast_output(value, dtype);
+}
+inline void cast_output(c10::IValue& value, at::ScalarType dtype) {
+  if (value.isTensor()) {
+    at::Tensor tensor = value.toTensor();
+    cast_output(tensor, dtype);
+    value = tensor;
+  }
 }
 template <typename A, typename B>
 void cast_output(std::pair<A, B>& values, at::ScalarType dtype);

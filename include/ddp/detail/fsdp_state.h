@@ -83,6 +83,9 @@ class FsdpState : private SyncPolicy {
   void reset_backward_state();
   at::Tensor flatten_gradients(Unit& unit);
   void note_parameter_memory();
+  /// Under param_dtype: the module's frozen parameters cast again from
+  /// frozen_ after a load.
+  void refresh_frozen_parameters();
 
   // SyncPolicy: the gradient engine calls these during backward.
   std::vector<size_t> on_round_start(bool synchronised) override;
@@ -110,7 +113,10 @@ class FsdpState : private SyncPolicy {
   std::shared_ptr<torch::nn::Module> root_;
   std::shared_ptr<ProcessGroup> group_;
   FSDPOptions options_;
-  std::vector<std::pair<std::string, at::Tensor>> frozen_;  // requires_grad false: not sharded
+  // requires_grad false: not sharded. Their values in their own dtype (the
+  // module's tensors themselves, or their originals under param_dtype).
+  std::vector<std::pair<std::string, at::Tensor>> frozen_;
+  std::vector<at::Tensor> frozen_params_;  // the module's tensors, parallel to frozen_
   std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
   std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
   std::vector<size_t> sequential_unit_of_group_;

@@ -116,8 +116,8 @@ class GradientSync {
   /// Starts a backward pass now, if none is running.
   void begin_round();
   /// Before a forward: throws if the last backward pass never ended (an
-  /// exception inside it), since this rank's collectives may then be out of
-  /// step with the other ranks'.
+  /// exception inside it) or one of its reductions failed, since this rank's
+  /// collectives may then be out of step with the other ranks'.
   void check_previous_round_finished();
 
   /// Off: backward passes only accumulate locally (no_sync()).
@@ -151,10 +151,12 @@ class GradientSync {
   // One backward pass.
   bool round_active_ = false;
   bool round_synchronised_ = true;
+  bool round_failed_ = false;  // a reduction failed: the next forward is refused once
   std::vector<size_t> launch_order_;
   size_t next_to_launch_ = 0;  // position in launch_order_
   std::vector<size_t> pending_;  // per group: parameters not yet final
   std::vector<char> ready_;
+  std::vector<char> counted_unused_;   // marked ready without a gradient this pass
   std::vector<char> used_locally_;     // got a gradient (this pass or a no_sync() one since)
   std::vector<char> used_since_sync_;  // got one in a no_sync() pass since the last synchronised one
   std::vector<c10::intrusive_ptr<c10::ivalue::Future>> reductions_;  // per group
