@@ -189,6 +189,10 @@ struct RdzvServer::State {
   std::string next_reason;
   bool stopping = false;
   std::string stop_reason;
+  // The round is being stopped for a change of membership (a node waiting
+  // to join): workers that fail from then on fail because their peers on
+  // other nodes were stopped first, which is no failure of the job.
+  bool stopping_for_membership = false;
   std::map<std::string, Report> reports;
   std::map<std::string, long> failing_order;  // agent -> order of its first failure notice
   std::vector<std::string> departed;          // members lost or gone during this round
@@ -249,6 +253,7 @@ struct RdzvServer::State {
     round_reason = next_reason.empty() ? "first rendezvous" : next_reason;
     next_reason.clear();
     stopping = false;
+    stopping_for_membership = false;
     stop_reason.clear();
     reports.clear();
     failing_order.clear();
@@ -378,7 +383,11 @@ struct RdzvServer::State {
       return try_form(now);
     }
     if (all_success) return finish(true, "");
-    if (any_failed) {
+    if (any_failed && stopping_for_membership) {
+      // Failures after the store asked every node to stop for a joining node
+      // are that stop's consequences: no restart is counted.
+      next_reason = "re-forming: " + stop_reason;
+    } else if (any_failed) {
       if (restarts_used >= config.max_restarts) return finish(false, root_cause());
       ++restarts_used;
       next_reason = "restart " + std::to_string(restarts_used) + " of " + std::to_string(config.max_restarts) +
@@ -428,6 +437,7 @@ struct RdzvServer::State {
       for (auto& [id, agent] : agents) {
         if (agent.pending && !agent.gone && agent.node_rank < 0) {
           start_stopping("a new node (" + agent.host + ", " + agent.addr + ") is waiting to join");
+          stopping_for_membership = true;
           break;
         }
       }
