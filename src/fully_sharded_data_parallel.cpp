@@ -323,13 +323,19 @@ std::vector<std::string> FsdpState::unit_names() const {
   return names;
 }
 
+int64_t FsdpState::held_parameter_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& unit : units_) {
+    if (!shard_is_full()) bytes += static_cast<int64_t>(unit->shard.nbytes());
+    if (storage_allocated(unit->full)) bytes += unit->padded * unit->full.element_size();
+  }
+  for (const auto& [name, tensor] : frozen_) bytes += static_cast<int64_t>(tensor.nbytes());
+  return bytes;
+}
+
 ShardedMemory FsdpState::memory() const {
   ShardedMemory memory;
-  for (const auto& unit : units_) {
-    if (!shard_is_full()) memory.parameter_bytes += static_cast<int64_t>(unit->shard.nbytes());
-    if (storage_allocated(unit->full)) memory.parameter_bytes += unit->padded * unit->full.element_size();
-  }
-  for (const auto& [name, tensor] : frozen_) memory.parameter_bytes += static_cast<int64_t>(tensor.nbytes());
+  memory.parameter_bytes = held_parameter_bytes();
   for (const auto& unit : units_) {
     if (unit->shard.grad().defined()) memory.gradient_bytes += static_cast<int64_t>(unit->shard.grad().nbytes());
     if (unit->unsynced_gradient.defined()) memory.gradient_bytes += static_cast<int64_t>(unit->unsynced_gradient.nbytes());
@@ -345,13 +351,10 @@ void FsdpState::refresh_frozen_parameters() {
   }
 }
 
-void FsdpState::reset_peak_memory() {
-  peak_parameter_bytes_ = 0;
-  peak_parameter_bytes_ = memory().parameter_bytes;
-}
+void FsdpState::reset_peak_memory() { peak_parameter_bytes_ = held_parameter_bytes(); }
 
 void FsdpState::note_parameter_memory() {
-  peak_parameter_bytes_ = memory().peak_parameter_bytes;
+  peak_parameter_bytes_ = std::max(peak_parameter_bytes_, held_parameter_bytes());
 }
 
 // --- gathering and freeing -------------------------------------------------
@@ -510,8 +513,7 @@ void FsdpState::pre_backward(size_t index) {
 // in the same order. The engine launches a unit only once it and every unit
 // before it in this order have all their gradients.
 std::vector<size_t> FsdpState::on_round_start(bool /*synchronised*/) {
-  std::vector<size_t>& order = launch_order_;
-  order.clear();
+  std::vector<size_t> order;
   std::vector<char> placed(units_.size(), 0);
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
     if (!placed[*it] && !units_[*it]->is_root) {
@@ -522,6 +524,8 @@ std::vector<size_t> FsdpState::on_round_start(bool /*synchronised*/) {
   for (size_t u = 0; u < units_.size(); ++u) {
     if (!placed[u]) order.push_back(u);
   }
+  launch_position_.assign(units_.size(), 0);
+  for (size_t position = 0; position < order.size(); ++position) launch_position_[order[position]] = position;
   return order;
 }
 
@@ -563,8 +567,8 @@ c10::intrusive_ptr<c10::ivalue::Future> FsdpState::launch_group(size_t index) {
     reduced = completed_future(unit.gradient_flat);
   } else {
     if (sharded()) unit.gradient_shard = at::empty({unit.shard_numel}, unit.gradient_flat.options());
-    const size_t position = std::find(launch_order_.begin(), launch_order_.end(), index) - launch_order_.begin();
-    GradBucket bucket(position, unit.gradient_flat, position + 1 == launch_order_.size(), unit.gradient_shard);
+    const size_t position = launch_position_[index];
+    GradBucket bucket(position, unit.gradient_flat, position + 1 == units_.size(), unit.gradient_shard);
     reduced = unit.hook->run(*group_, bucket);
   }
   // The unit's backward is over: give back its full parameters (the root's

@@ -84,6 +84,12 @@ struct Fixture {
   std::unique_ptr<ddp::detail::GradientSync> sync;
 };
 
+ddp::detail::SyncOptions allowing_unused() {
+  ddp::detail::SyncOptions options;
+  options.allow_unused = true;
+  return options;
+}
+
 std::string error_of(const std::function<void()>& body) {
   try {
     body();
@@ -99,9 +105,7 @@ std::string error_of(const std::function<void()>& body) {
 // it still waits for group 1, which the end of backward launches with zeros.
 TEST(GradientSync, EveryRankLaunchesTheSameGroupsInTheSameOrderWhateverArrivesFirst) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    ddp::detail::SyncOptions options;
-    options.allow_unused = true;
-    Fixture f(group, options);
+    Fixture f(group, allowing_unused());
     at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
     at::Tensor loss = group->rank() == 0 ? (a * 1 + b * 2 + c * 3).sum() : (c * 3 + a).sum();
     loss.backward();
@@ -123,9 +127,7 @@ TEST(GradientSync, EveryRankLaunchesTheSameGroupsInTheSameOrderWhateverArrivesFi
 // starts, so its group launches at once instead of at the end.
 TEST(GradientSync, UnreachableParametersAreReadyWhenBackwardStarts) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    ddp::detail::SyncOptions options;
-    options.allow_unused = true;
-    Fixture f(group, options);
+    Fixture f(group, allowing_unused());
     at::Tensor a = f.params[0], c = f.params[2];
     at::Tensor loss = (c * 3 + a).sum();
     f.sync->find_unreachable({loss});
@@ -247,9 +249,7 @@ TEST(GradientSync, AFailedReductionIsAnErrorAtTheNextForward) {
 // counted as unused when backward started) is named, not silently dropped.
 TEST(GradientSync, AGradientForAParameterCountedUnusedIsNamed) {
   auto ranks = run_on_ranks(1, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    ddp::detail::SyncOptions options;
-    options.allow_unused = true;
-    Fixture f(group, options);
+    Fixture f(group, allowing_unused());
     at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
     at::Tensor out = a * 2 + c;
     f.sync->find_unreachable({out});

@@ -82,6 +82,7 @@ class FsdpState : private SyncPolicy {
   void pre_backward(size_t unit);
   void reset_backward_state();
   at::Tensor flatten_gradients(Unit& unit);
+  int64_t held_parameter_bytes() const;
   void note_parameter_memory();
   /// Under param_dtype: the module's frozen parameters cast again from
   /// frozen_ after a load.
@@ -122,7 +123,7 @@ class FsdpState : private SyncPolicy {
   std::vector<size_t> sequential_unit_of_group_;
   std::vector<size_t> forward_order_;       // this iteration's non-root units, as they ran
   std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
-  std::vector<size_t> launch_order_;        // this backward pass's, from on_round_start
+  std::vector<size_t> launch_position_;     // per unit: its place in this backward pass's launch order
   bool mixed_ = false;  // FSDPOptions::param_dtype is set
   int64_t peak_parameter_bytes_ = 0;
   std::unique_ptr<GradientSync> sync_;  // last: its hooks call the members above
