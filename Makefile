@@ -11,7 +11,7 @@ CTEST_ARGS ?=
 # per machine in ~/.cache/ddp (or $DDP_CACHE_DIR, or uses $DDP_VENV).
 VENV_FILE := $(BUILD_DIR)/.venv-path
 
-.PHONY: all build setup run test bench clean install plot
+.PHONY: all configure build setup run test bench clean install plot
 
 all: build
 
@@ -19,16 +19,20 @@ setup:
 	@mkdir -p $(BUILD_DIR)
 	@bash scripts/setup.sh > $(VENV_FILE).new && mv $(VENV_FILE).new $(VENV_FILE)
 
-build: setup
+configure: setup
 	@venv=$$(cat $(VENV_FILE)); \
 	if ! bash scripts/is_configured.sh $(BUILD_DIR) $$venv/bin/python; then \
 	  cmake -S . -B $(BUILD_DIR) -G Ninja -DDDP_PYTHON=$$venv/bin/python $(CMAKE_ARGS) || exit 1; \
 	fi
+
+build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
 # A fresh run each time: wine_ddp would otherwise resume from the last one's
-# snapshots and have nothing left to train.
-run: build
+# snapshots and have nothing left to train. Only what the job runs is built
+# (the library, ddprun and wine_ddp), not the tests and benchmarks.
+run: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS) --target ddprun wine_ddp
 	@rm -rf runs/wine && mkdir -p runs/wine
 	$(BUILD_DIR)/bin/ddprun --standalone --nproc-per-node 2 \
 	  $(BUILD_DIR)/bin/wine_ddp 100 50 --checkpoint-dir runs/wine

@@ -220,7 +220,8 @@ def main():
 # Sections other scripts own (run_memory_bench.py, gpu_check.sh results)
 # live between markers in RESULTS.md; rewriting ours keeps them.
 KEPT_SECTIONS = [("<!-- memory benchmark: begin", "<!-- memory benchmark: end -->"),
-                 ("<!-- gpu check: begin", "<!-- gpu check: end -->")]
+                 ("<!-- gpu check: begin", "<!-- gpu check: end -->"),
+                 ("<!-- cpu binding: begin", "<!-- cpu binding: end -->")]
 
 
 def write_results_md(out_dir, text):

@@ -12,7 +12,7 @@ REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # single-host Slurm, network namespaces); libopenmpi-dev the mpi backend; binutils' nm and readelf the Gloo
 # header checks.
 APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
-              python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm)
+              python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm valgrind)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

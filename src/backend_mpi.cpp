@@ -49,10 +49,12 @@ using Clock = std::chrono::steady_clock;
 // call but MPI_Abort; so MPI_THREAD_FUNNELED is all it needs.
 class MpiRuntime {
  public:
-  static MpiRuntime& get() {
+  /// The first call initialises MPI, and ends the process if that takes
+  /// longer than `setup_timeout` (see the constructor).
+  static MpiRuntime& get(std::chrono::milliseconds setup_timeout = std::chrono::minutes(30)) {
     // Never destroyed: ranks may still hold process groups at exit, and
     // MPI_Finalize runs from an atexit hook instead.
-    static MpiRuntime* runtime = new MpiRuntime();
+    static MpiRuntime* runtime = new MpiRuntime(setup_timeout);
     return *runtime;
   }
 
@@ -115,11 +117,16 @@ class MpiRuntime {
   int thread_level() const { return provided_; }
 
  private:
-  MpiRuntime() {
+  explicit MpiRuntime(std::chrono::milliseconds setup_timeout) {
     progress_ = std::thread([this] { progress_loop(); });
     progress_.detach();
     watchdog_ = std::thread([this] { watchdog_loop(); });
     watchdog_.detach();
+    // MPI_Init_thread waits for every rank of the launch: one that exited or
+    // crashed before it would hold this one there forever, and nothing can
+    // interrupt it. The watchdog guards it like a collective.
+    const uint64_t init_id = next_id();
+    watch(init_id, "MPI_Init_thread (MPI's start-up, which waits for every rank of the launch)", setup_timeout);
     // Initialise now, on the progress thread: every later call finds MPI up.
     run_now([this] {
       int initialized = 0;
@@ -130,7 +137,9 @@ class MpiRuntime {
       } else {
         MPI_Query_thread(&provided_);
       }
+      mpi_initialized_ = true;
     });
+    unwatch(init_id);
     DDP_CHECK(provided_ >= MPI_THREAD_FUNNELED, "ddp: the MPI library granted thread level ", provided_,
               " but ddp's MPI backend needs MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
               "): rebuild or reconfigure MPI with thread support");
@@ -215,11 +224,24 @@ class MpiRuntime {
         }
       }
       if (!overdue) continue;
+      const double seconds = static_cast<double>(timeout.count()) / 1000.0;
+      if (!mpi_initialized_) {
+        // MPI_Abort is undefined before MPI_Init returns; this process ends
+        // alone, and its exit makes the launcher stop the others.
+        std::fprintf(stderr,
+                     "error: ddp: %s did not finish within the timeout of %.3g s: a rank of this launch probably "
+                     "exited or crashed before it started MPI (look for an earlier error or exit in the other "
+                     "ranks' output), or the launcher cannot reach every node. Nothing can interrupt MPI's "
+                     "start-up, so ddp ends this process.\n",
+                     what.c_str(), seconds);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
       std::fprintf(stderr,
                    "ddp: %s did not finish within the timeout of %.3g s; a peer may have died or stopped calling "
                    "collectives. MPI cannot cancel a collective, so ddp ends the whole job (MPI_Abort) for the "
                    "launcher to stop every rank.\n",
-                   what.c_str(), static_cast<double>(timeout.count()) / 1000.0);
+                   what.c_str(), seconds);
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 1);
       std::_Exit(1);
@@ -242,6 +264,7 @@ class MpiRuntime {
   std::mutex watch_mutex_;
   std::map<uint64_t, Watched> watched_;
   std::atomic<uint64_t> next_id_{0};
+  std::atomic<bool> mpi_initialized_{false};
   int provided_ = 0;
 };
 
@@ -610,9 +633,12 @@ c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::mi
             "MPI launcher (mpirun -np ", world.world_size, " ..., or srun --mpi=pmix), but this process of a ",
             world.world_size, "-rank job was not (no OMPI_COMM_WORLD_SIZE, PMIX_RANK or PMI_SIZE). Launch it with ",
             "mpirun, or use --backend gloo under ddprun or torchrun.");
-  auto& runtime = MpiRuntime::get();
+  auto& runtime = MpiRuntime::get(timeout);
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 0, local_rank = 0, local_size = 0;
+  // Collective over every rank of the launch: guarded as a collective is.
+  const uint64_t setup_id = runtime.next_id();
+  runtime.watch(setup_id, "MPI_Comm_dup of MPI_COMM_WORLD (the process group's set-up)", timeout);
   runtime.run_now([&] {
     check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
     MPI_Comm_rank(comm, &rank);
@@ -624,6 +650,7 @@ c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::mi
     MPI_Comm_size(node, &local_size);
     MPI_Comm_free(&node);
   });
+  runtime.unwatch(setup_id);
   DDP_CHECK(size == world.world_size && rank == world.rank, "ddp: MPI says this is rank ", rank, " of ", size,
             " but the environment says rank ", world.rank, " of ", world.world_size,
             ". Start every rank with the same MPI launcher and no leftover RANK/WORLD_SIZE variables.");

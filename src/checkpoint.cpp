@@ -5,6 +5,7 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/safe_numerics.h>
+#include <caffe2/serialize/file_adapter.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -19,13 +20,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <unordered_map>
 
 namespace ddp {
@@ -404,36 +405,70 @@ class WeightsOnlyUnpickler {
   std::unordered_map<std::string, PyRef> storages_;
 };
 
-c10::IValue to_ivalue(const PyRef& v, const std::string& path, int depth = 0) {
-  using Kind = PyObject::Kind;
-  // A container that (through the memo) holds itself never bottoms out.
-  DDP_CHECK(depth <= 2 * 200, "ddp: cannot load '", path, "': its values refer to themselves");
-  switch (v->kind) {
-    case Kind::kNone: return c10::IValue();
-    case Kind::kBool: return c10::IValue(v->b);
-    case Kind::kInt: return c10::IValue(v->i);
-    case Kind::kFloat: return c10::IValue(v->f);
-    case Kind::kString: return c10::IValue(v->s);
-    case Kind::kTensor: return c10::IValue(v->tensor);
-    case Kind::kTuple: {
-      std::vector<c10::IValue> items;
-      for (const auto& item : v->items) items.push_back(to_ivalue(item, path, depth + 1));
-      return c10::ivalue::Tuple::create(std::move(items));
+// Turns the unpickler's objects into IValues, copying what the memo shares
+// once per reference. That is where a few kilobytes of hostile pickle become
+// gigabytes: a tuple that holds one value twice, memoized, then held twice
+// by the next, and so on, doubles with every five bytes, and one long string
+// referenced many times multiplies its length. An honest pickle builds about
+// as much as it holds (every value takes an opcode, every string's bytes are
+// in the pickle), so what is built gets a budget in proportion to the
+// pickle's size that no torch.save file comes near. Tensors are shared, not
+// copied: their storages are bounded by the records they were read from.
+class Materializer {
+ public:
+  Materializer(const std::string& path, size_t pickle_size)
+      : path_(path), pickle_size_(pickle_size), budget_(kSlack + kPerPickleByte * pickle_size) {}
+
+  c10::IValue convert(const PyRef& v, int depth = 0) {
+    using Kind = PyObject::Kind;
+    // A container that (through the memo) holds itself never bottoms out.
+    DDP_CHECK(depth <= 2 * 200, "ddp: cannot load '", path_, "': its values refer to themselves");
+    charge(kValueCost + (v->kind == Kind::kString ? v->s.size() : 0));
+    switch (v->kind) {
+      case Kind::kNone: return c10::IValue();
+      case Kind::kBool: return c10::IValue(v->b);
+      case Kind::kInt: return c10::IValue(v->i);
+      case Kind::kFloat: return c10::IValue(v->f);
+      case Kind::kString: return c10::IValue(v->s);
+      case Kind::kTensor: return c10::IValue(v->tensor);
+      case Kind::kTuple: {
+        std::vector<c10::IValue> items;
+        for (const auto& item : v->items) items.push_back(convert(item, depth + 1));
+        return c10::ivalue::Tuple::create(std::move(items));
+      }
+      case Kind::kList: {
+        c10::impl::GenericList list(c10::AnyType::get());
+        for (const auto& item : v->items) list.push_back(convert(item, depth + 1));
+        return list;
+      }
+      case Kind::kDict: {
+        c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
+        for (const auto& [key, value] : v->kv) dict.insert(convert(key, depth + 1), convert(value, depth + 1));
+        return dict;
+      }
+      default:
+        DDP_CHECK(false, "ddp: cannot load '", path_, "': it holds a bare storage or global");
     }
-    case Kind::kList: {
-      c10::impl::GenericList list(c10::AnyType::get());
-      for (const auto& item : v->items) list.push_back(to_ivalue(item, path, depth + 1));
-      return list;
-    }
-    case Kind::kDict: {
-      c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
-      for (const auto& [key, value] : v->kv) dict.insert(to_ivalue(key, path, depth + 1), to_ivalue(value, path, depth + 1));
-      return dict;
-    }
-    default:
-      DDP_CHECK(false, "ddp: cannot load '", path, "': it holds a bare storage or global");
   }
-}
+
+ private:
+  // About what one IValue and its share of a container take.
+  static constexpr size_t kValueCost = 32;
+  static constexpr size_t kPerPickleByte = 32;
+  static constexpr size_t kSlack = size_t{8} << 20;
+
+  void charge(size_t bytes) {
+    DDP_CHECK(bytes <= budget_ - spent_, "ddp: cannot load '", path_, "': its ", pickle_size_,
+              "-byte pickle expands to more than ", budget_ >> 20,
+              " MiB of values by repeating shared references (a pickle bomb); a torch.save file never does");
+    spent_ += bytes;
+  }
+
+  const std::string& path_;
+  const size_t pickle_size_;
+  const size_t budget_;
+  size_t spent_ = 0;
+};
 
 }  // namespace
 
@@ -543,7 +578,7 @@ c10::IValue load_archive(caffe2::serialize::PyTorchStreamReader& archive, const 
               "from torch::save(module) are not state dicts)");
   auto [data, size] = archive.getRecord("data.pkl");
   WeightsOnlyUnpickler unpickler(name, archive, static_cast<const char*>(data.get()), size);
-  return to_ivalue(unpickler.run(), name);
+  return Materializer(name, size).convert(unpickler.run());
 }
 
 // torch.save's legacy format (before PyTorch 1.6, or
@@ -558,36 +593,162 @@ void reject_legacy_format(const std::string& head, const std::string& name) {
             "_use_new_zipfile_serialization=True)");
 }
 
-template <typename Source>
-std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(Source source, const std::string& name) {
+// The bytes of save_value's output, for PyTorchStreamReader. Reads past the
+// end come back short, so a hostile directory can never read out of bounds.
+class BytesAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BytesAdapter(const std::vector<char>& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+};
+
+uint64_t little_endian(const char* p, int n) {
+  uint64_t v = 0;
+  for (int k = n - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(p[k]);
+  return v;
+}
+
+// torch.save stores every record uncompressed, so the records of a real
+// checkpoint add up to less than the file. PyTorchStreamReader inflates a
+// record whole into memory, at the size the zip directory declares (its
+// constructor reads the version record before anything else), so a 1 MiB
+// zip of deflated zeros would take a gigabyte. Hence this look at the
+// directory before the reader exists. The directory is found as miniz finds
+// it; a file that does not parse is left to the reader to refuse.
+void check_declared_sizes(const caffe2::serialize::ReadAdapterInterface& source, const std::string& name) {
+  const uint64_t file_size = source.size();
+  auto read = [&](uint64_t at, size_t n) {
+    std::string bytes(n, '\0');
+    bool complete = at <= file_size && n <= file_size - at && source.read(at, bytes.data(), n) == n;
+    DDP_CHECK(complete, "ddp: cannot load '", name, "': it is not a complete torch.save file (its zip ",
+              "directory reaches past the end of the file)");
+    return bytes;
+  };
+  // The end-of-directory record: 22 bytes, then a comment of up to 64 KiB.
+  const size_t tail_size = static_cast<size_t>(std::min<uint64_t>(file_size, 22 + 0xFFFF));
+  if (tail_size < 22) return;
+  const std::string tail = read(file_size - tail_size, tail_size);
+  size_t end = tail.rfind(std::string("PK\5\6", 4), tail_size - 22);
+  if (end == std::string::npos) return;
+  uint64_t entries = little_endian(&tail[end + 10], 2);
+  uint64_t directory_size = little_endian(&tail[end + 12], 4);
+  uint64_t directory_at = little_endian(&tail[end + 16], 4);
+  const uint64_t end_at = file_size - tail_size + end;
+  if (end_at >= 20 + 56 && read(end_at - 20, 4) == std::string("PK\6\7", 4)) {
+    // zip64: the real numbers are in a record the locator points at, which
+    // is usually right before it.
+    std::string record = read(end_at - 20 - 56, 56);
+    if (record.compare(0, 4, std::string("PK\6\6", 4)) != 0) {
+      uint64_t at = little_endian(read(end_at - 20 + 8, 8).data(), 8);
+      record = read(at, 56);
+    }
+    if (record.compare(0, 4, std::string("PK\6\6", 4)) != 0) return;
+    entries = little_endian(&record[32], 8);
+    directory_size = little_endian(&record[40], 8);
+    directory_at = little_endian(&record[48], 8);
+  }
+  if (directory_at > file_size || directory_size > file_size - directory_at) return;
+  const std::string directory = read(directory_at, static_cast<size_t>(directory_size));
+  uint64_t declared = 0;
+  size_t pos = 0;
+  for (uint64_t e = 0; e < entries; ++e) {
+    if (pos + 46 > directory.size() || directory.compare(pos, 4, std::string("PK\1\2", 4)) != 0) return;
+    const char* header = &directory[pos];
+    uint64_t size = little_endian(header + 24, 4);
+    const size_t name_size = little_endian(header + 28, 2);
+    const size_t extra_size = little_endian(header + 30, 2);
+    const size_t comment_size = little_endian(header + 32, 2);
+    if (pos + 46 + name_size + extra_size + comment_size > directory.size()) return;
+    const std::string record(header + 46, name_size);
+    if (size == 0xFFFFFFFF) {
+      // zip64's extra field (id 1) holds the real uncompressed size first.
+      const char* field = header + 46 + name_size;
+      const char* fields_end = field + extra_size;
+      while (field + 4 <= fields_end) {
+        const uint64_t id = little_endian(field, 2), length = little_endian(field + 2, 2);
+        if (id == 1 && length >= 8 && field + 4 + 8 <= fields_end) {
+          size = little_endian(field + 4, 8);
+          break;
+        }
+        field += 4 + length;
+      }
+    }
+    DDP_CHECK(size <= file_size - declared, "ddp: cannot load '", name, "': its record '", record,
+              "' would inflate its records to more than the file's own ", file_size,
+              " bytes (a compressed zip, perhaps a zip bomb); torch.save stores records uncompressed, so it is not ",
+              "a torch.save file. Re-save it with torch.save");
+    declared += size;
+    pos += 46 + name_size + extra_size + comment_size;
+  }
+}
+
+std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(
+    std::shared_ptr<caffe2::serialize::ReadAdapterInterface> source, const std::string& name) {
+  check_declared_sizes(*source, name);
   try {
-    return std::make_unique<caffe2::serialize::PyTorchStreamReader>(source);
+    return std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::move(source));
   } catch (const c10::Error& e) {
     DDP_CHECK(false, "ddp: cannot load '", name, "': it is not a complete torch.save file (",
                 e.what_without_backtrace(), ")");
+  } catch (const std::logic_error& e) {
+    // The reader's std::stoull of the archive's version record, which
+    // throws std::out_of_range for a number of 20 digits.
+    DDP_CHECK(false, "ddp: cannot load '", name, "': its version record is not a number in range (",
+              e.what(), "); the file is corrupt or not a torch.save file");
+  }
+}
+
+// Every failure becomes a ddp error that names the file: a std::exception
+// from inside LibTorch (bad_alloc, out_of_range) would otherwise say only
+// "stoull" and leave the user to guess which file.
+template <typename Load>
+c10::IValue naming_the_file(const std::string& name, const Load& load) {
+  try {
+    return load();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    DDP_CHECK(false, "ddp: cannot load '", name, "': ", e.what());
   }
 }
 
 }  // namespace
 
 c10::IValue load_value(const std::string& path) {
-  struct stat info {};
-  DDP_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
-  {
-    char head[16] = {};
-    std::ifstream in(path, std::ios::binary);
-    in.read(head, sizeof head);
-    reject_legacy_format(std::string(head, static_cast<size_t>(in.gcount())), path);
-  }
-  auto archive = open_archive(path, path);
-  return load_archive(*archive, path);
+  return naming_the_file(path, [&] {
+    struct stat info {};
+    DDP_CHECK(::stat(path.c_str(), &info) == 0, "ddp: cannot load '", path, "': ", std::strerror(errno));
+    {
+      char head[16] = {};
+      std::ifstream in(path, std::ios::binary);
+      in.read(head, sizeof head);
+      reject_legacy_format(std::string(head, static_cast<size_t>(in.gcount())), path);
+    }
+    std::shared_ptr<caffe2::serialize::ReadAdapterInterface> file;
+    try {
+      file = std::make_shared<caffe2::serialize::FileAdapter>(path);
+    } catch (const c10::Error& e) {
+      DDP_CHECK(false, "ddp: cannot load '", path, "': ", e.what_without_backtrace());
+    }
+    auto archive = open_archive(std::move(file), path);
+    return load_archive(*archive, path);
+  });
 }
 
 c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name) {
-  reject_legacy_format(std::string(bytes.begin(), bytes.begin() + std::min<size_t>(bytes.size(), 16)), name);
-  std::istringstream in(std::string(bytes.begin(), bytes.end()));
-  auto archive = open_archive(static_cast<std::istream*>(&in), name);
-  return load_archive(*archive, name);
+  return naming_the_file(name, [&] {
+    reject_legacy_format(std::string(bytes.begin(), bytes.begin() + std::min<size_t>(bytes.size(), 16)), name);
+    auto archive = open_archive(std::make_shared<BytesAdapter>(bytes), name);
+    return load_archive(*archive, name);
+  });
 }
 
 void save_state_dict(const StateDict& state, const std::string& path) {
@@ -669,8 +830,24 @@ void load_state_dict(const torch::jit::Module& module, const StateDict& state) {
 void save(const torch::nn::Module& module, const std::string& path) { save_state_dict(state_dict(module), path); }
 void save(const torch::jit::Module& module, const std::string& path) { save_state_dict(state_dict(module), path); }
 void save(const torch::nn::AnyModule& module, const std::string& path) { save(*module.ptr(), path); }
-void load(torch::nn::Module& module, const std::string& path) { load_state_dict(module, load_state_dict(path)); }
-void load(const torch::jit::Module& module, const std::string& path) { load_state_dict(module, load_state_dict(path)); }
+namespace detail {
+void load_file_into(const StateDict& targets, const std::string& path) {
+  StateDict state = load_state_dict(path);  // its errors name the file already
+  try {
+    copy_state_into(targets, state);
+  } catch (const c10::Error& e) {
+    std::string why = e.what_without_backtrace();
+    if (why.rfind("ddp: ", 0) == 0) why.erase(0, 5);
+    DDP_CHECK(false, "ddp: cannot load '", path, "' into this model: ", why,
+              " (was the file saved from another architecture?)");
+  }
+}
+}  // namespace detail
+
+void load(torch::nn::Module& module, const std::string& path) { detail::load_file_into(state_dict(module), path); }
+void load(const torch::jit::Module& module, const std::string& path) {
+  detail::load_file_into(state_dict(module), path);
+}
 void load(torch::nn::AnyModule& module, const std::string& path) { load(*module.ptr(), path); }
 
 }  // namespace ddp

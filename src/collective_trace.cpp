@@ -2,6 +2,7 @@
 
 #include <ddp/error.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -74,12 +75,20 @@ size_t CollectiveTrace::default_capacity() {
   return 2000;
 }
 
-CollectiveTrace::CollectiveTrace(size_t capacity) : records_(std::max<size_t>(capacity, 1)) {}
+CollectiveTrace::CollectiveTrace(size_t capacity) : capacity_(std::max<size_t>(capacity, 1)) {}
 
 uint64_t CollectiveTrace::begin(const char* op, const at::Tensor& tensor) {
   const int64_t now = now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t seq = ++last_entered_;
+  if (records_.size() < capacity_) {
+    // Grow by doubling, but never past the capacity (vector's own growth
+    // would reserve up to twice it).
+    if (records_.size() == records_.capacity()) {
+      records_.reserve(std::min(capacity_, std::max<size_t>(64, 2 * records_.size())));
+    }
+    records_.emplace_back();
+  }
   CollectiveRecord& r = records_[index_of(seq)];
   r.seq = seq;
   r.op = op;

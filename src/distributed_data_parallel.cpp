@@ -65,7 +65,7 @@ void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group
   std::string error;
   if (group.rank() == 0) {
     try {
-      copy_state_into(module.state_dict(), load_state_dict(path));
+      load_file_into(module.state_dict(), path);
     } catch (const std::exception& e) {
       error = e.what();
     }

@@ -1,5 +1,8 @@
 #include <ddp/error_file.h>
 
+#include <ddp/error.h>
+#include <ddp/launch_env.h>
+
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -57,6 +60,42 @@ bool write_whole(int fd, const std::string& text) {
   return true;
 }
 
+// `consequence`: the error is a consequence of another process's failure.
+bool write_record(const std::string& message, bool consequence) noexcept {
+  try {
+    const char* path = std::getenv(launch_env::kErrorFile);
+    if (path == nullptr || *path == '\0') return false;
+    struct stat info {};
+    if (::stat(path, &info) == 0 && info.st_size > 0) return false;  // the first error is kept
+    auto now = std::chrono::system_clock::now().time_since_epoch();
+    long long seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
+    long long nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
+    const char* rank = std::getenv(launch_env::kRank);
+    std::string json = "{\"message\": {\"message\": " + json_string(message) +
+                       ", \"extraInfo\": {\"py_callstack\": " +
+                       json_string("(a C++ program: no Python stack)") + ", \"timestamp\": \"" +
+                       std::to_string(seconds) + "\"}}, \"ddp\": {\"timestamp_ns\": " +
+                       std::to_string(nanoseconds) +
+                       ", \"consequence\": " + (consequence ? "true" : "false") +
+                       ", \"rank\": " + json_string(rank ? rank : "") +
+                       ", \"pid\": " + std::to_string(::getpid()) + "}}\n";
+    // Written whole under another name, then renamed: a launcher never reads
+    // half a file.
+    std::string temporary = std::string(path) + ".tmp." + std::to_string(::getpid());
+    int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return false;
+    bool ok = write_whole(fd, json);
+    ::close(fd);
+    if (!ok || ::rename(temporary.c_str(), path) != 0) {
+      ::unlink(temporary.c_str());
+      return false;
+    }
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 }  // namespace
 
 bool is_consequence_error(const std::string& message) {
@@ -74,10 +113,19 @@ bool is_consequence_error(const std::string& message) {
 
 bool record_error(const std::exception& error) noexcept {
   try {
-    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
-      return record_error(std::string(c10_error->what_without_backtrace()));
+    // ddp's own errors say by their type whether another rank caused them;
+    // only other exceptions (LibTorch's, Gloo's, the program's) are judged
+    // by their text.
+    if (const auto* ddp_error = dynamic_cast<const Error*>(&error)) {
+      return write_record(ddp_error->what_without_backtrace(), dynamic_cast<const PeerFailure*>(&error) != nullptr);
     }
-    return record_error(std::string(error.what()));
+    std::string message;
+    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) {
+      message = c10_error->what_without_backtrace();
+    } else {
+      message = error.what();
+    }
+    return write_record(message, is_consequence_error(message));
   } catch (...) {
     return false;
   }
@@ -85,34 +133,7 @@ bool record_error(const std::exception& error) noexcept {
 
 bool record_error(const std::string& message) noexcept {
   try {
-    const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
-    if (path == nullptr || *path == '\0') return false;
-    struct stat info {};
-    if (::stat(path, &info) == 0 && info.st_size > 0) return false;  // the first error is kept
-    auto now = std::chrono::system_clock::now().time_since_epoch();
-    long long seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
-    long long nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
-    const char* rank = std::getenv("RANK");
-    std::string json = "{\"message\": {\"message\": " + json_string(message) +
-                       ", \"extraInfo\": {\"py_callstack\": " +
-                       json_string("(a C++ program: no Python stack)") + ", \"timestamp\": \"" +
-                       std::to_string(seconds) + "\"}}, \"ddp\": {\"timestamp_ns\": " +
-                       std::to_string(nanoseconds) +
-                       ", \"consequence\": " + (is_consequence_error(message) ? "true" : "false") +
-                       ", \"rank\": " + json_string(rank ? rank : "") +
-                       ", \"pid\": " + std::to_string(::getpid()) + "}}\n";
-    // Written whole under another name, then renamed: a launcher never reads
-    // half a file.
-    std::string temporary = std::string(path) + ".tmp." + std::to_string(::getpid());
-    int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return false;
-    bool ok = write_whole(fd, json);
-    ::close(fd);
-    if (!ok || ::rename(temporary.c_str(), path) != 0) {
-      ::unlink(temporary.c_str());
-      return false;
-    }
-    return true;
+    return write_record(message, is_consequence_error(message));
   } catch (...) {
     return false;
   }

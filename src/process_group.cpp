@@ -795,6 +795,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   if (guard) guard->disarm();
   if (world.world_size > 1) group->start_progress_responder();
   install_stack_dump_handler(SIGUSR1);
+  detail::install_transport_failure_handler();
   detail::register_trace_for_dumps(group.get(), group->trace_.get(), world.rank);
   return group;
 }

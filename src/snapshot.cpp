@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <regex>
 
 namespace fs = std::filesystem;
@@ -98,12 +99,18 @@ const c10::IValue& field(const GenericDict& dict, const std::string& key, const 
   return it->value();
 }
 
+int64_t integer_field(const GenericDict& dict, const std::string& key, const std::string& name) {
+  const auto& value = field(dict, key, name);
+  if (!value.isInt()) reject(name, "its '", key, "' entry is not an integer");
+  return value.toInt();
+}
+
 Snapshot parse_snapshot(const c10::IValue& value, const std::string& name) {
   if (!value.isGenericDict()) reject(name, "it does not hold a dict");
   GenericDict file = value.toGenericDict();
   const auto& format = field(file, "format", name);
   if (!format.isString() || format.toStringRef() != kFormat) reject(name, "it is not a ddp snapshot");
-  int64_t version = field(file, "version", name).toInt();
+  int64_t version = integer_field(file, "version", name);
   if (version != kSnapshotVersion) {
     reject(name, "it has format version ", version, " but this ddp reads version ", kSnapshotVersion);
   }
@@ -111,14 +118,14 @@ Snapshot parse_snapshot(const c10::IValue& value, const std::string& name) {
   if (!payload_value.isGenericDict()) reject(name, "its payload is not a dict");
   Checksum checksum;
   checksum.add(payload_value);
-  if (checksum.value() != field(file, "checksum", name).toInt()) {
+  if (checksum.value() != integer_field(file, "checksum", name)) {
     reject(name, "its checksum does not match its contents (the file is corrupt)");
   }
   GenericDict payload = payload_value.toGenericDict();
   Snapshot s;
-  s.epoch = field(payload, "epoch", name).toInt();
-  s.step = field(payload, "step", name).toInt();
-  s.sampler_epoch = field(payload, "sampler_epoch", name).toInt();
+  s.epoch = integer_field(payload, "epoch", name);
+  s.step = integer_field(payload, "step", name);
+  s.sampler_epoch = integer_field(payload, "sampler_epoch", name);
   for (const auto& item : field(payload, "model", name).toGenericDict()) {
     s.model.emplace_back(item.key().toStringRef(), item.value().toTensor());
   }
@@ -134,33 +141,43 @@ std::vector<char> read_bytes(const std::string& path) {
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// snapshot_<epoch>.pt files in `dir`, most recently written first (then the
-// higher epoch): a fresh run in a directory that holds an older run's
-// snapshots of later epochs must still resume from its own.
-std::vector<std::pair<int64_t, std::string>> snapshot_files(const std::string& dir) {
-  struct Found {
-    fs::file_time_type written;
-    int64_t epoch;
-    std::string path;
-  };
-  std::vector<Found> found;
+// The snapshot_<epoch>.pt files in `dir`, sorted by name only: which one
+// is newest only their validated contents can say (see further_along).
+std::vector<std::string> snapshot_files(const std::string& dir) {
+  std::vector<std::string> files;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return {};
   static const std::regex pattern("snapshot_([0-9]{1,18})\\.pt");
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    std::smatch m;
-    std::string file = it->path().filename().string();
-    if (!std::regex_match(file, m, pattern)) continue;
-    auto written = fs::last_write_time(it->path(), ec);
-    if (ec) continue;
-    found.push_back({written, std::stoll(m[1]), it->path().string()});
+    if (std::regex_match(it->path().filename().string(), pattern)) files.push_back(it->path().string());
   }
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
-    return a.written != b.written ? a.written > b.written : a.epoch > b.epoch;
-  });
-  std::vector<std::pair<int64_t, std::string>> files;
-  for (auto& f : found) files.emplace_back(f.epoch, f.path);
+  std::sort(files.begin(), files.end());
   return files;
+}
+
+// Newest means furthest along: the most optimizer steps, then the latest
+// epoch. Never the modification time: after one unreadable file once sent a
+// run back to epoch 0, the fresh epoch-0 snapshots were the most recently
+// written, and every later restart resumed from them although epoch 29's was
+// still there. A directory holds one run; a fresh run wants an empty one.
+struct Progress {
+  int64_t step = 0;
+  int64_t epoch = -1;
+  std::string path;
+};
+bool further_along(const Progress& a, const Progress& b) {
+  if (a.step != b.step) return a.step > b.step;
+  if (a.epoch != b.epoch) return a.epoch > b.epoch;
+  return a.path > b.path;
+}
+
+// What a skipped file's entry says: the file and why. Loading names the
+// file in its own errors; anything else that escapes gets it added.
+std::string why_skipped(const std::string& path, const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  std::string message = error ? error->what_without_backtrace() : e.what();
+  if (message.find(path) == std::string::npos) message = "ddp: snapshot '" + path + "' is not usable: " + message;
+  return message;
 }
 
 }  // namespace
@@ -212,12 +229,13 @@ void save_snapshot(const Snapshot& snapshot, const std::string& path) {
 Snapshot load_snapshot(const std::string& path) { return parse_snapshot(load_value(path), path); }
 
 namespace {
-bool is_valid_snapshot(const std::string& path) {
+// How far along the snapshot at `path` is, if it loads and validates.
+std::optional<Progress> progress_of(const std::string& path) {
   try {
-    load_snapshot(path);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
+    Snapshot s = load_snapshot(path);
+    return Progress{s.step, s.epoch, path};
+  } catch (const std::exception&) {
+    return std::nullopt;
   }
 }
 }  // namespace
@@ -228,34 +246,40 @@ std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, i
   save_snapshot(snapshot, path);
   // Older snapshots go only after the new one is safely on disk and reads
   // back as valid: otherwise the previous valid one is still the fallback.
-  if (!is_valid_snapshot(path)) return path;
+  if (!progress_of(path)) return path;
   // Only valid snapshots count toward `keep`, and only valid ones are
   // removed: a file that merely looks like a snapshot (another program's, a
   // damaged one) must neither push a valid fallback out nor be deleted by us.
-  size_t kept = 1;  // the one just written
+  // The one just written always stays; of the others, those furthest along.
+  std::vector<Progress> others;
   std::error_code ec;
-  for (const auto& [epoch, other] : snapshot_files(dir)) {
+  for (const auto& other : snapshot_files(dir)) {
     if (fs::equivalent(other, path, ec)) continue;
-    if (!is_valid_snapshot(other)) continue;
-    if (kept < static_cast<size_t>(std::max(keep, 1))) {
-      ++kept;
-      continue;
-    }
-    fs::remove(other, ec);
+    if (auto progress = progress_of(other)) others.push_back(*progress);
   }
+  std::sort(others.begin(), others.end(), further_along);
+  const size_t kept_others = static_cast<size_t>(std::max(keep, 1) - 1);
+  for (size_t k = kept_others; k < others.size(); ++k) fs::remove(others[k].path, ec);
   return path;
 }
 
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir, std::vector<std::string>* skipped) {
   set_trace_fallback_directory(dir);
-  for (const auto& [epoch, path] : snapshot_files(dir)) {
+  std::optional<Snapshot> newest;
+  std::optional<Progress> newest_progress;
+  for (const auto& path : snapshot_files(dir)) {
     try {
-      return load_snapshot(path);
-    } catch (const c10::Error& e) {
-      if (skipped) skipped->push_back(e.what_without_backtrace());
+      Snapshot s = load_snapshot(path);
+      Progress progress{s.step, s.epoch, path};
+      if (!newest_progress || further_along(progress, *newest_progress)) {
+        newest = std::move(s);
+        newest_progress = progress;
+      }
+    } catch (const std::exception& e) {
+      if (skipped) skipped->push_back(why_skipped(path, e));
     }
   }
-  return std::nullopt;
+  return newest;
 }
 
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
@@ -266,14 +290,20 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
     // Whatever goes wrong here, rank 0 must still take part in the
     // broadcasts below, or the other ranks would wait for it until timeout.
     try {
-      for (const auto& [epoch, path] : snapshot_files(dir)) {
+      std::optional<Progress> newest;
+      for (const auto& path : snapshot_files(dir)) {
         try {
-          load_snapshot(path);  // validate before sending
-          bytes = read_bytes(path);
-          name = path;
-          break;
-        } catch (const c10::Error& e) {
-          if (skipped) skipped->push_back(e.what_without_backtrace());
+          // Validated from the very bytes that are sent.
+          std::vector<char> candidate = read_bytes(path);
+          Snapshot s = parse_snapshot(deserialize_value(candidate, path), path);
+          Progress progress{s.step, s.epoch, path};
+          if (!newest || further_along(progress, *newest)) {
+            newest = progress;
+            bytes = std::move(candidate);
+            name = path;
+          }
+        } catch (const std::exception& e) {
+          if (skipped) skipped->push_back(why_skipped(path, e));
         }
       }
     } catch (const std::exception& e) {

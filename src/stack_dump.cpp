@@ -1,6 +1,9 @@
 #include <ddp/stack_dump.h>
 
 #include <ddp/collective_trace.h>
+#include <ddp/error_file.h>
+
+#include <c10/util/Exception.h>
 
 #include <cxxabi.h>
 #include <dirent.h>
@@ -15,6 +18,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -188,7 +192,71 @@ bool install_stack_dump_handler(int signal) {
   return true;
 }
 
+namespace {
+
+std::terminate_handler previous_terminate = nullptr;
+
+// Gloo's transport threads report a protocol violation (a message of another
+// size than the receiver posted, which is what ranks issuing different
+// collectives produce) by throwing where nobody can catch it, so the process
+// would abort with a bare "terminate called" and no rank or collective
+// named. With a process group alive, the uncaught exception becomes ddp's
+// error line, recorded for the launcher, and exit status 1.
+[[noreturn]] void on_terminate() {
+  std::string what;
+  if (std::exception_ptr error = std::current_exception()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const c10::Error& e) {
+      what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      what = "an exception of unknown type";
+    }
+  }
+  std::string in_flight;
+  int rank = -1;
+  {
+    std::unique_lock<std::mutex> lock(traces_mutex, std::try_to_lock);
+    if (lock.owns_lock()) {
+      for (const auto& [owner, entry] : traces()) {
+        rank = entry.second;
+        const uint64_t completed = entry.first->last_completed();
+        const uint64_t entered = entry.first->last_entered();
+        for (uint64_t seq = completed + 1; seq <= entered && seq <= completed + 4; ++seq) {
+          if (auto record = entry.first->find(seq)) in_flight += (in_flight.empty() ? "" : ", ") + describe(*record);
+        }
+        if (in_flight.empty()) in_flight = "none (last completed #" + std::to_string(completed) + ")";
+      }
+    }
+  }
+  if (what.empty() || rank < 0) {
+    // Not an exception escaping a ddp job's thread: the default behaviour.
+    if (previous_terminate) previous_terminate();
+    std::abort();
+  }
+  const std::string message =
+      "ddp: rank " + std::to_string(rank) + ": the process group's transport failed in a background thread: " +
+      what + (std::string(".?!").find(what.back()) == std::string::npos ? ". " : " ") +
+      "Collectives in flight on this rank: " + in_flight +
+      ". This usually means the ranks issued different collectives (one rank skipped, added or reordered one, "
+      "or passed another size or dtype); run with DDP_DEBUG=detail to stop at the first difference with both "
+      "sides named.";
+  record_error(message);
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+}  // namespace
+
 namespace detail {
+
+void install_transport_failure_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { previous_terminate = std::set_terminate(on_terminate); });
+}
 
 void register_trace_for_dumps(const void* owner, const CollectiveTrace* trace, int rank) {
   std::lock_guard<std::mutex> lock(traces_mutex);

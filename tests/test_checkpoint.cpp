@@ -3,6 +3,7 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <support/hostile_files.h>
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
 #include <torch/nn/modules/linear.h>
@@ -183,6 +184,129 @@ TEST(Checkpoint, HostilePicklesFailCleanly) {
     EXPECT_NE(message.find(c.expected), std::string::npos) << c.file << ": " << message;
     EXPECT_NE(message.find(c.file), std::string::npos) << message;
   }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+using ddp::testing::load_with_memory_limit;
+using ddp::testing::write_zip;
+using ddp::testing::ZipRecord;
+
+// Issue 21 item 5: a hostile file is refused before it takes memory. Each
+// load runs in a child allowed 384 MiB more address space than it started
+// with: a load that is not bounded runs out there and fails with another
+// message, instead of taking the machine's memory.
+constexpr size_t kHeadroom = size_t{384} << 20;
+constexpr long kBoundedKiB = 160 << 10;
+
+std::string pickle_of(const std::string& body) { return std::string("\x80\x02", 2) + body + "."; }
+
+// A literal's bytes, NULs included.
+template <size_t N>
+std::string bytes(const char (&literal)[N]) {
+  return std::string(literal, N - 1);
+}
+
+// A one-element float tensor: its storage is the archive's record data/0.
+std::string tensor_call() {
+  return bytes("ctorch._utils\n_rebuild_tensor_v2\n(") +
+         bytes("(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x01tQ") +
+         bytes("K\x00K\x01\x85K\x01\x85\x89NtR");
+}
+
+TEST(CheckpointBombs, ATowerOfSharedReferencesIsRefusedInBoundedMemory) {
+  auto dir = ddp::testing::make_temp_dir();
+  // None, then 60 times: a pair of the previous value, memoized. It is 300
+  // bytes that would expand to 2^60 values.
+  std::string body = bytes("Nq\x00");
+  for (int k = 0; k < 60; ++k) {
+    body += "h" + std::string(1, static_cast<char>(k)) + "\x86" + "q" + std::string(1, static_cast<char>(k + 1));
+  }
+  const std::string path = dir + "/tower.pt";
+  write_zip(path, {{"data.pkl", pickle_of(body)}, {"version", "3\n"}});
+  auto load = load_with_memory_limit([&] { ddp::load_value(path); }, kHeadroom);
+  ASSERT_TRUE(load.finished);
+  EXPECT_NE(load.error.find("'" + path + "'"), std::string::npos) << load.error;
+  EXPECT_NE(load.error.find("repeating shared references (a pickle bomb)"), std::string::npos) << load.error;
+  EXPECT_LT(load.peak_growth_kib, kBoundedKiB);
+  RecordProperty("peak_growth_kib", std::to_string(load.peak_growth_kib));
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointBombs, OneLongStringReferencedManyTimesIsRefusedInBoundedMemory) {
+  auto dir = ddp::testing::make_temp_dir();
+  // A list that holds one 1 MiB string 2000 times over: 2 GB from 1 MiB.
+  const uint32_t length = 1 << 20;
+  std::string body = "]X";
+  for (int k = 0; k < 4; ++k) body += static_cast<char>((length >> (8 * k)) & 0xFF);
+  body += std::string(length, 'a') + bytes("q\x00" "a");
+  for (int k = 0; k < 2000; ++k) body += bytes("h\x00" "a");
+  const std::string path = dir + "/strings.pt";
+  write_zip(path, {{"data.pkl", pickle_of(body)}, {"version", "3\n"}});
+  auto load = load_with_memory_limit([&] { ddp::load_value(path); }, kHeadroom);
+  ASSERT_TRUE(load.finished);
+  EXPECT_NE(load.error.find("'" + path + "'"), std::string::npos) << load.error;
+  EXPECT_NE(load.error.find("pickle bomb"), std::string::npos) << load.error;
+  EXPECT_LT(load.peak_growth_kib, kBoundedKiB);
+  RecordProperty("peak_growth_kib", std::to_string(load.peak_growth_kib));
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointBombs, ADeflatedRecordThatInflatesHugelyIsRefusedBeforeItIsRead) {
+  auto dir = ddp::testing::make_temp_dir();
+  // 512 MiB of zeros deflate to half a megabyte: once as a tensor's storage,
+  // once as the version record that the zip reader itself reads first.
+  const uint64_t huge = uint64_t{512} << 20;
+  const std::string storage = dir + "/storage_bomb.pt", version = dir + "/version_bomb.pt";
+  write_zip(storage, {{"data.pkl", pickle_of(bytes("}X\x01\x00\x00\x00w") + tensor_call() + "s")},
+                      {"version", "3\n"},
+                      {"data/0", "", huge, true}});
+  write_zip(version, {{"data.pkl", pickle_of("}")}, {"version", "", huge, true}});
+  ASSERT_LT(fs::file_size(storage), 1u << 20);
+  for (const auto& path : {storage, version}) {
+    auto load = load_with_memory_limit([&] { ddp::load_value(path); }, kHeadroom);
+    ASSERT_TRUE(load.finished);
+    EXPECT_NE(load.error.find("'" + path + "'"), std::string::npos) << load.error;
+    EXPECT_NE(load.error.find("(a compressed zip, perhaps a zip bomb)"), std::string::npos) << load.error;
+    EXPECT_LT(load.peak_growth_kib, kBoundedKiB);
+    RecordProperty("peak_growth_kib_" + fs::path(path).stem().string(), std::to_string(load.peak_growth_kib));
+  }
+  // The same bytes from memory (what ranks receive of a snapshot) are refused alike.
+  std::ifstream in(storage, std::ios::binary);
+  std::vector<char> contents((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto message = error_of([&] { ddp::deserialize_value(contents, "snapshot from rank 0"); });
+  EXPECT_NE(message.find("'snapshot from rank 0': its record 'archive/data/0'"), std::string::npos) << message;
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointBombs, AVersionRecordThatOverflowsNamesTheFile) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string path = dir + "/version.pt";
+  write_zip(path, {{"data.pkl", pickle_of("}")}, {"version", "99999999999999999999999\n"}});
+  auto message = error_of([&] { ddp::load_value(path); });
+  EXPECT_NE(message.find("ddp: cannot load '" + path + "': its version record is not a number in range"),
+            std::string::npos)
+      << message;
+  // Through load_state_dict and ddp::load (what --init uses) alike.
+  torch::nn::Linear linear(3, 2);
+  message = error_of([&] { ddp::load(linear, path); });
+  EXPECT_NE(message.find("'" + path + "': its version record"), std::string::npos) << message;
+  fs::remove_all(dir);
+}
+
+// The bounds leave honest files alone: a tensor record that makes up nearly
+// all of the file, next to thousands of small entries.
+TEST(CheckpointBombs, LargeHonestCheckpointsStillLoad) {
+  auto dir = ddp::testing::make_temp_dir();
+  ddp::StateDict big = {{"weight", at::rand({1 << 20})}};
+  for (int k = 0; k < 2000; ++k) big.emplace_back("layers." + std::to_string(k) + ".bias", at::rand({3}));
+  ddp::save_state_dict(big, dir + "/big.pt");
+  auto loaded = ddp::load_state_dict(dir + "/big.pt");
+  ASSERT_EQ(loaded.size(), big.size());
+  EXPECT_TRUE(at::equal(loaded[0].second, big[0].second));
   fs::remove_all(dir);
 }
 

@@ -259,6 +259,40 @@ TEST_F(TwoNodes, FourRanksOnTwoNodesMatchFourRanksOnOne) {
   fs::remove_all(ref.dir);
 }
 
+// Issue 26: the environment Kubeflow's PyTorchJob operator gives each of two pods (PET_* for
+// torchrun, plus the pod-level MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), and ddprun with no
+// flags at all, as the operator's pods start torchrun. ddprun takes the job from the PET_*
+// variables and gives each worker its own RANK and WORLD_SIZE.
+TEST_F(TwoNodes, APyTorchJobsPodEnvironmentStartsDdprunWithNoFlagsAndMatchesAStandaloneRun) {
+  const std::string port = "29556";
+  std::vector<std::string> dirs = {make_temp_dir("pod0"), make_temp_dir("pod1")};
+  std::vector<BackgroundProcess> pods;
+  for (int n = 0; n < 2; ++n) {
+    const std::string pod = std::to_string(n);
+    pods.push_back(start_background(
+        {"ip", "netns", "exec", ns_[n], bin_path("ddprun"), bin_path("wine_ddp"), "40", "20", "--checkpoint-dir",
+         dirs[n]},
+        one_rank({{"PET_NNODES", "2"}, {"PET_NPROC_PER_NODE", "1"}, {"PET_NODE_RANK", pod},
+                  {"PET_MASTER_ADDR", addr_[0]}, {"PET_MASTER_PORT", port}, {"MASTER_ADDR", addr_[0]},
+                  {"MASTER_PORT", port}, {"WORLD_SIZE", "2"}, {"RANK", pod}, {"PYTHONUNBUFFERED", "0"},
+                  {"DDP_TIMEOUT_SECONDS", "60"},
+                  // What the standalone run's two workers get from ddprun; one worker per pod gets
+                  // none, and another thread count sums in another order.
+                  {"OMP_NUM_THREADS", "1"}})));
+  }
+  std::vector<ProcessResult> results;
+  for (auto& pod : pods) results.push_back(wait_background(pod, std::chrono::seconds(120)));
+  for (int n = 0; n < 2; ++n) ASSERT_EQ(results[n].exit_code, 0) << "pod " << n << ": " << results[n].describe();
+  EXPECT_NE(results[0].out.find("[rank0]: Epoch 39, Loss:"), std::string::npos) << results[0].out;
+  EXPECT_TRUE(fs::exists(dirs[0] + "/model_final.pt"));
+
+  auto ref = reference_run(2, {"40", "20"});
+  EXPECT_EQ(loss_lines(results[0].out), ref.losses);
+  EXPECT_EQ(compare_state_dicts(dirs[0] + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  for (auto& d : dirs) fs::remove_all(d);
+  fs::remove_all(ref.dir);
+}
+
 // Issue 13: the same two nodes meeting through ddprun's c10d rendezvous instead of
 // --master-addr/--node-rank. Node 0's ddprun hosts the store on node 0's address.
 class TwoNodesC10d : public TwoNodes {

@@ -85,6 +85,34 @@ TEST(CollectiveTraceUnit, RecordsInOrderAndCompletesInOrder) {
 }
 
 // 1. Rank 1 stops before a collective that rank 0 makes: both ranks' errors
+
+// The resident set in bytes, from /proc/self/statm.
+long resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  long pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return pages_resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// DDP_TRACE_SIZE's maximum, 10M records, once allocated ~2 GB per rank
+// before the first collective. Records now cost memory only once issued.
+TEST(CollectiveTraceUnit, TheLargestCapacityCostsMemoryOnlyForIssuedRecords) {
+  const long before = resident_bytes();
+  ddp::CollectiveTrace trace(10000000);
+  for (int i = 0; i < 1000; ++i) trace.end(trace.begin("all_reduce", at::zeros({1})), true);
+  const long grown = resident_bytes() - before;
+  EXPECT_LT(grown, 32L << 20) << "a 10M-record trace with 1000 records issued grew the resident set by " << grown;
+  EXPECT_EQ(trace.last_completed(), 1000u);
+  EXPECT_EQ(trace.recent(5000).size(), 1000u);
+  EXPECT_EQ(trace.find(1)->seq, 1u);
+}
+
+TEST(CollectiveTraceUnit, ATraceSizeThatIsNotANumberIsRefused) {
+  ::setenv("DDP_TRACE_SIZE", "2000abc", 1);
+  const std::string message = error_of([] { ddp::CollectiveTrace::default_capacity(); });
+  ::unsetenv("DDP_TRACE_SIZE");
+  EXPECT_NE(message.find("DDP_TRACE_SIZE='2000abc'"), std::string::npos) << message;
+}
 // say who is behind, in which collective, and where it last was.
 TEST(CollectiveTraceRanks, ARankThatNeverEntersACollectiveIsNamedWithItsLastCompletedOne) {
   const std::string dir = shared_dir("behind");

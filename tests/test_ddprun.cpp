@@ -560,11 +560,13 @@ TEST(DdprunRestart, SummaryFallsBackToStdoutThenToNoOutput) {
 // ---------------------------------------------------------------------------------------------
 // Log directory
 
+// --redirects 3 keeps the workers off the console, as with torchrun; --log-dir alone no longer
+// does (torchrun shows the output then), but rank_R.log gets it all the same.
 TEST(DdprunLogDir, EachWorkerWritesItsOwnUnprefixedLogAndTheConsoleIsQuiet) {
   TempDir logs;
   const std::string dir = logs.file("run/logs");  // created with its parents
   ProcessResult result = ddprun(
-      {"--log-dir", dir, "--nproc-per-node", "2", probe(), "--lines", "3", "--err", "to stderr"},
+      {"--log-dir", dir, "--redirects", "3", "--nproc-per-node", "2", probe(), "--lines", "3", "--err", "to stderr"},
       run_options({{"OMP_NUM_THREADS", "1"}}));
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   EXPECT_EQ(result.out, "") << result.describe();
@@ -597,25 +599,27 @@ TEST(DdprunLogDir, TeeAlsoShowsPrefixedLinesOnTheConsole) {
   ProcessResult result = ddprun(
       {"--log-dir", logs.path(), "--tee", probe(), "--out", "hello out", "--err", "hello err"});
   ASSERT_EQ(result.exit_code, 0) << result.describe();
-  EXPECT_EQ(result.out, "[rank0]: hello out\n") << result.describe();
-  EXPECT_EQ(result.err, "[rank0]: hello err\n") << result.describe();
+  // Teed lines carry torchrun's prefix (test_ddprun_output.cpp compares with torchrun itself).
+  EXPECT_EQ(result.out, "[default0]:hello out\n") << result.describe();
+  EXPECT_EQ(result.err, "[default0]:hello err\n") << result.describe();
   const std::string log = read_text_file(logs.file("attempt_0/rank_0.log"));
   EXPECT_NE(log.find("hello out\n"), std::string::npos) << log;
   EXPECT_NE(log.find("hello err\n"), std::string::npos) << log;
   EXPECT_EQ(log.find("[rank"), std::string::npos) << log;
 
-  // torchrun's numbered form: 2 tees stderr only.
+  // torchrun's numbered form: 2 tees stderr only; stdout, neither teed nor redirected, goes to
+  // the console as without --log-dir.
   result = ddprun({"--log-dir", logs.path(), "--tee", "2", probe(), "--out", "hello out", "--err",
                    "hello err"});
   ASSERT_EQ(result.exit_code, 0) << result.describe();
-  EXPECT_EQ(result.out, "") << result.describe();
-  EXPECT_EQ(result.err, "[rank0]: hello err\n") << result.describe();
+  EXPECT_EQ(result.out, "[rank0]: hello out\n") << result.describe();
+  EXPECT_EQ(result.err, "[default0]:hello err\n") << result.describe();
 }
 
 TEST(DdprunLogDir, RestartedAttemptsLogIntoTheirOwnDirectory) {
   TempDir logs;
   ProcessResult result =
-      ddprun({"--log-dir", logs.path(), "--max-restarts", "1", "--nproc-per-node", "2", probe(),
+      ddprun({"--log-dir", logs.path(), "--redirects", "3", "--max-restarts", "1", "--nproc-per-node", "2", probe(),
               "--print-env", "--err", "error: rank failed", "--sync-after-output", logs.path(),
               "--on-attempt", "0", "--exit-code-on-rank", "1", "3"},
              run_options({{"OMP_NUM_THREADS", "1"}}));
@@ -795,6 +799,32 @@ TEST_F(DdprunSignals, SigkilledLauncherTakesWorkersAndTheirChildrenAlong) {
     ASSERT_GT(grandchild, 0);
     EXPECT_TRUE(wait_until_dead(grandchild)) << "grandchild of rank " << rank << " survived";
   }
+}
+
+// Slurm's `scancel --signal USR2` (or a time limit's SIGXCPU) reaches every process of the job,
+// the watchdog included: it must survive them to clean up after a SIGKILLed ddprun.
+TEST_F(DdprunSignals, TheWatchdogSurvivesSignalsSentToEveryProcessOfTheJob) {
+  ASSERT_NO_FATAL_FAILURE(start({}, {"--spawn-grandchild", pids_.path(), "--sleep", "60"}));
+  for (int rank : {0, 1}) ASSERT_GT(wait_for_pid_file(pids_.file("grandchild." + std::to_string(rank))), 0);
+  // The watchdog is ddprun's forked child that never exec'd: its name is still "ddprun".
+  std::vector<pid_t> watchdogs;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream stat(entry.path() / "stat");
+    std::string pid, name, state, ppid;
+    if (!(stat >> pid >> name >> state >> ppid)) continue;
+    if (name == "(ddprun)" && std::stoi(ppid) == launcher_.pid) watchdogs.push_back(std::stoi(pid));
+  }
+  ASSERT_EQ(watchdogs.size(), 1u);
+  for (int signal_number : {SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU}) ASSERT_EQ(kill(watchdogs[0], signal_number), 0);
+  std::this_thread::sleep_for(200ms);
+  ASSERT_TRUE(ddp::testing::process_alive(watchdogs[0])) << "the watchdog died of a job-wide signal";
+  ASSERT_EQ(kill(launcher_.pid, SIGKILL), 0);
+  finish();
+  for (int rank : {0, 1}) {
+    const int grandchild = wait_for_pid_file(pids_.file("grandchild." + std::to_string(rank)), 0ms);
+    EXPECT_TRUE(wait_until_dead(grandchild)) << "grandchild of rank " << rank << " survived";
+  }
+  expect_workers_dead();
 }
 
 TEST_F(DdprunSignals, SigkilledLauncherTakesRestartedWorkersAndTheirChildrenAlong) {
@@ -1356,14 +1386,16 @@ TEST_F(DdprunRendezvous, ANodeJoiningARunningJobEntersAtTheNextAttempt) {
   EXPECT_NE(agents_[0].result.err.find("is waiting to join"), std::string::npos) << everything();
 }
 
-TEST_F(DdprunRendezvous, AnAgentOfAnotherRunIdIsRefusedNamingBothIds) {
+// The refusal names the newcomer's own run id only: the store's would let a stranger rejoin.
+TEST_F(DdprunRendezvous, AnAgentOfAnotherRunIdIsRefusedWithoutLearningTheStoresId) {
   start_agent({"--nnodes", "2", "--rdzv-id", "run-a", "--rdzv-conf", "join_timeout=3"}, {probe()});
   ASSERT_TRUE(wait_for_err(agents_[0], "hosting the rendezvous store")) << everything();
   start_agent({"--nnodes", "2", "--rdzv-id", "run-b"}, {probe()});
   ProcessResult& intruder = agents_[1].finish();
   EXPECT_EQ(intruder.exit_code, 1) << everything();
-  EXPECT_NE(intruder.err.find("run id 'run-a', but this agent has run id 'run-b'"), std::string::npos)
+  EXPECT_NE(intruder.err.find("refused this node (run id 'run-b'): its run id is not the store's"), std::string::npos)
       << everything();
+  EXPECT_EQ(intruder.err.find("run-a"), std::string::npos) << everything();
   // The first agent waits out its join timeout for a second node and says so.
   ProcessResult& host = agents_[0].finish();
   EXPECT_EQ(host.exit_code, 1) << everything();

@@ -199,6 +199,7 @@ TEST(Digits, MalformedDataNamesFileAndLine) {
       {write_gz("empty.csv.gz", ""), "data file '.*empty\\.csv\\.gz' holds no data rows"},
       {dir + "/truncated.csv.gz", "truncated\\.csv\\.gz:[0-9]+: cannot read the data: unexpected end of file"},
       {dir + "/missing.csv.gz", "cannot open data file '.*missing\\.csv\\.gz': No such file or directory"},
+      {write_gz("long.csv.gz", row + std::string(1 << 20, '0') + "\n"), "long\\.csv\\.gz:2: the line is longer than 16384 bytes"},
   };
   for (const auto& c : cases) {
     auto r = run_process({bin_path("digits_ddp"), "1", "1", "--data", c.file, "--checkpoint-dir", dir},

@@ -194,3 +194,62 @@ TEST(TorchScriptRanks, TwoRanksEqualOneProcessOnTheWholeBatch) {
 }
 
 }  // namespace
+
+namespace {
+
+// Issue 21: rank 1 issues one all-reduce fewer, so its next (smaller) one
+// pairs with rank 0's last full-size one. Gloo's transport thread throws on
+// the size mismatch where nobody can catch it; that used to abort the rank
+// (SIGABRT, no "error:" line, no rank or collective named). Now both ranks
+// exit 1 and the one whose transport failed names itself and its collective.
+TEST(TransportFailureRanks, ARankThatIssuesOneCollectiveFewerEndsEveryRankWithAnError) {
+  ddp::testing::RanksOptions options;
+  options.collective_timeout_seconds = 5;
+  options.grace_after_failure = std::chrono::seconds(20);
+  auto ranks = run_on_ranks(
+      2,
+      [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        const int steps = group->rank() == 0 ? 3 : 2;
+        for (int i = 0; i < steps; ++i) {
+          ddp::CollectiveTag tag("step " + std::to_string(i));
+          at::Tensor gradient = at::ones({256});
+          group->all_reduce(gradient);
+        }
+        ddp::CollectiveTag tag("epoch loss");
+        at::Tensor loss = at::ones({1}, at::kDouble);
+        group->all_reduce(loss);
+        std::cout << "RANK " << group->rank() << " FINISHED\n";
+      },
+      options);
+  ASSERT_EQ(ranks.size(), 2u);
+  bool named = false;
+  for (const auto& r : ranks) {
+    EXPECT_NE(r.exit_code, 0) << ddp::testing::describe_ranks(ranks);
+    EXPECT_EQ(r.term_signal, 0) << "a rank died of a signal\n" << ddp::testing::describe_ranks(ranks);
+    EXPECT_FALSE(r.timed_out) << ddp::testing::describe_ranks(ranks);
+    EXPECT_EQ(r.out.find("FINISHED"), std::string::npos) << ddp::testing::describe_ranks(ranks);
+    // The rank's own error line, or run_on_ranks' report of ddp's exception.
+    EXPECT_TRUE(r.err.find("error: ddp: rank ") != std::string::npos || r.err.find("threw: ddp: ") != std::string::npos)
+        << ddp::testing::describe_ranks(ranks);
+    if (r.err.find("issued different collectives") != std::string::npos &&
+        r.err.find("all_reduce") != std::string::npos) {
+      named = true;
+    }
+  }
+  EXPECT_TRUE(named) << "no rank named the mismatch and its collective\n" << ddp::testing::describe_ranks(ranks);
+}
+
+// DDP_GLOO_THREADS was read with atoi, so "2abc" meant 2.
+TEST(EnvironmentRanks, AGlooThreadCountThatIsNotANumberStopsEveryRankNamingIt) {
+  ddp::testing::RanksOptions options;
+  options.env = {{"DDP_GLOO_THREADS", "2abc"}};
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>&) {}, options);
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 1) << ddp::testing::describe_ranks(ranks);
+    EXPECT_NE(r.err.find("DDP_GLOO_THREADS='2abc' is not an integer"), std::string::npos)
+        << ddp::testing::describe_ranks(ranks);
+  }
+}
+
+}  // namespace

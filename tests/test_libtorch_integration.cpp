@@ -165,6 +165,46 @@ TEST(SamplerInDataLoader, ShardsTheChunksOfAChunkDataset) {
   for (int64_t c = 0; c < static_cast<int64_t>(CountingChunkReader::kChunks); ++c) EXPECT_GE(all_chunks.count(c), 1u);
 }
 
+// docs/chunk_datasets.md: 10 chunks on 3 ranks pad to 12 slots, so the
+// first 2 chunks of the epoch's order are read whole, twice; drop_last reads
+// 9 chunks, each once.
+TEST(SamplerInDataLoader, PaddingRepeatsWholeChunks) {
+  for (bool drop_last : {false, true}) {
+    std::map<int64_t, int> examples_per_chunk;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      const auto options = ddp::SamplerOptions(3, rank).seed(11).drop_last(drop_last);
+      ddp::DistributedSampler chunk_sampler(0, options);
+      using Chunks = torch::data::datasets::ChunkDataset<CountingChunkReader, ddp::DistributedSampler,
+                                                         torch::data::samplers::SequentialSampler>;
+      auto dataset = torch::data::datasets::make_shared_dataset<Chunks>(
+          CountingChunkReader(), chunk_sampler, torch::data::samplers::SequentialSampler(0),
+          torch::data::datasets::ChunkDatasetOptions(/*preloader_count=*/1, /*batch_size=*/4));
+      auto loader = torch::data::make_data_loader(dataset, torch::data::DataLoaderOptions().batch_size(4));
+      for (auto& batch : *loader) {
+        for (int64_t example : batch) ++examples_per_chunk[example / 100];
+      }
+    }
+    auto order = ddp::distributed_sampler_indices(CountingChunkReader::kChunks, ddp::SamplerOptions(1, 0).seed(11), 0);
+    int twice = 0, once = 0, never = 0;
+    for (int64_t c = 0; c < static_cast<int64_t>(CountingChunkReader::kChunks); ++c) {
+      const int n = examples_per_chunk[c];
+      EXPECT_EQ(n % CountingChunkReader::kPerChunk, 0) << "chunk " << c << " was read in part";
+      twice += n == 2 * CountingChunkReader::kPerChunk;
+      once += n == CountingChunkReader::kPerChunk;
+      never += n == 0;
+    }
+    SCOPED_TRACE(drop_last ? "drop_last" : "padded");
+    EXPECT_EQ(twice, drop_last ? 0 : 2);
+    EXPECT_EQ(once, drop_last ? 9 : 8);
+    EXPECT_EQ(never, drop_last ? 1 : 0);
+    if (!drop_last) {
+      // The repeated ones are the first two of the epoch's (unpadded) order.
+      EXPECT_EQ(examples_per_chunk[order[0]], 2 * CountingChunkReader::kPerChunk);
+      EXPECT_EQ(examples_per_chunk[order[1]], 2 * CountingChunkReader::kPerChunk);
+    }
+  }
+}
+
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     fc1 = register_module("fc1", torch::nn::Linear(4, 5));

@@ -305,6 +305,38 @@ TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
   EXPECT_LT(seconds, 20.0) << r.describe();
 }
 
+// Rank 1 exits before it starts MPI, so rank 0's MPI_Init_thread waits for
+// it forever: the watchdog ends rank 0 within the timeout, naming why.
+TEST(Mpi, ARankThatExitsBeforeMpiStartsEndsTheOthersWithinTheTimeout) {
+  SKIP_WITHOUT_MPI();
+  const std::string test = current_test();
+  if (const char* child = std::getenv(kChildVariable); child && test == child) {
+    try {
+      ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
+      std::printf("MPI STARTED WITHOUT RANK 1\n");
+    } catch (const std::exception& e) {
+      std::cerr << "rank threw: " << e.what() << "\n";
+    }
+    std::fflush(nullptr);
+    std::_Exit(0);  // reaching here at all is the failure the test reports
+  }
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 1 is a shell that exits before rank 0 has even loaded: mpirun
+  // notices a rank leaving without MPI only once another rank started MPI.
+  auto r = run_process(mpirun(2,
+                              {"sh", "-c", "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && exit 0; exec \"$0\" \"$@\"",
+                               self_executable(), "--gtest_filter=" + test},
+                              {{kChildVariable, test}, {"DDP_TIMEOUT_SECONDS", "3"}}),
+                       one_rank({}, std::chrono::seconds(60)));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_EQ(r.out.find("MPI STARTED WITHOUT RANK 1"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("error: ddp: MPI_Init_thread"), std::string::npos) << r.describe();
+  EXPECT_NE(r.err.find("did not finish within the timeout of 3 s"), std::string::npos) << r.describe();
+  EXPECT_LT(seconds, 20.0) << r.describe();
+}
+
 TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
   SKIP_WITHOUT_MPI();
   const auto start = std::chrono::steady_clock::now();

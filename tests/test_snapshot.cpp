@@ -4,6 +4,8 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <support/hostile_files.h>
+#include <support/ranks.h>
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
 #include <torch/nn/functional/loss.h>
@@ -295,6 +297,77 @@ TEST(Snapshot, AFailedOptimizerLoadChangesNothing) {
   train_steps(model, sgd, 0, 1);
   message = error_of([&] { ddp::load_optimizer_state_dict(optimizer, ddp::optimizer_state_dict(sgd)); });
   EXPECT_NE(message.find("different optimizer"), std::string::npos) << message;
+}
+
+}  // namespace
+
+namespace {
+
+// A zip that the zip reader itself cannot open: its version record's number
+// overflows std::stoull (the bare "stoull" that once lost a run's progress).
+void write_overflowing_version(const std::string& path) {
+  ddp::testing::write_zip(path, {{"data.pkl", std::string("\x80\x02}.", 4)}, {"version", "99999999999999999999999\n"}});
+}
+
+// Issue 21 item 1: one bad file cost every snapshot, the run restarted at
+// epoch 0, and from then on the fresh epoch-0 snapshots (the most recently
+// written) won over epoch 29's at every restart.
+TEST_F(SnapshotFiles, ABadFileIsSkippedAloneAndTheFurthestRecordedStepWins) {
+  const std::string good = write(29);  // step 290
+  const std::string bad = dir + "/snapshot_30.pt";
+  write_overflowing_version(bad);
+  write(0);  // a run that started over: steps 0, then 10, written later
+  const std::string fresh = write(1);
+  EXPECT_TRUE(fs::exists(good)) << "pruning dropped the snapshot furthest along";
+  EXPECT_TRUE(fs::exists(fresh));
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_0.pt"));
+  EXPECT_TRUE(fs::exists(bad)) << "a file that is not ours to judge was deleted";
+  auto now = fs::file_time_type::clock::now();
+  fs::last_write_time(good, now - std::chrono::hours(1));
+  fs::last_write_time(bad, now + std::chrono::minutes(1));
+
+  std::vector<std::string> skipped;
+  auto snapshot = ddp::load_newest_snapshot(dir, &skipped);
+  ASSERT_TRUE(snapshot.has_value());
+  EXPECT_EQ(snapshot->epoch, 29);
+  EXPECT_EQ(snapshot->step, 290);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find("'" + bad + "': its version record is not a number in range"), std::string::npos)
+      << skipped[0];
+}
+
+// The same through the collective overload: rank 0 scans, every rank gets epoch 29.
+TEST(SnapshotRanks, RankZeroSkipsABadFileAndEveryRankResumesFromTheFurthestStep) {
+  const char* given = std::getenv("DDP_TEST_SNAPSHOT_DIR");
+  std::string dir = given ? given : "";
+  if (dir.empty()) {  // the test process sets the directory up; the ranks only read it
+    dir = ddp::testing::make_temp_dir();
+    torch::manual_seed(0);
+    torch::nn::Linear model(5, 3);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, 29, 290));
+    write_overflowing_version(dir + "/snapshot_30.pt");
+    ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, 0, 10));
+  }
+  ddp::testing::RanksOptions options;
+  options.env = {{"DDP_TEST_SNAPSHOT_DIR", dir}};
+  options.timeout = std::chrono::seconds(60);
+  auto ranks = ddp::testing::run_on_ranks(
+      2,
+      [&](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        std::vector<std::string> skipped;
+        auto snapshot = ddp::load_newest_snapshot(dir, *group, &skipped);
+        ASSERT_TRUE(snapshot.has_value());
+        EXPECT_EQ(snapshot->epoch, 29);
+        EXPECT_EQ(snapshot->step, 290);
+        if (group->rank() == 0) {
+          ASSERT_EQ(skipped.size(), 1u);
+          EXPECT_NE(skipped[0].find("snapshot_30.pt': its version record"), std::string::npos) << skipped[0];
+        }
+      },
+      options);
+  ddp::testing::expect_all_succeeded(ranks);
+  fs::remove_all(dir);
 }
 
 }  // namespace

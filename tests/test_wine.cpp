@@ -73,10 +73,19 @@ TEST(Wine, StartsFromAPythonStateDict) {
   EXPECT_GT(loss_with_init, 10.0) << with_init.out;
   EXPECT_LT(std::stod(m[1]), 2.0) << without.out;
 
+  // The plain-LibTorch baseline reads the same Python file (torch::load
+  // could not: "constants.pkl") and starts from the same weights.
+  auto single = run_process({bin_path("wine_single"), "1", "1", "--init", dir + "/init.pt", "--checkpoint-dir", dir},
+                            one_rank({}));
+  ASSERT_EQ(single.exit_code, 0) << single.describe();
+  ASSERT_TRUE(std::regex_search(single.out, m, std::regex("Epoch 0, Loss: ([0-9.]+)"))) << single.out;
+  EXPECT_GT(std::stod(m[1]), 10.0) << single.out;
+
   ASSERT_EQ(run_process({DDP_PYTHON, python_script(), "badinit", dir + "/bad.pt"}).exit_code, 0);
   auto bad = run_process({bin_path("wine_ddp"), "1", "1", "--init", dir + "/bad.pt", "--checkpoint-dir", dir}, one_rank({}));
   EXPECT_EQ(bad.exit_code, 1) << bad.describe();
   EXPECT_NE(bad.err.find("fc1.bias"), std::string::npos) << bad.describe();
+  EXPECT_NE(bad.err.find("cannot load '" + dir + "/bad.pt' into this model"), std::string::npos) << bad.describe();
   fs::remove_all(dir);
 }
 
@@ -115,6 +124,10 @@ TEST(Wine, MalformedCsvNamesFileAndLine) {
       {write("empty.csv", ""), "empty.csv' holds no data rows"},
       {write("label.csv", "1,2,3,4,5,6,7,8,9,10,11,12,13,7\n"), "label.csv:1: the label must be an integer"},
       {dir + "/missing.csv", "cannot open data file '" + dir + "/missing.csv'"},
+      // One 50 MB line once peaked at 1.5 GB (split into millions of fields)
+      // and /dev/zero grew without bound: lines are bounded now.
+      {write("one_line.csv", std::string(50 << 20, '1') + "\n"), "one_line.csv:1: the line is longer than 4096 bytes"},
+      {"/dev/zero", "/dev/zero:1: the line is longer than 4096 bytes"},
   };
   std::string good = write("good.csv", row + row);
   for (const auto& c : cases) {

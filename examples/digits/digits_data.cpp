@@ -29,14 +29,21 @@ bool stream_failed(gzFile file) {
   return code != Z_OK;
 }
 
-// The next line without its '\n', however long. False at the end of the data,
-// or on an error (the caller asks check_stream), so that the lines before a
+// A digits row is 65 small numbers; the bound keeps a wrong file (one
+// enormous line, a decompression bomb of zeros) from growing without limit.
+constexpr size_t kMaxLineBytes = 16384;
+
+// The next line without its '\n'. False at the end of the data, or on an
+// error (the caller asks check_stream), so that the lines before a
 // truncation are read and the one it cut is reported, not parsed.
-bool next_line(gzFile file, std::string& line) {
+bool next_line(gzFile file, std::string& line, const std::string& path, int64_t line_number) {
   line.clear();
   char chunk[4096];
   while (gzgets(file, chunk, sizeof(chunk)) != nullptr) {
     line += chunk;
+    TORCH_CHECK(line.size() <= kMaxLineBytes + 1, path, ":", line_number, ": the line is longer than ",
+                kMaxLineBytes, " bytes, but a digits row holds 65 numbers; is '", path,
+                "' the gzipped CSV of the digits data?");
     if (!line.empty() && line.back() == '\n') {
       line.pop_back();
       return true;
@@ -100,7 +107,7 @@ Dataset read_csv_gz(const std::string& path) {
   std::vector<int64_t> labels;
   std::string line;
   int64_t line_number = 0;
-  while (next_line(file.get(), line)) {
+  while (next_line(file.get(), line, path, line_number + 1)) {
     ++line_number;
     if (trim(line).empty()) continue;
     auto fields = split_fields(trim(line));

@@ -1,11 +1,16 @@
 // Trains the Wine classifier in one process, with plain LibTorch. This is the
 // baseline: compare it with wine_ddp.cpp to see what data parallelism changes.
+// One ddp call remains: ddp::load reads the --init state dict that Python's
+// torch.save wrote, which LibTorch's own torch::load cannot (it reads only
+// torch::save's TorchScript archives, and fails on "constants.pkl").
 //
 //   wine_single 100 50            # 100 epochs, checkpoint every 50
 
 #include "simple_nn.h"
 #include "wine_cli.h"
 #include "wine_data.h"
+
+#include <ddp/checkpoint.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
@@ -54,7 +59,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(42);
     wine::SimpleNN model;
     if (!args.init_state.empty()) {
-      torch::load(model, args.init_state);
+      ddp::load(model, args.init_state);
     }
     model->to(device);
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));

@@ -77,6 +77,8 @@ namespace detail {
 /// Copies `state` into `targets` (a model's tensors): every name on both
 /// sides, shapes equal; the error names the first that is not.
 void copy_state_into(const StateDict& targets, const StateDict& state);
+/// copy_state_into from the file at `path`; every error names the file.
+void load_file_into(const StateDict& targets, const std::string& path);
 }  // namespace detail
 
 /// Writes `state` as a dict of tensors that torch.load reads. The write is

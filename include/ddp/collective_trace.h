@@ -44,7 +44,9 @@ struct CollectiveRecord {
 std::string describe(const CollectiveRecord& record);
 
 /// A rank's ring buffer of its last `capacity` collectives. Thread-safe:
-/// backends complete collectives on their own threads.
+/// backends complete collectives on their own threads. Records are allocated
+/// as collectives are issued (about 200 bytes each), not up front: a large
+/// DDP_TRACE_SIZE costs memory only in a job that issues that many.
 class CollectiveTrace {
  public:
   /// DDP_TRACE_SIZE from the environment, else 2000 records.
@@ -69,10 +71,11 @@ class CollectiveTrace {
   std::string json_lines(int rank) const;
 
  private:
-  size_t index_of(uint64_t seq) const { return static_cast<size_t>((seq - 1) % records_.size()); }
+  size_t index_of(uint64_t seq) const { return static_cast<size_t>((seq - 1) % capacity_); }
 
   mutable std::mutex mutex_;
-  std::vector<CollectiveRecord> records_;
+  size_t capacity_;
+  std::vector<CollectiveRecord> records_;  // grows to capacity_, then wraps
   uint64_t last_entered_ = 0;
   uint64_t last_completed_ = 0;
   int64_t last_end_ns_ = 0;

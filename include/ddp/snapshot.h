@@ -73,12 +73,15 @@ void save_snapshot(const Snapshot& snapshot, const std::string& path);
 /// it is truncated, corrupt, of another version or not a snapshot.
 Snapshot load_snapshot(const std::string& path);
 
-/// Writes DIR/snapshot_<epoch>.pt and removes older ones beyond the `keep`
-/// newest. Returns the path written.
+/// Writes DIR/snapshot_<epoch>.pt and keeps it and the `keep` - 1 other
+/// valid snapshots furthest along (see load_newest_snapshot); removes the
+/// other valid ones. Returns the path written.
 std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep = 2);
 
-/// The newest snapshot in `dir` that loads and validates, if any. Invalid
-/// files are skipped; their paths and errors go to `skipped` if given.
+/// The newest snapshot in `dir` that loads and validates, if any: the one
+/// furthest along by the step recorded inside it, then its epoch, never by
+/// file time. Invalid files are skipped one by one; for each, a message that
+/// names it and why goes to `skipped` if given.
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
                                              std::vector<std::string>* skipped = nullptr);
 

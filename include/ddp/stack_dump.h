@@ -25,6 +25,10 @@ namespace detail {
 /// A process group's trace and rank, printed with every dump while it lives.
 void register_trace_for_dumps(const void* owner, const CollectiveTrace* trace, int rank);
 void unregister_trace_for_dumps(const void* owner);
+/// An exception that escapes a backend's thread while a process group lives
+/// ends the process with ddp's error line (rank, collectives in flight, the
+/// likely cause), recorded for the launcher, and exit status 1, not abort().
+void install_transport_failure_handler();
 }  // namespace detail
 
 }  // namespace ddp

@@ -10,9 +10,14 @@
 //                                the others are ready
 //   output:  --print-env         one line: RANK=.. LOCAL_RANK=.. ... ("<unset>" if unset)
 //            --print-args ARGS.. print each remaining argument as "arg: <ARG>" and exit 0
+//            --print-cpus        one line: "cpus: <Cpus_allowed_list of /proc/self/status>"
 //            --lines N           N long numbered lines on stdout, then one line on stderr
 //            --err TEXT          print TEXT on stderr (repeatable; before the --out lines)
 //            --out TEXT          print TEXT on stdout (repeatable; before the exit actions)
+//            --record-error-on-rank R TEXT        if our rank is R, record TEXT as an original
+//                                error in $TORCHELASTIC_ERROR_FILE, as ddp programs do, and
+//                                print "error: TEXT" on stderr
+//            --record-consequence-on-rank R TEXT  the same, recorded as a consequence
 //            --sync-after-output DIR  then wait (up to 10 s) until every local rank of this
 //                                node got here on this attempt, so that no rank fails before
 //                                the others have printed (marker files DIR/printed.<A>.<rank>)
@@ -40,6 +45,7 @@ namespace {
 
 struct ProbeOptions {
   bool print_env = false;
+  bool print_cpus = false;
   bool print_args = false;
   std::vector<std::string> args_to_print;
   int lines = 0;
@@ -61,6 +67,9 @@ struct ProbeOptions {
   bool ignore_term = false;
   bool trap_usr1 = false;
   bool barrier = false;
+  int record_rank = -1;
+  std::string record_text;
+  bool record_consequence = false;
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -96,7 +105,9 @@ ProbeOptions parse(int argc, char** argv) {
       if (i + 1 >= argc) usage_error(flag + " needs " + what);
       return argv[++i];
     };
-    if (flag == "--print-env") {
+    if (flag == "--print-cpus") {
+      options.print_cpus = true;
+    } else if (flag == "--print-env") {
       options.print_env = true;
     } else if (flag == "--print-args") {
       options.print_args = true;
@@ -138,6 +149,10 @@ ProbeOptions parse(int argc, char** argv) {
       options.trap_usr1 = true;
     } else if (flag == "--barrier") {
       options.barrier = true;
+    } else if (flag == "--record-error-on-rank" || flag == "--record-consequence-on-rank") {
+      options.record_rank = to_int(value("R"));
+      options.record_text = value("TEXT");
+      options.record_consequence = flag == "--record-consequence-on-rank";
     } else {
       usage_error("unknown flag '" + flag + "'");
     }
@@ -164,6 +179,24 @@ void write_pid_file(const std::string& dir, const std::string& name, pid_t pid) 
 }
 
 bool file_exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
+
+// The record ddp::record_error writes (src/error_file.cpp), renamed into place whole.
+void record_error(const std::string& text, bool consequence) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (path == nullptr || *path == '\0') usage_error("TORCHELASTIC_ERROR_FILE is not set");
+  timespec now{};
+  clock_gettime(CLOCK_REALTIME, &now);
+  const long long ns = static_cast<long long>(now.tv_sec) * 1000000000LL + now.tv_nsec;
+  const std::string temporary = std::string(path) + ".tmp";
+  {
+    std::ofstream file(temporary);
+    file << "{\"message\": {\"message\": \"" << text << "\", \"extraInfo\": {\"py_callstack\": \"\", "
+         << "\"timestamp\": \"" << now.tv_sec << "\"}}, \"ddp\": {\"timestamp_ns\": " << ns
+         << ", \"consequence\": " << (consequence ? "true" : "false") << "}}\n";
+  }
+  if (std::rename(temporary.c_str(), path) != 0) usage_error("cannot write " + std::string(path));
+  std::fprintf(stderr, "error: %s\n", text.c_str());
+}
 
 // Waits until <dir>/<name_prefix><r> exists for every local rank r of this node.
 void wait_for_local_ranks(const std::string& dir, const std::string& name_prefix, int rank,
@@ -271,6 +304,14 @@ int main(int argc, char** argv) {
   }
 
   if (options.print_env) print_env_line();
+  if (options.print_cpus) {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("Cpus_allowed_list:", 0) == 0) {
+        std::printf("cpus: %s\n", line.substr(line.find_first_not_of(" \t", 18)).c_str());
+      }
+    }
+  }
   if (options.print_args) {
     for (const std::string& arg : options.args_to_print) std::printf("arg: %s\n", arg.c_str());
     return 0;
@@ -282,6 +323,7 @@ int main(int argc, char** argv) {
   if (options.lines > 0) std::fprintf(stderr, "rank %d stderr line\n", rank);
   for (const std::string& text : options.err_lines) std::fprintf(stderr, "%s\n", text.c_str());
   for (const std::string& text : options.out_lines) std::printf("%s\n", text.c_str());
+  if (options.record_rank == rank) record_error(options.record_text, options.record_consequence);
   std::fflush(nullptr);
 
   if (!options.sync_dir.empty()) {

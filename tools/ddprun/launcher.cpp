@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -18,15 +19,21 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
+#include "console.h"
+#include "cpu_binding.h"
 #include "error_record.h"
 #include "line_forwarder.h"
 #include "posix_util.h"
 #include "rdzv.h"
 #include "signal_pipe.h"
+#include "std_spec.h"
 #include "watchdog.h"
 
 extern char** environ;
@@ -44,6 +51,54 @@ std::string format_seconds(double seconds) {
   std::ostringstream text;
   text << seconds;
   return text.str();
+}
+
+// --virtual-local-rank: the one device a worker of `local_rank` sees, as torchrun picks it.
+// Throws std::invalid_argument if CUDA_VISIBLE_DEVICES has no entry for it.
+std::string virtual_local_rank_device(int local_rank) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr) return std::to_string(local_rank);
+  // torchrun splits on ',' and strips each entry, nothing more.
+  std::vector<std::string> devices;
+  std::stringstream entries(visible);
+  for (std::string entry; std::getline(entries, entry, ',');) devices.push_back(entry);
+  if (std::string(visible).empty() || std::string(visible).back() == ',') devices.emplace_back();
+  if (local_rank >= static_cast<int>(devices.size())) {
+    throw std::invalid_argument("--virtual-local-rank gives each local rank one entry of CUDA_VISIBLE_DEVICES='" +
+                                std::string(visible) + "', but local rank " + std::to_string(local_rank) +
+                                " has none; lower --nproc-per-node or list more devices");
+  }
+  std::string device = devices[static_cast<size_t>(local_rank)];
+  const size_t first = device.find_first_not_of(" \t");
+  return first == std::string::npos ? "" : device.substr(first, device.find_last_not_of(" \t") - first + 1);
+}
+
+std::string random_uuid() {
+  unsigned char bytes[16] = {};
+  FileDescriptor source(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  if (source.get() < 0 || ::read(source.get(), bytes, sizeof bytes) != static_cast<ssize_t>(sizeof bytes)) {
+    throw_errno("cannot read /dev/urandom for --standalone's run id");
+  }
+  bytes[6] = static_cast<unsigned char>((bytes[6] & 0x0f) | 0x40);  // version 4
+  bytes[8] = static_cast<unsigned char>((bytes[8] & 0x3f) | 0x80);  // RFC 4122 variant
+  static const char kHex[] = "0123456789abcdef";
+  std::string text;
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) text += '-';
+    text += kHex[bytes[i] >> 4];
+    text += kHex[bytes[i] & 0xf];
+  }
+  return text;
+}
+
+// What ddprun catches: SIGCHLD to watch its workers, SIGUSR1 to pass on for stack dumps, and
+// the --signals-to-handle that stop the job.
+std::vector<int> caught_signals(const LaunchOptions& options) {
+  std::vector<int> signals = {SIGCHLD, SIGUSR1};
+  for (int signal_number : options.handled_signals) {
+    if (std::find(signals.begin(), signals.end(), signal_number) == signals.end()) signals.push_back(signal_number);
+  }
+  return signals;
 }
 
 // KEY=VALUE strings as execve wants them; set() replaces an existing KEY.
@@ -88,6 +143,9 @@ struct Worker {
   pid_t pid = -1;           // also the id of the worker's own process group
   FileDescriptor log_file;  // with --log-dir: where both streams go
   std::string log_path;
+  // torchrun's <local_rank>/stdout.log and stderr.log: the redirected and teed streams.
+  FileDescriptor stdout_file;
+  FileDescriptor stderr_file;
   std::string error_file;  // its TORCHELASTIC_ERROR_FILE
   std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
   bool exited = false;  // observed exiting; the zombie is reaped only at the very end
@@ -121,6 +179,7 @@ struct FailedWorker {
   pid_t pid = -1;
   int exit_code = -1;
   int term_signal = 0;
+  std::string exit_text;  // how it ended, as the reports say it
   std::string last_line;
   std::string log_path;  // empty without --log-dir
   // The worker's recorded error (TORCHELASTIC_ERROR_FILE), when one was recorded.
@@ -149,6 +208,18 @@ struct Assignment {
   int master_port = 0;
 };
 
+// What every attempt's workers get beyond their environment, worked out once per run.
+struct WorkerSetup {
+  // torchrun's <log_dir>/<run_id>_<random>, where the redirected and teed streams go; empty
+  // without --log-dir, --redirects and --tee.
+  std::string stream_log_dir;
+  std::set<int> console_local_ranks;     // --local-ranks-filter; empty: every rank
+  std::vector<CpuList> cpus_by_local_rank;  // empty entries: not bound
+  // OMP_NUM_THREADS was unset and --cpu-bind gives each worker its own CPUs: each gets as many
+  // threads as it has CPUs.
+  bool omp_threads_from_cpus = false;
+};
+
 std::string attempt_log_dir(const std::string& log_dir, int attempt) {
   return log_dir + "/attempt_" + std::to_string(attempt);
 }
@@ -162,14 +233,23 @@ void create_directories(const std::string& path) {
   }
 }
 
+// Truncated, appended to (lines of several workers may share it).
+FileDescriptor create_log_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw_errno("cannot create log file '" + path + "'");
+  return FileDescriptor(fd);
+}
+
 // One attempt of the job: start the workers, watch them and their output, stop them.
 class Job {
  public:
   // The Job borrows everything; all of it must outlive the Job.
   Job(const LaunchOptions& options, const Assignment& assignment, const Environment& shared_environment,
-      const std::string& error_dir, Watchdog& watchdog, SignalPipe& signals, RdzvClient* client = nullptr)
+      const WorkerSetup& setup, const std::string& error_dir, Watchdog& watchdog, SignalPipe& signals,
+      RdzvClient* client = nullptr)
       : options_(options),
         assignment_(assignment),
+        setup_(setup),
         attempt_(assignment.attempt),
         error_dir_(error_dir),
         shared_environment_(shared_environment),
@@ -221,10 +301,19 @@ class Job {
     // Every log file exists before the first worker starts, so a log directory we cannot write
     // stops the attempt before any work is done.
     if (!options_.log_dir.empty()) open_log_files();
+    if (!setup_.stream_log_dir.empty()) open_stream_files();
     for (Worker& worker : workers_) {
       Environment environment = shared;
+      if (setup_.omp_threads_from_cpus) {
+        environment.set("OMP_NUM_THREADS", std::to_string(cpus_of(worker).size()));
+      }
       environment.set("RANK", std::to_string(worker.global_rank));
       environment.set("LOCAL_RANK", std::to_string(worker.local_rank));
+      if (options_.virtual_local_rank) {
+        // As torchrun: each worker sees only its own GPU, as device 0.
+        environment.set("LOCAL_RANK", "0");
+        environment.set("CUDA_VISIBLE_DEVICES", virtual_local_rank_device(worker.local_rank));
+      }
       environment.set("ROLE_RANK", std::to_string(worker.global_rank));
       // Where the worker records its first error (torchrun's convention), so that the summary
       // names the earliest original error rather than whichever worker exited first.
@@ -252,20 +341,59 @@ class Job {
     create_directories(directory);
     for (Worker& worker : workers_) {
       worker.log_path = directory + "/rank_" + std::to_string(worker.global_rank) + ".log";
-      int fd = ::open(worker.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC,
-                      0644);
-      if (fd < 0) throw_errno("cannot create log file '" + worker.log_path + "'");
-      worker.log_file = FileDescriptor(fd);
+      worker.log_file = create_log_file(worker.log_path);
     }
   }
 
-  // Where the lines of one of the worker's streams go.
-  std::vector<LineSink> sinks_for(const Worker& worker, int console_fd, int tee_bit) const {
-    const std::string prefix =
-        options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
-    if (options_.log_dir.empty()) return {LineSink{console_fd, prefix}};
-    std::vector<LineSink> sinks{LineSink{worker.log_file.get(), ""}};
-    if ((options_.tee & tee_bit) != 0) sinks.push_back(LineSink{console_fd, prefix});
+  // torchrun's layout: <stream_log_dir>/attempt_<A>/<local_rank>/{stdout,stderr}.log for the
+  // streams --redirects or --tee name, and attempt_<A>/filtered_{stdout,stderr}.log for the
+  // --duplicate-*-filters.
+  void open_stream_files() {
+    const std::string attempt_dir = setup_.stream_log_dir + "/attempt_" + std::to_string(attempt_);
+    for (Worker& worker : workers_) {
+      const std::string directory = attempt_dir + "/" + std::to_string(worker.local_rank);
+      create_directories(directory);
+      const int streams = std_streams_for(options_.redirects, worker.local_rank) |
+                          std_streams_for(options_.tee_spec, worker.local_rank);
+      if ((streams & kStdOut) != 0) worker.stdout_file = create_log_file(directory + "/stdout.log");
+      if ((streams & kStdErr) != 0) worker.stderr_file = create_log_file(directory + "/stderr.log");
+    }
+    if (!options_.duplicate_stdout_filters.empty()) filtered_stdout_ = create_log_file(attempt_dir + "/filtered_stdout.log");
+    if (!options_.duplicate_stderr_filters.empty()) filtered_stderr_ = create_log_file(attempt_dir + "/filtered_stderr.log");
+  }
+
+  const CpuList& cpus_of(const Worker& worker) const {
+    static const CpuList kUnbound;
+    const size_t index = static_cast<size_t>(worker.local_rank);
+    return index < setup_.cpus_by_local_rank.size() ? setup_.cpus_by_local_rank[index] : kUnbound;
+  }
+
+  // Where the lines of one of the worker's streams (kStdOut or kStdErr) go, as torchrun sends
+  // them: a redirected stream only to its file, a teed one to its file and to the console with
+  // torchrun's "[<role><local_rank>]:" (and, matching a --duplicate-*-filter, to the filtered
+  // file), any other to the console with ddprun's "[rank<R>]: " (which --no-prefix drops, so
+  // that the console reads as torchrun's). --local-ranks-filter keeps the other ranks off the
+  // console (and out of the filtered file, as torchrun does). With --log-dir, ddprun's
+  // rank_<R>.log gets both streams whatever the rest says.
+  std::vector<LineSink> sinks_for(const Worker& worker, int console_fd, int stream) const {
+    const bool redirected = (std_streams_for(options_.redirects, worker.local_rank) & stream) != 0;
+    const bool teed = (std_streams_for(options_.tee_spec, worker.local_rank) & stream) != 0;
+    const bool shown = setup_.console_local_ranks.empty() || setup_.console_local_ranks.count(worker.local_rank) != 0;
+    const std::string torchrun_prefix = "[" + options_.role + std::to_string(worker.local_rank) + "]:";
+    std::vector<LineSink> sinks;
+    if (worker.log_file.get() >= 0) sinks.push_back(LineSink{worker.log_file.get(), "", /*console=*/false, {}});
+    const FileDescriptor& stream_file = stream == kStdOut ? worker.stdout_file : worker.stderr_file;
+    if (stream_file.get() >= 0) sinks.push_back(LineSink{stream_file.get(), "", /*console=*/false, {}});
+    if (!shown) return sinks;
+    if (teed) {
+      sinks.push_back(LineSink{console_fd, torchrun_prefix, /*console=*/true, {}});
+      const FileDescriptor& filtered = stream == kStdOut ? filtered_stdout_ : filtered_stderr_;
+      const auto& filters = stream == kStdOut ? options_.duplicate_stdout_filters : options_.duplicate_stderr_filters;
+      if (filtered.get() >= 0) sinks.push_back(LineSink{filtered.get(), torchrun_prefix, /*console=*/false, filters});
+    } else if (!redirected) {
+      const std::string prefix = options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
+      sinks.push_back(LineSink{console_fd, prefix, /*console=*/true, {}});
+    }
     return sinks;
   }
 
@@ -274,8 +402,14 @@ class Job {
     std::vector<char*> argv = c_string_array(options_.command);
     std::vector<char*> envp = c_string_array(environment.entries());
     const std::string exec_failure = "ddprun: cannot execute '" + options_.command[0] + "': ";
-    std::vector<LineSink> out_sinks = sinks_for(worker, STDOUT_FILENO, kTeeStdout);
-    std::vector<LineSink> err_sinks = sinks_for(worker, STDERR_FILENO, kTeeStderr);
+    std::vector<LineSink> out_sinks = sinks_for(worker, STDOUT_FILENO, kStdOut);
+    std::vector<LineSink> err_sinks = sinks_for(worker, STDERR_FILENO, kStdErr);
+    const CpuList& cpus = cpus_of(worker);
+    cpu_set_t cpu_set;
+    CPU_ZERO(&cpu_set);
+    for (int cpu : cpus) CPU_SET(cpu, &cpu_set);
+    const std::string bind_failure = "ddprun: cannot bind local rank " + std::to_string(worker.local_rank) +
+                                     " to CPUs " + format_cpu_list(cpus) + ": ";
 
     int out_pipe[2];
     int err_pipe[2];
@@ -308,6 +442,14 @@ class Job {
       // ensure_standard_fds_open() guarantees the pipe ends are not 1 or 2 themselves.
       ::dup2(out_pipe[1], STDOUT_FILENO);
       ::dup2(err_pipe[1], STDERR_FILENO);
+      // Before exec, so that every thread the program starts inherits it.
+      if (!cpus.empty() && ::sched_setaffinity(0, sizeof cpu_set, &cpu_set) != 0) {
+        const char* reason = std::strerror(errno);
+        write_all(STDERR_FILENO, bind_failure.data(), bind_failure.size());
+        write_all(STDERR_FILENO, reason, std::strlen(reason));
+        write_all(STDERR_FILENO, "\n", 1);
+        ::_exit(127);
+      }
       sigset_t no_signals;
       sigemptyset(&no_signals);
       ::sigprocmask(SIG_SETMASK, &no_signals, nullptr);
@@ -338,7 +480,14 @@ class Job {
   }
 
   void watch_until_done() {
+    // A test hook (tests/test_ddprun_console.cpp): hold this loop once, as a call that blocks
+    // would, so that a test can show the heartbeat then stops speaking for this node.
+    if (const char* stall = std::getenv("DDPRUN_TEST_STALL_SUPERVISOR_SECONDS"); stall && client_ != nullptr) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(stall)));
+    }
     while (true) {
+      // The heartbeat speaks for this loop: a node stuck here must look lost to the others.
+      if (client_ != nullptr) client_->mark_supervisor_alive();
       handle_signals();
       collect_exits();
       check_rendezvous();
@@ -411,6 +560,8 @@ class Job {
         fd_streams.push_back(&stream);
       }
     }
+    const size_t console_fds = fds.size();
+    console_add_poll_fds(fds);
 
     int timeout_ms = -1;  // SIGCHLD and the forwarded signals arrive through the signal pipe
     if (stage_ != Stage::kRunning) {
@@ -433,9 +584,10 @@ class Job {
     }
     // One read per stream per round keeps a chatty worker from starving the others.
     if (client_ != nullptr && fds[1].revents != 0) client_->drain_wake();
-    for (size_t i = first_stream; i < fds.size(); ++i) {
+    for (size_t i = first_stream; i < console_fds; ++i) {
       if (fds[i].revents != 0) fd_streams[i - first_stream]->read_some();
     }
+    console_flush();
   }
 
   void handle_signals() {
@@ -516,6 +668,11 @@ class Job {
   }
 
   void stop_workers(int signal_number) {
+    if (teardown_started_ns_ == 0) {
+      teardown_started_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch())
+                                 .count();
+    }
     stage_ = Stage::kStopping;
     kill_deadline_ =
         Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -552,6 +709,16 @@ class Job {
     }
   }
 
+  // Killed by a signal while ddprun was stopping the workers (ddprun's SIGTERM or SIGKILL, or
+  // a signal it forwarded).
+  static bool stopped_by_teardown(const Worker& worker) {
+    return worker.exited_while_stopping && worker.term_signal != 0;
+  }
+  // Stopped by the teardown after recording an original error of its own before it began.
+  static bool stopped_after_own_error(const Worker& worker, const ErrorRecord& record) {
+    return stopped_by_teardown(worker) && record.present && !record.consequence;
+  }
+
   AttemptOutcome report_outcome() const {
     AttemptOutcome outcome;
     outcome.received_signal = received_signal_;
@@ -560,7 +727,17 @@ class Job {
     outcome.store_lost = store_lost_;
     if (outcome.received_signal == 0 && !outcome.worker_failed && !stopped_by_rendezvous_ && !store_lost_)
       return outcome;
+    std::vector<ErrorRecord> records;
     for (const Worker& worker : workers_) {
+      records.push_back(read_error_record(worker.error_file));
+      ErrorRecord& record = records.back();
+      // Written after ddprun began stopping the workers: it describes the stop, not its cause.
+      if (record.present && teardown_started_ns_ > 0 && record.timestamp_ns > teardown_started_ns_) {
+        record.consequence = true;
+      }
+    }
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      const Worker& worker = workers_[i];
       if (!worker.exited_while_stopping) continue;
       std::string how;
       if (worker.sigkilled_by_launcher && worker.term_signal == SIGKILL) {
@@ -571,6 +748,7 @@ class Job {
       } else {
         how = describe_exit(worker.exit_code, worker.term_signal);
       }
+      if (stopped_after_own_error(worker, records[i])) how += ", after it had failed with its own error";
       say("stopped " + worker.label() + ": " + how);
     }
     if (received_signal_ != 0)
@@ -580,9 +758,13 @@ class Job {
       // consequence; failing that, the first worker that failed.
       const Worker* root = first_failed_;
       ErrorRecord best;
-      for (const Worker& worker : workers_) {
-        ErrorRecord record = read_error_record(worker.error_file);
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        const Worker& worker = workers_[i];
+        const ErrorRecord& record = records[i];
         if (!record.present) continue;
+        // A consequence from a worker the teardown killed says less than the exit of the
+        // worker that failed on its own first.
+        if (record.consequence && &worker != first_failed_ && stopped_by_teardown(worker)) continue;
         const bool better = !best.present || (best.consequence && !record.consequence) ||
                             (best.consequence == record.consequence && record.timestamp_ns < best.timestamp_ns);
         if (better) {
@@ -596,6 +778,10 @@ class Job {
       failure.pid = root->pid;
       failure.exit_code = root->exit_code;
       failure.term_signal = root->term_signal;
+      // Its own error, not the signal that ended it while it was exiting over that error.
+      failure.exit_text = stopped_after_own_error(*root, best)
+                              ? "failed with its own error; ddprun then stopped it with " + signal_name(root->term_signal)
+                              : describe_exit(root->exit_code, root->term_signal);
       failure.last_line = root->last_words();
       failure.log_path = root->log_path;
       failure.record = best;
@@ -605,6 +791,9 @@ class Job {
 
   const LaunchOptions& options_;
   const Assignment& assignment_;
+  const WorkerSetup& setup_;
+  FileDescriptor filtered_stdout_;  // torchrun's attempt_<A>/filtered_stdout.log
+  FileDescriptor filtered_stderr_;
   const int attempt_;
   const std::string& error_dir_;
   const Environment& shared_environment_;
@@ -620,6 +809,7 @@ class Job {
   int received_signal_ = 0;
   bool killed_early_ = false;
   const Worker* first_failed_ = nullptr;  // the first worker that failed while running
+  long long teardown_started_ns_ = 0;      // wall clock (as error files have it) of the first stop
 };
 
 // Whether a server could listen on 127.0.0.1:port now. SO_REUSEADDR like c10d's TCPStore, so
@@ -648,7 +838,7 @@ std::string host_name() {
 class Session {
  public:
   explicit Session(const LaunchOptions& options)
-      : options_(options), signals_({SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGUSR1}) {
+      : options_(options), signals_(caught_signals(options)) {
     if (options_.log_dir.empty()) error_dir_ = make_error_dir();
   }
   ~Session() { remove_error_dir(); }
@@ -656,6 +846,7 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   int run() {
+    setup_ = worker_setup();
     if (options_.rdzv_backend == "c10d") return run_rendezvous();
     const Environment shared = shared_environment();
     Assignment assignment;
@@ -670,7 +861,7 @@ class Session {
     for (int attempt = 0;; ++attempt) {
       assignment.attempt = attempt;
       assignment.restart_count = attempt;
-      AttemptOutcome outcome = Job(options_, assignment, shared, error_dir_, watchdog_, signals_).run();
+      AttemptOutcome outcome = Job(options_, assignment, shared, setup_, error_dir_, watchdog_, signals_).run();
       if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
       if (!outcome.worker_failed) return finish(0);
       if (attempt >= options_.max_restarts) {
@@ -684,8 +875,7 @@ class Session {
       }
       const FailedWorker& failure = outcome.first_failure;
       say("rank " + std::to_string(failure.global_rank) + " failed (" +
-          describe_exit(failure.exit_code, failure.term_signal) +
-          "); restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
+          failure.exit_text + "); restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
           std::to_string(options_.max_restarts) + ")");
       if (options_.standalone && !loopback_port_is_free(master_port)) {
         const int previous_port = master_port;
@@ -717,6 +907,9 @@ class Session {
     config.join_timeout = options_.join_timeout_seconds;
     config.last_call_timeout = options_.last_call_timeout_seconds;
     config.heartbeat_timeout = options_.heartbeat_timeout_seconds;
+    std::string secret_file = options_.rdzv_secret_file;
+    if (secret_file.empty() && std::getenv("DDP_RDZV_SECRET_FILE") != nullptr) secret_file = std::getenv("DDP_RDZV_SECRET_FILE");
+    if (!secret_file.empty()) config.secret = load_rdzv_secret(secret_file);
     std::string why;
     int error_number = 0;
     // The agent on the endpoint's host hosts the store (the first one there to bind it); the
@@ -725,13 +918,18 @@ class Session {
     if (server) {
       say("hosting the rendezvous store on " + host + ":" + std::to_string(port) + " (run id '" + options_.run_id +
           "', " + std::to_string(options_.min_nodes) + ".." + std::to_string(options_.nnodes) + " nodes)");
+      if (config.secret.empty()) {
+        say("warning: the rendezvous store has no secret: anyone who can reach " + host + ":" + std::to_string(port) +
+            " can join this job or end it, as with torchrun's; give every node the same --rdzv-secret-file "
+            "(docs/security.md)");
+      }
     } else if (error_number != EADDRINUSE && error_number != EADDRNOTAVAIL) {
       say("cannot host the rendezvous store on " + host + ":" + std::to_string(port) + " (" + why +
           "); joining it as a client");
     }
     if (options_.node_rank_given) say("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks");
     RdzvClient client(host, port, options_.local_addr, options_.monitor_interval_seconds,
-                      options_.heartbeat_timeout_seconds);
+                      options_.heartbeat_timeout_seconds, config.secret);
     client.join(options_.run_id, host_name(), options_.nproc_per_node, server != nullptr,
                 options_.join_timeout_seconds);
     client.start_heartbeat();
@@ -754,7 +952,7 @@ class Session {
         std::string block;
         std::stringstream lines(view.text);
         for (std::string line; std::getline(lines, line);) block += "ddprun: " + line + "\n";
-        write_all(STDERR_FILENO, block);
+        console_write(STDERR_FILENO, block, /*own=*/true);
         return end_job(1);
       }
       if (view.kind != RdzvView::kRound) {
@@ -776,7 +974,7 @@ class Session {
           " of world size " + std::to_string(view.world_size) + ", master " + view.master_addr + ":" +
           std::to_string(view.master_port));
       AttemptOutcome outcome =
-          Job(options_, assignment, shared, error_dir_, watchdog_, signals_, &client).run();
+          Job(options_, assignment, shared, setup_, error_dir_, watchdog_, signals_, &client).run();
       last_round = view.round;
       if (outcome.received_signal != 0) {
         client.report(view.round, "signal", {signal_name(outcome.received_signal)});
@@ -788,7 +986,7 @@ class Session {
         const bool recorded = f.record.present;
         client.report(view.round, "failed",
                       {std::to_string(f.global_rank), std::to_string(f.local_rank), std::to_string(f.pid),
-                       describe_exit(f.exit_code, f.term_signal), f.last_line, f.log_path, recorded ? "1" : "0",
+                       f.exit_text, f.last_line, f.log_path, recorded ? "1" : "0",
                        recorded ? f.record.message : "", recorded && f.record.consequence ? "1" : "0",
                        std::to_string(recorded ? f.record.timestamp_ns : 0), host_name()});
       } else {
@@ -802,6 +1000,7 @@ class Session {
   int wait_for_round(RdzvClient& client, int& last_round, RdzvView* view) {
     std::string last_wait_text;
     while (true) {
+      client.mark_supervisor_alive();
       for (int signal_number : signals_.drain()) {
         if (signal_number != SIGCHLD && signal_number != SIGUSR1) return signal_number;
       }
@@ -827,8 +1026,10 @@ class Session {
         last_wait_text = view->text;
         say("waiting for the rendezvous at " + client.endpoint() + ": " + view->text);
       }
-      pollfd fds[2] = {{signals_.read_fd(), POLLIN, 0}, {client.wake_fd(), POLLIN, 0}};
-      if (::poll(fds, 2, 200) > 0 && fds[1].revents != 0) client.drain_wake();
+      std::vector<pollfd> fds = {{signals_.read_fd(), POLLIN, 0}, {client.wake_fd(), POLLIN, 0}};
+      console_add_poll_fds(fds);
+      if (::poll(fds.data(), fds.size(), 200) > 0 && fds[1].revents != 0) client.drain_wake();
+      console_flush();
     }
   }
 
@@ -836,19 +1037,65 @@ class Session {
   Environment shared_environment() const {
     Environment environment = Environment::inherited();
     environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
-    environment.set("ROLE_NAME", "default");
+    environment.set("ROLE_NAME", options_.role);
     environment.set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
+    environment.set("TORCHELASTIC_SIGNALS_TO_HANDLE", options_.signals_to_handle);
+    // Rank 0 of the workers hosts their store (ddp's ProcessGroup, torch's env://); ddprun hosts
+    // none, unlike torchrun's agent, so a worker must not wait for one.
+    environment.set("TORCHELASTIC_USE_AGENT_STORE", "False");
+    if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr) {
+      environment.set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+    }
     environment.set("TORCHELASTIC_RUN_ID", options_.run_id);
     environment.set("DDP_RUN_ID", options_.run_id);
-    if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1) {
+    if (setup_.omp_threads_from_cpus) {
+      say("OMP_NUM_THREADS is not set; with --cpu-bind cores, setting it for each of the " +
+          std::to_string(options_.nproc_per_node) +
+          " workers to the number of CPUs it is bound to, so they use their own CPUs and no others; "
+          "please further tune it for your application as needed");
+    } else if (std::getenv("OMP_NUM_THREADS") == nullptr && options_.nproc_per_node > 1) {
       // Each worker's OpenMP pool would otherwise take every core, oversubscribing the node.
       environment.set("OMP_NUM_THREADS", "1");
-      say("OMP_NUM_THREADS is not set; giving each of the " +
+      say("OMP_NUM_THREADS is not set; setting it to 1 for each of the " +
           std::to_string(options_.nproc_per_node) +
-          " workers OMP_NUM_THREADS=1 so they do not oversubscribe the CPUs. Set it yourself to "
-          "tune performance.");
+          " workers by default, as torchrun does, to avoid your system being overloaded; please further "
+          "tune it for your application as needed");
     }
     return environment;
+  }
+
+  // Once per run: where the streams' files go, which ranks the console shows, and the CPUs.
+  WorkerSetup worker_setup() const {
+    WorkerSetup setup;
+    setup.console_local_ranks = parse_local_ranks(options_.local_ranks_filter);
+    const CpuBindingPlan binding =
+        plan_cpu_binding(options_.numa_binding, options_.cpu_bind, options_.nproc_per_node);
+    for (const std::string& note : binding.notes) say(note);
+    setup.cpus_by_local_rank = binding.by_local_rank;
+    setup.omp_threads_from_cpus = options_.cpu_bind == "cores" && std::getenv("OMP_NUM_THREADS") == nullptr;
+    const bool some_stream_to_file = options_.redirects != "0" || options_.tee_spec != "0";
+    if (options_.log_dir.empty() && !some_stream_to_file) return setup;
+    // As torchrun: without --log-dir, the streams' files go to a fresh temporary directory.
+    std::string root = options_.log_dir;
+    if (root.empty()) root = make_temp_dir("torchelastic_");
+    setup.stream_log_dir = make_temp_dir(options_.run_id + "_", root);
+    if (options_.log_dir.empty()) {
+      say("redirected and teed output goes to " + setup.stream_log_dir + "/attempt_<A>/<local rank>/");
+    }
+    return setup;
+  }
+
+  // mkdtemp of <parent>/<prefix>XXXXXX; parent defaults to $TMPDIR or /tmp.
+  static std::string make_temp_dir(const std::string& prefix, std::string parent = "") {
+    if (parent.empty()) {
+      const char* tmp = std::getenv("TMPDIR");
+      parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    }
+    std::string pattern = parent + "/" + prefix + "XXXXXX";
+    std::vector<char> buffer(pattern.begin(), pattern.end());
+    buffer.push_back('\0');
+    if (::mkdtemp(buffer.data()) == nullptr) throw_errno("cannot create log directory '" + pattern + "'");
+    return buffer.data();
   }
 
   // SIGINT, SIGTERM or SIGHUP delivered since the last attempt looked; 0 if none.
@@ -878,13 +1125,13 @@ class Session {
         "  rank: " + std::to_string(failure.global_rank) + " (local rank " +
             std::to_string(failure.local_rank) + "), host: " + host_name() +
             ", pid: " + std::to_string(failure.pid),
-        "  exit: " + describe_exit(failure.exit_code, failure.term_signal),
+        "  exit: " + failure.exit_text,
         detail,
     };
     if (!failure.log_path.empty()) lines.push_back("  log: " + failure.log_path);
     std::string block;
     for (const std::string& line : lines) block += "ddprun: " + line + "\n";
-    write_all(STDERR_FILENO, block);  // one write: the block stays together
+    console_write(STDERR_FILENO, block, /*own=*/true);  // queued whole: no worker line lands inside
   }
 
   int finish(int exit_code) {
@@ -913,6 +1160,7 @@ class Session {
   }
 
   const LaunchOptions& options_;
+  WorkerSetup setup_;
   // Forked first, before any handler or worker pipe exists that it should not inherit.
   Watchdog watchdog_;
   SignalPipe signals_;
@@ -948,12 +1196,23 @@ void validate(const LaunchOptions& options) {
   if (options.nnodes < 1) {
     throw invalid("--nnodes", std::to_string(options.nnodes), "must be at least 1");
   }
+  // Every rank must fit RANK and WORLD_SIZE, which workers read as an int.
+  const long long world_size = static_cast<long long>(options.nnodes) * options.nproc_per_node;
+  if (world_size > std::numeric_limits<int>::max()) {
+    throw std::invalid_argument("--nnodes " + std::to_string(options.nnodes) + " times --nproc-per-node " +
+                                std::to_string(options.nproc_per_node) + " is " + std::to_string(world_size) +
+                                " workers, more than the limit of " +
+                                std::to_string(std::numeric_limits<int>::max()) + " ranks in a job");
+  }
   const bool c10d = options.rdzv_backend == "c10d";
   if (options.rdzv_backend != "static" && !c10d) {
     throw invalid("--rdzv-backend", options.rdzv_backend, "expected 'c10d' or 'static'");
   }
   if (c10d && options.rdzv_endpoint.empty()) {
     throw std::invalid_argument("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]");
+  }
+  if (!c10d && !options.rdzv_secret_file.empty()) {
+    throw std::invalid_argument("--rdzv-secret-file protects the c10d rendezvous store; it needs --rdzv-backend c10d");
   }
   if (c10d && options.standalone) {
     throw std::invalid_argument("--standalone runs a single node without a rendezvous; drop it or --rdzv-backend c10d");
@@ -989,6 +1248,29 @@ void validate(const LaunchOptions& options) {
   if (options.tee < 0 || options.tee > (kTeeStdout | kTeeStderr)) {
     throw invalid("--tee", std::to_string(options.tee), "expected 0, 1, 2 or 3");
   }
+  for (const auto& [flag, spec] : {std::pair<std::string, std::string>{"--redirects", options.redirects},
+                                   {"--tee", options.tee_spec}}) {
+    try {
+      check_std_spec(spec);
+    } catch (const std::invalid_argument& error) {
+      throw invalid(flag, spec, error.what());
+    }
+  }
+  try {
+    parse_local_ranks(options.local_ranks_filter);
+  } catch (const std::invalid_argument& error) {
+    throw invalid("--local-ranks-filter", options.local_ranks_filter, error.what());
+  }
+  const std::set<std::string> numa_modes = {"node", "socket", "exclusive", "core-complex"};
+  if (!options.numa_binding.empty() && numa_modes.count(options.numa_binding) == 0) {
+    throw invalid("--numa-binding", options.numa_binding, "expected node, socket, exclusive or core-complex");
+  }
+  if (!options.cpu_bind.empty() && options.cpu_bind != "none" && options.cpu_bind != "cores") {
+    throw invalid("--cpu-bind", options.cpu_bind, "expected 'none' or 'cores'");
+  }
+  if (options.cpu_bind == "cores" && !options.numa_binding.empty()) {
+    throw std::invalid_argument("--cpu-bind cores and --numa-binding both choose the workers' CPUs; give one of them");
+  }
   if (options.run_id.empty()) {
     throw invalid("--rdzv-id", options.run_id, "expected a non-empty id");
   }
@@ -996,9 +1278,10 @@ void validate(const LaunchOptions& options) {
     throw std::invalid_argument("--standalone runs a single node, but --nnodes is " +
                                 std::to_string(options.nnodes) + "; drop one of them");
   }
-  if (options.monitor_interval_seconds <= 0 || !std::isfinite(options.monitor_interval_seconds)) {
+  if (!(options.monitor_interval_seconds >= kMinMonitorIntervalSeconds) ||
+      !std::isfinite(options.monitor_interval_seconds)) {
     throw invalid("--monitor-interval", format_seconds(options.monitor_interval_seconds),
-                  "expected a number of seconds > 0");
+                  "expected a number of seconds >= " + format_seconds(kMinMonitorIntervalSeconds));
   }
   if (c10d && options.heartbeat_timeout_seconds <= options.monitor_interval_seconds) {
     throw invalid("--rdzv-conf heartbeat_timeout", format_seconds(options.heartbeat_timeout_seconds),
@@ -1039,6 +1322,12 @@ Launcher::Launcher(LaunchOptions options) : options_(std::move(options)) {}
 
 int Launcher::run() {
   validate(options_);
+  if (options_.virtual_local_rank) {
+    // Refused before any worker starts, as a usage error.
+    for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) virtual_local_rank_device(local_rank);
+  }
+  // As torchrun's --standalone: a fresh id for every run unless one was asked for.
+  if (options_.standalone && !options_.run_id_given) options_.run_id = random_uuid();
   ensure_standard_fds_open();
   if (!options_.log_dir.empty()) {
     // A log directory we cannot use is reported before any worker starts.

@@ -4,6 +4,8 @@
 // whole group again, up to max_restarts times.
 #pragma once
 
+#include <signal.h>
+
 #include <string>
 #include <vector>
 
@@ -12,6 +14,9 @@ namespace ddprun {
 // Bits of LaunchOptions::tee, as torchrun's --tee numbers them.
 constexpr int kTeeStdout = 1;
 constexpr int kTeeStderr = 2;
+
+// Below this, polling the store costs a core and detects nothing sooner that matters.
+constexpr double kMinMonitorIntervalSeconds = 0.01;
 
 struct LaunchOptions {
   int nproc_per_node = 1;
@@ -27,13 +32,50 @@ struct LaunchOptions {
   bool prefix_output = true;
   // How many times the workers are all started again after one of them fails.
   int max_restarts = 0;
-  // If not empty, each worker's stdout and stderr go to <log_dir>/attempt_<A>/rank_<R>.log
-  // instead of the console.
+  // If not empty, each worker's stdout and stderr also go to <log_dir>/attempt_<A>/rank_<R>.log
+  // (the console gets what redirects and tee_spec below say), and torchrun's layout is there too.
   std::string log_dir;
-  // With log_dir: the streams that are shown on the console as well (kTeeStdout, kTeeStderr).
+  // --tee as one value for every rank; the launcher reads tee_spec.
   int tee = 0;
+  // torchrun's --redirects and --tee, as given: "3" for every local rank, or "0:1,1:3" per
+  // local rank (std_spec.h). A redirected stream goes to
+  // <log_dir>/<run_id>_<random>/attempt_<A>/<local_rank>/{stdout,stderr}.log only; a teed one
+  // there and to the console, prefixed "[default<local_rank>]:".
+  std::string redirects = "0";
+  std::string tee_spec = "0";
+  // torchrun's --local-ranks-filter, as given ("0,2"): only these local ranks reach the
+  // console; files get every rank. Empty: all ranks.
+  std::string local_ranks_filter;
+  // Teed lines containing any of these go to attempt_<A>/filtered_{stdout,stderr}.log too.
+  std::vector<std::string> duplicate_stdout_filters, duplicate_stderr_filters;
+  // torchrun's --numa-binding (node, socket, exclusive, core-complex): each local rank runs
+  // on the CPUs near its GPU (cpu_binding.h). Empty: off.
+  std::string numa_binding;
+  // ddprun's --cpu-bind: "cores" pins each local rank to its own share of ddprun's CPUs.
+  // Empty or "none": off.
+  std::string cpu_bind;
   // Identifies the job; workers get it as TORCHELASTIC_RUN_ID and DDP_RUN_ID.
   std::string run_id = "none";
+  // --rdzv-id was given; without it --standalone makes up a fresh id, as torchrun does.
+  bool run_id_given = false;
+  // torchrun's --role: the workers' ROLE_NAME.
+  std::string role = "default";
+  // torchrun's --signals-to-handle as given (the workers' TORCHELASTIC_SIGNALS_TO_HANDLE), and
+  // its signals: each is forwarded to every worker's process group and ends the job, with
+  // SIGKILL after the grace period. SIGUSR1 is forwarded for stack dumps whether listed or not,
+  // and stops nothing.
+  std::string signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+  std::vector<int> handled_signals = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
+  // torchrun's --virtual-local-rank: each worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES
+  // narrowed to its own GPU (the local_rank-th entry of ddprun's, else the local rank).
+  bool virtual_local_rank = false;
+  // torchrun flags that change nothing for a program ddprun starts itself, kept as given:
+  // --start-method (a program is always a fresh process), --event-log-handler (ddprun records
+  // no events), --logs-specs (only 'default'), --no-python (ddprun never prepends python).
+  std::string start_method = "spawn";
+  std::string event_log_handler = "null";
+  std::string logs_specs = "default";
+  bool no_python = false;
   // Rendezvous of the agents (one ddprun per node): "static" (--master-addr and --node-rank
   // given by hand on every node) or "c10d" (the agents meet in a store at rdzv_endpoint, which
   // one of them hosts; node ranks, the master and restarts are agreed there).
@@ -48,7 +90,11 @@ struct LaunchOptions {
   // The address this node advertises to the others (its workers' MASTER_ADDR when it is node
   // 0); empty: the address it reaches the store from.
   std::string local_addr;
-  // How often the agent polls the store (its heartbeat), in seconds.
+  // With c10d: a file holding the job's secret, which every agent must prove it knows before
+  // the store hears it (docs/security.md); empty: $DDP_RDZV_SECRET_FILE, else no secret.
+  std::string rdzv_secret_file;
+  // How often the agent polls the store (its heartbeat), in seconds; at least
+  // kMinMonitorIntervalSeconds.
   double monitor_interval_seconds = 0.5;
   // PROGRAM followed by its arguments, passed to execvp untouched.
   std::vector<std::string> command;

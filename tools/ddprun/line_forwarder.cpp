@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "console.h"
 #include "error_record.h"
 #include "posix_util.h"
 
@@ -119,13 +121,26 @@ void LineForwarder::forward_lines(bool flush_partial) {
     std::string out;
     out.reserve(end + sink.prefix.size() * lines.size() + 1);
     for (const auto& [line_start, line_end] : lines) {
+      if (!sink.only_lines_containing.empty() &&
+          std::none_of(sink.only_lines_containing.begin(), sink.only_lines_containing.end(),
+                       [&](const std::string& needle) {
+                         return std::string_view(pending_).substr(line_start, line_end - line_start).find(needle) !=
+                                std::string_view::npos;
+                       })) {
+        continue;
+      }
       out += sink.prefix;
       out.append(pending_, line_start, line_end - line_start);
       out += '\n';
     }
-    // ddprun is single-threaded and writes only whole lines, so lines of different workers
-    // cannot interleave in its output.
-    write_all(sink.fd, out);
+    // ddprun writes only whole lines, from one thread, so lines of different workers cannot
+    // interleave in its output.
+    if (out.empty()) continue;
+    if (sink.console) {
+      console_write(sink.fd, out, /*own=*/false);
+    } else {
+      write_all(sink.fd, out);
+    }
   }
   pending_.erase(0, end);
 }

@@ -9,10 +9,14 @@
 namespace ddprun {
 
 // One destination of a stream's lines: a descriptor the forwarder does not own, and the text
-// put before every line written there.
+// put before every line written there. Lines for ddprun's own stdout or stderr (console) go
+// through console_write(), which never blocks and may drop them; a log file gets every line.
 struct LineSink {
   int fd = -1;
   std::string prefix;
+  bool console = false;
+  // If not empty, only lines containing one of these (torchrun's --duplicate-*-filters).
+  std::vector<std::string> only_lines_containing;
 };
 
 class LineForwarder {

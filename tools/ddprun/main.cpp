@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "command_line.h"
+#include "console.h"
 #include "launcher.h"
 #include "posix_util.h"
 
@@ -12,6 +13,7 @@ namespace {
 
 constexpr int kExitJobFailed = 1;  // also what the launcher returns when a worker fails
 constexpr int kExitUsage = 2;
+constexpr double kGiveUpOnStalledConsoleSeconds = 2.0;
 
 }  // namespace
 
@@ -22,6 +24,7 @@ int main(int argc, char** argv) {
     command_line = ddprun::parse_command_line(args);
   } catch (const std::invalid_argument& error) {
     ddprun::say(std::string(error.what()) + " (see ddprun --help)");
+    ddprun::console_finish(kGiveUpOnStalledConsoleSeconds);
     return kExitUsage;
   }
   if (command_line.show_help) {
@@ -29,13 +32,16 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  int exit_code = kExitJobFailed;
   try {
-    return ddprun::Launcher(command_line.options).run();
+    exit_code = ddprun::Launcher(command_line.options).run();
   } catch (const std::invalid_argument& error) {
     ddprun::say(std::string(error.what()) + " (see ddprun --help)");
-    return kExitUsage;
+    exit_code = kExitUsage;
   } catch (const std::exception& error) {
     ddprun::say("error: " + std::string(error.what()));
-    return kExitJobFailed;
   }
+  // A reader that takes nothing for this long is not coming back; ddprun does not wait for it.
+  ddprun::console_finish(kGiveUpOnStalledConsoleSeconds);
+  return exit_code;
 }

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "console.h"
+
 namespace ddprun {
 
 bool write_all(int fd, const char* data, size_t size) {
@@ -35,7 +37,7 @@ bool write_all(int fd, const char* data, size_t size) {
 
 bool write_all(int fd, const std::string& data) { return write_all(fd, data.data(), data.size()); }
 
-void say(const std::string& message) { write_all(STDERR_FILENO, "ddprun: " + message + "\n"); }
+void say(const std::string& message) { console_write(STDERR_FILENO, "ddprun: " + message + "\n", /*own=*/true); }
 
 std::string signal_name(int signal_number) {
   switch (signal_number) {

@@ -10,7 +10,7 @@ namespace ddprun {
 bool write_all(int fd, const char* data, size_t size);
 bool write_all(int fd, const std::string& data);
 
-// Writes "ddprun: <message>\n" to stderr in a single write, so it never splits a worker line.
+// Writes "ddprun: <message>\n" to stderr as one line, never blocking (see console.h).
 void say(const std::string& message);
 
 // "SIGTERM" for 15; "signal 77" for numbers without a well-known name.

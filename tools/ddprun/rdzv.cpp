@@ -7,15 +7,21 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
+#include "hmac_sha256.h"
 #include "posix_util.h"
 
 namespace ddprun {
@@ -24,7 +30,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMaxFrame = 1 << 20;  // a peer sending more is not one of ours
-constexpr const char* kProtocol = "ddprun-rdzv-1";
+constexpr const char* kProtocol = "ddprun-rdzv-2";
 
 Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
@@ -153,6 +159,10 @@ class BlockSignalsForNewThreads {
 // and then the store decides: done, failed, or the next round.
 
 struct RdzvServer::State {
+  struct Peer {
+    long serial = -1;
+    std::string agent;  // empty until it joined or resumed
+  };
   struct Agent {
     std::string id, host, addr;
     int nproc = 1;
@@ -165,6 +175,7 @@ struct RdzvServer::State {
     int member_of = -1;     // round in which it is a member that has not reported yet
     int node_rank = -1;     // in the last round it was a member of
     bool pending = false;   // waiting for the next round
+    long connection = -1;   // serial of the connection that speaks for it
   };
   struct Report {
     std::string kind;
@@ -449,30 +460,41 @@ struct RdzvServer::State {
     decide(now);
   }
 
-  Message handle(const Message& request, Clock::time_point now) {
+  // `peer` is the connection the request came on: JOIN and RESUME bind it to an agent, and every
+  // other request must name the agent bound to it, so that no one can speak for another node.
+  Message handle(const Message& request, Clock::time_point now, Peer* peer) {
     if (request.empty()) return {"error", "empty request"};
     const std::string& op = request[0];
     if (op == "JOIN") {
       // JOIN protocol run_id host addr nproc port hosts_store
       if (request.size() < 8 || request[1] != kProtocol) return {"refused", "protocol mismatch"};
+      if (!peer->agent.empty()) return {"refused", "this connection has joined already"};
+      // The store's run id is never quoted: in a job without a secret it is all that keeps a
+      // stranger out.
       if (request[2] != config.run_id) {
-        return {"refused", "the rendezvous store belongs to run id '" + config.run_id +
-                               "', but this agent has run id '" + request[2] +
-                               "' (--rdzv-id must be the same on every node)"};
+        return {"refused", "its run id is not the store's (--rdzv-id must be the same on every node)"};
       }
       if (phase == Phase::kFinished) return {"refused", "the job has finished already"};
       Agent agent;
-      agent.id = "agent" + std::to_string(next_seq);
+      agent.id = random_hex(16);  // unpredictable: the id is what a request for a node names
       agent.seq = next_seq++;
       agent.host = request[3];
       agent.addr = request[4];
       agent.nproc = std::max(1, to_int(request[5], 1));
+      // Each node checked its own --nnodes times --nproc-per-node; nodes that disagree on
+      // --nnodes could still add up past an int here.
+      if (agent.nproc > std::numeric_limits<int>::max() / std::max(1, config.max_nodes)) {
+        return {"refused", "its --nproc-per-node " + std::to_string(agent.nproc) + " times the job's " +
+                               std::to_string(config.max_nodes) + " nodes is more ranks than a job can have"};
+      }
       agent.port = to_int(request[6]);
       agent.hosts_store = request[7] == "1";
       agent.last_seen = now;
       agent.pending = true;
+      agent.connection = peer->serial;
       const std::string id = agent.id;
       agents[id] = agent;
+      peer->agent = id;
       tick(now);
       return {"ok", kProtocol, id};
     }
@@ -481,6 +503,17 @@ struct RdzvServer::State {
     if (it == agents.end() || it->second.gone) {
       return {"lost", "the rendezvous store no longer counts this node as part of the job (its heartbeat was "
                       "late by more than " + fmt(config.heartbeat_timeout) + " s, or it left)"};
+    }
+    if (op == "RESUME") {
+      // An agent's new connection after its old one broke; the old one speaks for it no more.
+      if (!peer->agent.empty() && peer->agent != request[1]) return {"refused", "this connection belongs to another node"};
+      it->second.connection = peer->serial;
+      peer->agent = request[1];
+      it->second.last_seen = now;
+      return {"ok"};
+    }
+    if (peer->agent != request[1] || it->second.connection != peer->serial) {
+      return {"refused", "this connection does not belong to that node"};
     }
     Agent& agent = it->second;
     agent.last_seen = now;
@@ -593,66 +626,134 @@ void RdzvServer::wait_until_everyone_knows(double seconds) {
 }
 
 void RdzvServer::loop() {
+  // Until a connection has proven the secret it may hold only a small buffer and a slot for a
+  // few seconds: strangers must not be able to fill the table or the memory.
+  enum class Stage { kNew, kChallenged, kAuthenticated };
   struct Connection {
-    int fd;
+    int fd = -1;
     std::string in, out;
-    Clock::time_point last_activity;
+    Clock::time_point opened, last_activity;
+    Stage stage = Stage::kNew;
+    std::string client_nonce, server_nonce;
+    State::Peer peer;
+    bool peer_closed = false;  // it shut down its side: send what is left, then close
+    bool closing = false;      // refused: send the refusal, then close
   };
   std::vector<Connection> connections;
+  long next_serial = 0;
   // A connection silent for this long belongs to an agent that is gone (or a stray client).
   const double idle_limit = std::max(30.0, 4 * state_->config.heartbeat_timeout);
-  while (true) {
-    std::vector<pollfd> fds = {{wake_pipe_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
-    for (const Connection& c : connections) {
-      fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+  const double handshake_limit = 5.0;
+  constexpr size_t kMaxUnauthenticatedInput = 4096;
+  // Half the descriptors this process may open, at most 1024: the agent needs the rest for its
+  // workers' pipes.
+  size_t max_connections = 1024;
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+    max_connections = std::clamp<size_t>(files.rlim_cur / 2, 16, 1024);
+  }
+  Clock::time_point accept_paused_until{};
+
+  auto evict_oldest_unauthenticated = [&] {
+    Connection* oldest = nullptr;
+    for (Connection& c : connections) {
+      if (c.fd >= 0 && c.stage != Stage::kAuthenticated && (oldest == nullptr || c.opened < oldest->opened)) oldest = &c;
     }
-    int ready = ::poll(fds.data(), fds.size(), 100);
-    if (ready < 0 && errno != EINTR) break;
-    if (fds[0].revents != 0) break;  // shutting down
-    const Clock::time_point now = Clock::now();
-    if (fds[1].revents & POLLIN) {
-      while (connections.size() < 1024) {
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;
-        int one = 1;
-        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        connections.push_back({fd, "", "", now});
+    if (oldest == nullptr) return false;
+    ::close(oldest->fd);
+    oldest->fd = -1;
+    return true;
+  };
+
+  // The challenge and response; only an authenticated connection reaches the state machine.
+  auto respond = [&](Connection& c, const Message& request, Clock::time_point now) -> Message {
+    const std::string op = request.empty() ? std::string() : request[0];
+    if (c.stage == Stage::kNew) {
+      if (op != "HELLO" || request.size() < 3 || request[1] != kProtocol || request[2].size() > 128) {
+        c.closing = true;
+        return {"refused", "protocol mismatch: a ddprun rendezvous store expects its own handshake first"};
       }
+      c.client_nonce = request[2];
+      c.server_nonce = random_hex(16);
+      c.stage = Stage::kChallenged;
+      return {"challenge", kProtocol, c.server_nonce,
+              to_hex(hmac_sha256(state_->config.secret, "server\n" + c.client_nonce + "\n" + c.server_nonce))};
     }
-    for (size_t i = 0; i < connections.size(); ++i) {
-      Connection& c = connections[i];
-      const short revents = fds[i + 2].revents;
-      bool broken = (revents & (POLLERR | POLLNVAL)) != 0;
-      if (!broken && (revents & (POLLIN | POLLHUP))) {
+    if (c.stage == Stage::kChallenged) {
+      const std::string expected =
+          to_hex(hmac_sha256(state_->config.secret, "client\n" + c.server_nonce + "\n" + c.client_nonce));
+      if (op != "AUTH" || request.size() < 2 || !equal_in_constant_time(request[1], expected)) {
+        c.closing = true;
+        return {"refused", "authentication failed: this node's rendezvous secret is not the store's (every node "
+                           "needs the same secret: --rdzv-secret-file or DDP_RDZV_SECRET_FILE)"};
+      }
+      c.stage = Stage::kAuthenticated;
+      return {"ok"};
+    }
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->handle(request, now, &c.peer);
+  };
+
+  auto serve = [&](Connection& c, short revents, Clock::time_point now) {
+    if (revents & (POLLERR | POLLNVAL)) return false;
+    if (!c.peer_closed && (revents & (POLLIN | POLLHUP))) {
+      const size_t input_limit = c.stage == Stage::kAuthenticated ? kMaxFrame + 8 : kMaxUnauthenticatedInput;
+      // Everything that is there now, so that a burst of requests is answered in one pass.
+      for (size_t taken = 0; taken < 4 * kMaxFrame;) {
         char buffer[16384];
-        ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
+        const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
         if (n > 0) {
           c.in.append(buffer, static_cast<size_t>(n));
+          taken += static_cast<size_t>(n);
           c.last_activity = now;
           Message request;
           int got;
-          while ((got = take_frame(c.in, &request)) == 1) {
-            Message reply;
-            {
-              std::lock_guard<std::mutex> lock(state_->mutex);
-              reply = state_->handle(request, now);
-            }
-            c.out += encode(reply);
-          }
-          if (got < 0) broken = true;
-        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-          broken = true;
+          while (!c.closing && (got = take_frame(c.in, &request)) == 1) c.out += encode(respond(c, request, now));
+          if (c.closing) break;
+          if (got < 0 || c.in.size() > input_limit) return false;
+          continue;
         }
-      }
-      if (!broken && !c.out.empty()) {
-        ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
-        if (n > 0) {
-          c.out.erase(0, static_cast<size_t>(n));
-        } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-          broken = true;
+        if (n == 0) {
+          c.peer_closed = true;
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          return false;
         }
+        break;
       }
-      if (broken || seconds_between(c.last_activity, now) > idle_limit || c.out.size() > kMaxFrame * 4) {
+    }
+    while (!c.out.empty()) {
+      const ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
+      if (n > 0) {
+        c.out.erase(0, static_cast<size_t>(n));
+      } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        break;
+      } else {
+        return false;
+      }
+    }
+    if ((c.peer_closed || c.closing) && c.out.empty()) return false;
+    if (c.stage != Stage::kAuthenticated && seconds_between(c.opened, now) > handshake_limit) return false;
+    if (seconds_between(c.last_activity, now) > idle_limit) return false;
+    return c.out.size() <= kMaxFrame * 4;  // a peer that never reads its replies
+  };
+
+  while (true) {
+    Clock::time_point now = Clock::now();
+    const bool accepting = now >= accept_paused_until;
+    std::vector<pollfd> fds = {{wake_pipe_[0], POLLIN, 0}, {listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0}};
+    for (const Connection& c : connections) {
+      short events = c.out.empty() ? 0 : POLLOUT;
+      if (!c.peer_closed) events |= POLLIN;
+      fds.push_back({c.fd, events, 0});
+    }
+    const int ready = ::poll(fds.data(), fds.size(), 100);
+    if (ready < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) break;  // shutting down
+    now = Clock::now();
+    // Only the connections that were polled: fds holds nothing for the ones accepted below.
+    for (size_t i = 0; i < connections.size(); ++i) {
+      Connection& c = connections[i];
+      if (!serve(c, ready > 0 ? fds[i + 2].revents : 0, now)) {
         ::close(c.fd);
         c.fd = -1;
       }
@@ -660,6 +761,35 @@ void RdzvServer::loop() {
     connections.erase(std::remove_if(connections.begin(), connections.end(),
                                      [](const Connection& c) { return c.fd < 0; }),
                       connections.end());
+    if (ready > 0 && (fds[1].revents & POLLIN)) {
+      while (true) {
+        const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+          if (errno == EINTR || errno == ECONNABORTED) continue;
+          if ((errno == EMFILE || errno == ENFILE) && evict_oldest_unauthenticated()) continue;
+          // Out of descriptors with no stranger to evict: stop polling the listener for a
+          // while rather than spin on a backlog we cannot take.
+          if (errno != EAGAIN && errno != EWOULDBLOCK) accept_paused_until = now + std::chrono::milliseconds(200);
+          break;
+        }
+        size_t open = 0;
+        for (const Connection& c : connections) open += c.fd >= 0 ? 1 : 0;
+        if (open >= max_connections && !evict_oldest_unauthenticated()) {
+          ::close(fd);  // every slot is an agent's
+          continue;
+        }
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        Connection c;
+        c.fd = fd;
+        c.opened = c.last_activity = now;
+        c.peer.serial = next_serial++;
+        connections.push_back(std::move(c));
+      }
+      connections.erase(std::remove_if(connections.begin(), connections.end(),
+                                       [](const Connection& c) { return c.fd < 0; }),
+                        connections.end());
+    }
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->tick(now);
   }
@@ -670,13 +800,14 @@ void RdzvServer::loop() {
 // An agent's side.
 
 RdzvClient::RdzvClient(std::string host, int port, std::string local_addr, double monitor_interval,
-                       double heartbeat_timeout)
+                       double heartbeat_timeout, std::string secret)
     : host_(std::move(host)),
       port_(port),
       local_addr_(std::move(local_addr)),
       endpoint_text_(host_ + ":" + std::to_string(port_)),
       monitor_interval_(monitor_interval),
       heartbeat_timeout_(heartbeat_timeout),
+      secret_(std::move(secret)),
       last_answer_(Clock::now()) {
   if (::pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) throw_errno("pipe2");
 }
@@ -730,6 +861,7 @@ bool RdzvClient::connect_once(double timeout_seconds) {
   }
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (!authenticate(fd, after(timeout_seconds))) return fail();
   if (local_addr_.empty()) {
     sockaddr_in mine{};
     socklen_t length = sizeof mine;
@@ -740,42 +872,78 @@ bool RdzvClient::connect_once(double timeout_seconds) {
   return true;
 }
 
+// Both sides prove that they know the secret without sending it: each MACs both nonces, the
+// store's fresh per connection, so that a recorded answer is worth nothing on another one.
+bool RdzvClient::authenticate(int fd, Clock::time_point deadline) {
+  const std::string client_nonce = random_hex(16);
+  Message reply;
+  if (!exchange(fd, {"HELLO", kProtocol, client_nonce}, &reply, deadline)) return false;
+  if (reply.size() >= 2 && reply[0] == "refused") {
+    refusal_ = reply[1];
+    return false;
+  }
+  if (reply.size() < 4 || reply[0] != "challenge" || reply[1] != kProtocol) {
+    refusal_ = "the process on " + endpoint_text_ + " is not a ddprun rendezvous store of this version";
+    return false;
+  }
+  const std::string& server_nonce = reply[2];
+  const std::string expected = to_hex(hmac_sha256(secret_, "server\n" + client_nonce + "\n" + server_nonce));
+  if (!equal_in_constant_time(reply[3], expected)) {
+    refusal_ = "the rendezvous store at " + endpoint_text_ +
+               " does not know this node's secret (every node needs the same --rdzv-secret-file or "
+               "DDP_RDZV_SECRET_FILE, or none)";
+    return false;
+  }
+  const std::string proof = to_hex(hmac_sha256(secret_, "client\n" + server_nonce + "\n" + client_nonce));
+  if (!exchange(fd, {"AUTH", proof}, &reply, deadline)) return false;
+  if (reply.size() >= 2 && reply[0] == "refused") {
+    refusal_ = reply[1];
+    return false;
+  }
+  if (reply.empty() || reply[0] != "ok") return false;
+  if (agent_id_.empty()) return true;
+  // A new connection of a node that joined already speaks for it from now on.
+  return exchange(fd, {"RESUME", agent_id_}, &reply, deadline);
+}
+
 bool RdzvClient::request(const Message& message, Message* reply, double timeout_seconds) {
   std::lock_guard<std::mutex> lock(connection_mutex_);
   const Clock::time_point deadline = after(timeout_seconds);
   if (fd_ < 0 && !connect_once(std::min(timeout_seconds, 1.0))) return false;
-  auto broken = [&] {
-    ::close(fd_);
-    fd_ = -1;
-    return false;
-  };
+  if (exchange(fd_, message, reply, deadline)) return true;
+  ::close(fd_);
+  fd_ = -1;
+  return false;
+}
+
+bool RdzvClient::exchange(int fd, const Message& message, Message* reply, Clock::time_point deadline) {
   const std::string frame = encode(message);
   size_t sent = 0;
   while (sent < frame.size()) {
-    ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    ssize_t n = ::send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
       sent += static_cast<size_t>(n);
       continue;
     }
-    if (n < 0 && errno != EAGAIN && errno != EINTR) return broken();
-    pollfd p{fd_, POLLOUT, 0};
-    if (Clock::now() >= deadline || ::poll(&p, 1, ms_until(deadline)) < 0) return broken();
+    if (n < 0 && errno != EAGAIN && errno != EINTR) return false;
+    pollfd p{fd, POLLOUT, 0};
+    if (Clock::now() >= deadline || ::poll(&p, 1, ms_until(deadline)) < 0) return false;
   }
   std::string buffer;
   while (true) {
     int got = take_frame(buffer, reply);
     if (got == 1) return true;
-    if (got < 0) return broken();
-    pollfd p{fd_, POLLIN, 0};
+    if (got < 0) return false;
+    pollfd p{fd, POLLIN, 0};
     int ready = ::poll(&p, 1, ms_until(deadline));
     if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return broken();
+    if (ready <= 0) return false;
     char chunk[16384];
-    ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
+    ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
     if (n > 0) {
       buffer.append(chunk, static_cast<size_t>(n));
     } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
-      return broken();
+      return false;
     }
   }
 }
@@ -792,7 +960,11 @@ void RdzvClient::join(const std::string& run_id, const std::string& host_name, i
     bool connected;
     {
       std::lock_guard<std::mutex> lock(connection_mutex_);
+      refusal_.clear();
       connected = fd_ >= 0 || connect_once(1.0);
+      if (!connected && !refusal_.empty()) {
+        throw std::runtime_error("cannot join the rendezvous store at " + endpoint_text_ + ": " + refusal_);
+      }
     }
     if (connected) {
       Message request_with_addr = join_request;
@@ -805,7 +977,8 @@ void RdzvClient::join(const std::string& run_id, const std::string& host_name, i
           return;
         }
         if (reply.size() >= 2 && reply[0] == "refused") {
-          throw std::runtime_error("the rendezvous store at " + endpoint_text_ + " refused this node: " + reply[1]);
+          throw std::runtime_error("the rendezvous store at " + endpoint_text_ + " refused this node (run id '" +
+                                   run_id + "'): " + reply[1]);
         }
         answered_garbage = true;
       }
@@ -855,7 +1028,12 @@ RdzvView RdzvClient::parse_view(const Message& reply) {
   return view;
 }
 
+void RdzvClient::mark_supervisor_alive() {
+  supervisor_alive_at_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+}
+
 void RdzvClient::start_heartbeat() {
+  mark_supervisor_alive();
   BlockSignalsForNewThreads block;
   thread_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -864,7 +1042,10 @@ void RdzvClient::heartbeat_loop() {
   const double request_timeout = std::clamp(heartbeat_timeout_ / 3, 0.3, 2.0);
   while (true) {
     Message reply;
-    if (request({"POLL", agent_id_}, &reply, request_timeout)) {
+    const Clock::time_point supervisor_alive_at{Clock::duration(supervisor_alive_at_.load(std::memory_order_relaxed))};
+    if (seconds_between(supervisor_alive_at, Clock::now()) > heartbeat_timeout_) {
+      // Skipped, not failed: the store's silence is for a loop that cannot act on its answers.
+    } else if (request({"POLL", agent_id_}, &reply, request_timeout)) {
       RdzvView fresh = parse_view(reply);
       std::lock_guard<std::mutex> lock(view_mutex_);
       last_answer_ = Clock::now();
@@ -914,12 +1095,45 @@ void RdzvClient::report(int round, const std::string& kind, const Message& failu
   // The report ends this node's round; without it the store would wait for our heartbeat to
   // stop. Retried until the heartbeat timeout: a store that is gone by then is lost anyway.
   const Clock::time_point deadline = after(heartbeat_timeout_);
-  while (!request(message, &reply, 2.0) && Clock::now() < deadline) ::usleep(100 * 1000);
+  while (!request(message, &reply, 2.0) && Clock::now() < deadline) {
+    mark_supervisor_alive();  // retrying here is the supervisor at work
+    ::usleep(100 * 1000);
+  }
 }
 
 void RdzvClient::leave() {
   Message reply;
   request({"LEAVE", agent_id_}, &reply, 2.0);
+}
+
+std::string load_rdzv_secret(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw std::runtime_error("cannot read the rendezvous secret file '" + path + "': " + std::strerror(errno));
+  }
+  struct stat info {};
+  std::string secret;
+  char buffer[4096];
+  ssize_t n = 0;
+  if (::fstat(fd, &info) == 0) {
+    while (secret.size() <= 4096 && (n = ::read(fd, buffer, sizeof buffer)) > 0) secret.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  if ((info.st_mode & S_IFMT) != S_IFREG || n < 0) {
+    throw std::runtime_error("the rendezvous secret file '" + path + "' is not a readable regular file");
+  }
+  if (info.st_mode & (S_IRWXG | S_IRWXO)) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 07777));
+    throw std::runtime_error("the rendezvous secret file '" + path + "' is open to other users (mode " + mode +
+                             "); run: chmod 600 " + path);
+  }
+  while (!secret.empty() && std::isspace(static_cast<unsigned char>(secret.back()))) secret.pop_back();
+  if (secret.size() < 16 || secret.size() > 4096) {
+    throw std::runtime_error("the rendezvous secret file '" + path + "' holds " + std::to_string(secret.size()) +
+                             " bytes; it needs 16 to 4096, e.g. from: head -c 32 /dev/urandom | base64 > " + path);
+  }
+  return secret;
 }
 
 int pick_free_tcp_port() {

@@ -5,7 +5,9 @@
 //
 // The protocol is ddprun's own: every message is a list of strings, framed as
 //   u32 total length | u32 count | (u32 length, bytes)*   (big-endian)
-// and every socket operation on either side has a deadline.
+// and every socket operation on either side has a deadline. Each connection starts with a
+// challenge and response over the job's secret (docs/security.md); then JOIN or RESUME binds it
+// to one agent, and it may speak for that agent only.
 #pragma once
 
 #include <atomic>
@@ -30,6 +32,9 @@ struct RdzvConfig {
   double join_timeout = 600;       // first round: MIN nodes must have joined by then
   double last_call_timeout = 30;   // first round: once MIN joined, wait this long for up to MAX
   double heartbeat_timeout = 5;    // an agent silent this long is declared lost
+  // Every connection must prove it knows this (HMAC-SHA256 challenge and response) before
+  // its requests count; empty: anyone who reaches the port may join, as with torchrun.
+  std::string secret;
 };
 
 // The store. It listens on exactly the address it was given (never every interface) and runs
@@ -78,7 +83,7 @@ struct RdzvView {
 class RdzvClient {
  public:
   RdzvClient(std::string host, int port, std::string local_addr, double monitor_interval,
-             double heartbeat_timeout);
+             double heartbeat_timeout, std::string secret = "");
   ~RdzvClient();
   RdzvClient(const RdzvClient&) = delete;
   RdzvClient& operator=(const RdzvClient&) = delete;
@@ -90,6 +95,11 @@ class RdzvClient {
 
   // Starts the heartbeat thread (after join).
   void start_heartbeat();
+
+  // Called by the agent's supervision loop on every pass. The heartbeat thread stays silent
+  // while the last call is older than heartbeat_timeout: an agent whose loop is stuck (in a
+  // write, in the kernel) must look lost to the store rather than hold up the whole job.
+  void mark_supervisor_alive();
 
   // The latest view, and whether the store has not answered for longer than heartbeat_timeout.
   RdzvView view();
@@ -114,6 +124,8 @@ class RdzvClient {
  private:
   bool request(const Message& message, Message* reply, double timeout_seconds);
   bool connect_once(double timeout_seconds);
+  bool authenticate(int fd, std::chrono::steady_clock::time_point deadline);
+  static bool exchange(int fd, const Message& message, Message* reply, std::chrono::steady_clock::time_point deadline);
   void heartbeat_loop();
   static RdzvView parse_view(const Message& reply);
 
@@ -123,6 +135,8 @@ class RdzvClient {
   std::string endpoint_text_;
   double monitor_interval_;
   double heartbeat_timeout_;
+  std::string secret_;
+  std::string refusal_;  // why the store refused the last handshake, if it did
   std::string agent_id_;
   std::mutex connection_mutex_;  // one request at a time on the connection
   int fd_ = -1;
@@ -134,7 +148,13 @@ class RdzvClient {
   std::condition_variable stop_cv_;
   bool stopping_ = false;
   std::thread thread_;
+  std::atomic<std::chrono::steady_clock::rep> supervisor_alive_at_{0};
 };
+
+// The job secret in the file at `path`, without trailing whitespace. Throws std::runtime_error
+// naming the file if it cannot be read, is readable by group or others, or is shorter than 16
+// bytes.
+std::string load_rdzv_secret(const std::string& path);
 
 // A TCP port that was free on every interface of this host a moment ago.
 int pick_free_tcp_port();

@@ -20,9 +20,12 @@ constexpr pid_t kDismissed = 0;
 
 [[noreturn]] void run_watchdog(int read_fd) {
   // Signals aimed at the launcher's process group or terminal session (Ctrl-C, a harness
-  // killing the group) must not take the watchdog down before it could act.
+  // killing the group), or at every process of a job (Slurm's `scancel --signal USR1`, a
+  // time limit's SIGXCPU), must not take the watchdog down before it could act: it ignores
+  // every signal whose default would end it, except SIGKILL, which nothing can ignore.
   ::setsid();
-  for (int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE})
+  for (int signal_number : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM,
+                            SIGPROF, SIGXCPU, SIGXFSZ, SIGPOLL})
     ::signal(signal_number, SIG_IGN);
   // Holding the launcher's stdout/stderr open would delay EOF for whoever reads them.
   int null_fd = ::open("/dev/null", O_RDWR);
@@ -30,6 +33,9 @@ constexpr pid_t kDismissed = 0;
     for (int fd = 0; fd <= 2; ++fd) ::dup2(null_fd, fd);
     if (null_fd > 2) ::close(null_fd);
   }
+  // So would any other copy of them (ddprun's non-blocking console descriptors).
+  if (read_fd > 3) ::close_range(3, static_cast<unsigned>(read_fd) - 1, 0);
+  ::close_range(static_cast<unsigned>(read_fd) + 1, ~0U, 0);
 
   std::vector<pid_t> groups;
   while (true) {
