@@ -1,6 +1,7 @@
 #include <ddp/env.h>
 
 #include <ddp/error.h>
+#include <ddp/launch_env.h>
 
 #include <c10/util/Exception.h>
 
@@ -84,32 +85,32 @@ void require_master(const World& w) {
 namespace {
 
 void read_master(const EnvLookup& lookup, World& w, const std::string& fallback_addr) {
-  w.master_addr = lookup("MASTER_ADDR").value_or(fallback_addr);
-  w.master_port = lookup_int(lookup, "MASTER_PORT").value_or(w.world_size > 1 ? kDefaultMasterPort : 0);
+  w.master_addr = lookup(launch_env::kMasterAddr).value_or(fallback_addr);
+  w.master_port = lookup_int(lookup, launch_env::kMasterPort).value_or(w.world_size > 1 ? kDefaultMasterPort : 0);
 }
 
 World from_torchrun(const EnvLookup& lookup) {
   World w;
   w.source = "torchrun";
-  w.rank = require_int(lookup, "RANK", "WORLD_SIZE");
-  w.world_size = require_int(lookup, "WORLD_SIZE", "RANK");
-  w.local_rank = lookup_int(lookup, "LOCAL_RANK").value_or(w.rank);
+  w.rank = require_int(lookup, launch_env::kRank, launch_env::kWorldSize);
+  w.world_size = require_int(lookup, launch_env::kWorldSize, launch_env::kRank);
+  w.local_rank = lookup_int(lookup, launch_env::kLocalRank).value_or(w.rank);
   // WORLD_SIZE first: LOCAL_WORLD_SIZE defaults to it, and a bad value must
   // be reported under the name the user set.
   DDP_CHECK(w.world_size >= 1, "ddp: environment variable WORLD_SIZE=", w.world_size,
             " must be at least 1 (it counts the processes of the whole job)");
-  w.local_world_size = lookup_int(lookup, "LOCAL_WORLD_SIZE").value_or(w.world_size);
+  w.local_world_size = lookup_int(lookup, launch_env::kLocalWorldSize).value_or(w.world_size);
   DDP_CHECK(w.local_world_size >= 1, "ddp: environment variable LOCAL_WORLD_SIZE=", w.local_world_size,
               " must be at least 1");
-  auto group_rank = lookup_int(lookup, "GROUP_RANK");
+  auto group_rank = lookup_int(lookup, launch_env::kGroupRank);
   w.node_rank = group_rank ? *group_rank : w.rank / w.local_world_size;
-  w.master_addr = lookup("MASTER_ADDR").value_or("");
-  auto port = lookup("MASTER_PORT");
+  w.master_addr = lookup(launch_env::kMasterAddr).value_or("");
+  auto port = lookup(launch_env::kMasterPort);
   if (w.world_size > 1) {
     DDP_CHECK(port.has_value(), "ddp: MASTER_PORT is not set, but WORLD_SIZE=", w.world_size,
                 ". Set MASTER_PORT to a free port on rank 0's host, or launch with ddprun.");
   }
-  w.master_port = port ? parse_int_env("MASTER_PORT", *port) : 0;
+  w.master_port = port ? parse_int_env(launch_env::kMasterPort, *port) : 0;
   return w;
 }
 
@@ -203,7 +204,7 @@ std::string first_host_of_slurm_nodelist(const std::string& nodelist) {
 
 World world_from_env(const EnvLookup& lookup) {
   World w;
-  if (lookup("RANK") || lookup("WORLD_SIZE")) {
+  if (lookup(launch_env::kRank) || lookup(launch_env::kWorldSize)) {
     w = from_torchrun(lookup);
   } else if (lookup("SLURM_PROCID") && (lookup("SLURM_STEP_ID") || lookup("SLURM_STEPID"))) {
     // Only inside an srun step: a batch script also sees SLURM_PROCID=0 and

@@ -182,9 +182,9 @@ void GradientSync::wait_for(size_t group) {
   reduction->wait();
   if (reduction->hasError()) {
     const std::string cause = reduction->tryRetrieveErrorMessage();
-    DDP_CHECK(false, "ddp: reducing ", policy_.group_label(group), " failed on rank ", group_->rank(), " of ",
-              group_->size(), "; a peer may have died or stopped training. ", group_->explain_stall(cause),
-              " Cause: ", cause);
+    DDP_PEER_CHECK(false, "ddp: reducing ", policy_.group_label(group), " failed on rank ", group_->rank(), " of ",
+                   group_->size(), "; a peer may have died or stopped training. ", group_->explain_stall(cause),
+                   " Cause: ", cause);
   }
 }
 

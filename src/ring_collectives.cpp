@@ -1,7 +1,6 @@
 #include "ring_collectives.h"
 
 #include <ddp/error.h>
-#include <ddp/process_group.h>
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
@@ -46,7 +45,8 @@ class RingCollectives::RingWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-RingCollectives::RingCollectives(ProcessGroup& group, uint32_t tag_base) : group_(group), tag_base_(tag_base) {
+RingCollectives::RingCollectives(std::unique_ptr<RingTransport> transport, uint32_t tag_base)
+    : transport_(std::move(transport)), tag_base_(tag_base) {
   worker_ = std::thread([this] { run(); });
 }
 
@@ -60,7 +60,7 @@ RingCollectives::~RingCollectives() {
 }
 
 c10::intrusive_ptr<c10d::Work> RingCollectives::enqueue(Operation operation, c10d::OpType type, at::Tensor output) {
-  auto work = c10::make_intrusive<RingWork>(group_.rank(), type, std::move(output));
+  auto work = c10::make_intrusive<RingWork>(transport_->rank(), type, std::move(output));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     DDP_CHECK(!stopping_, "ddp: ring ", type == c10d::OpType::REDUCE_SCATTER ? "reduce_scatter" : "all_gather",
@@ -118,11 +118,11 @@ void RingCollectives::run() {
 
 // Sends `send` to the next rank while receiving `receive` from the previous.
 void RingCollectives::exchange(at::Tensor& send, at::Tensor& receive, uint32_t tag, const char* what) {
-  const int world = group_.size(), rank = group_.rank();
-  auto sent = group_.send_async(send, (rank + 1) % world, static_cast<int>(tag));
-  auto received = group_.recv_async(receive, (rank + world - 1) % world, static_cast<int>(tag));
-  group_.wait(received, what);
-  group_.wait(sent, what);
+  const int world = transport_->size(), rank = transport_->rank();
+  auto sent = transport_->send(send, (rank + 1) % world, static_cast<int>(tag));
+  auto received = transport_->recv(receive, (rank + world - 1) % world, static_cast<int>(tag));
+  transport_->wait(received, what);
+  transport_->wait(sent, what);
 }
 
 // The previous rank must be starting the same operation: same kind, size,
@@ -134,10 +134,10 @@ void RingCollectives::check_header(int64_t kind, int64_t part, at::ScalarType dt
   at::Tensor theirs = at::empty_like(mine);
   exchange(mine, theirs, tag, "ring collective header exchange");
   const int64_t* h = theirs.data_ptr<int64_t>();
-  const int previous = (group_.rank() + group_.size() - 1) % group_.size();
+  const int previous = (transport_->rank() + transport_->size() - 1) % transport_->size();
   DDP_CHECK(h[0] == kind && h[1] == part && h[2] == static_cast<int64_t>(dtype) &&
                 h[3] == static_cast<int64_t>(sequence),
-            "ddp: ranks started different collectives: rank ", group_.rank(), "'s ", kind_name(kind), " #",
+            "ddp: ranks started different collectives: rank ", transport_->rank(), "'s ", kind_name(kind), " #",
             sequence, " of ", part, " ", dtype, " elements per rank met rank ", previous, "'s ", kind_name(h[0]),
             " #", h[3], " of ", h[1], " ", static_cast<at::ScalarType>(h[2]),
             " elements per rank. Every rank must start the same collectives in the same order (look for a "
@@ -145,13 +145,13 @@ void RingCollectives::check_header(int64_t kind, int64_t part, at::ScalarType dt
 }
 
 c10::intrusive_ptr<c10d::Work> RingCollectives::reduce_scatter(at::Tensor output, at::Tensor input) {
-  const int64_t world = group_.size();
+  const int64_t world = transport_->size();
   DDP_CHECK(input.is_contiguous() && output.is_contiguous() && input.numel() == world * output.numel(),
             "ddp: ring reduce_scatter needs contiguous tensors, the input ", world, " times the output's ",
             output.numel(), " elements; got ", input.numel());
   return enqueue(
       [this, output, input](uint32_t tag, uint64_t sequence) mutable {
-        const int64_t world = group_.size(), rank = group_.rank(), part = output.numel();
+        const int64_t world = transport_->size(), rank = transport_->rank(), part = output.numel();
         if (world == 1) {
           output.copy_(input.view_as(output));
           return;
@@ -176,13 +176,13 @@ c10::intrusive_ptr<c10d::Work> RingCollectives::reduce_scatter(at::Tensor output
 }
 
 c10::intrusive_ptr<c10d::Work> RingCollectives::all_gather(at::Tensor output, at::Tensor input) {
-  const int64_t world = group_.size();
+  const int64_t world = transport_->size();
   DDP_CHECK(input.is_contiguous() && output.is_contiguous() && output.numel() == world * input.numel(),
             "ddp: ring all_gather needs contiguous tensors, the output ", world, " times the input's ",
             input.numel(), " elements; got ", output.numel());
   return enqueue(
       [this, output, input](uint32_t tag, uint64_t sequence) mutable {
-        const int64_t world = group_.size(), rank = group_.rank(), part = input.numel();
+        const int64_t world = transport_->size(), rank = transport_->rank(), part = input.numel();
         auto chunk = [&](int64_t i) { return output.view({-1}).narrow(0, ((i % world) + world) % world * part, part); };
         chunk(rank).copy_(input.view({-1}));
         if (world == 1) return;
@@ -198,30 +198,3 @@ c10::intrusive_ptr<c10d::Work> RingCollectives::all_gather(at::Tensor output, at
 }
 
 }  // namespace ddp::detail
-
-namespace ddp {
-
-void detail::RingDeleter::operator()(detail::RingCollectives* ring) const { delete ring; }
-
-bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
-  // Gloo sends only CPU tensors; NCCL's own collectives are rings already.
-  return backend_kind_ == BackendKind::kGloo && size() > 1 && tensor.is_cpu();
-}
-
-// Tag spaces of the two rings (send/recv tags; Gloo's collectives use slots
-// of their own).
-constexpr uint32_t kReduceScatterTags = 1u << 24, kAllGatherTags = 2u << 24;
-
-c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_reduce_scatter(at::Tensor& output, at::Tensor& input) {
-  std::lock_guard<std::mutex> lock(rings_mutex_);
-  if (!reduce_scatter_ring_) reduce_scatter_ring_.reset(new detail::RingCollectives(*this, kReduceScatterTags));
-  return reduce_scatter_ring_->reduce_scatter(output, input);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_all_gather(at::Tensor& output, at::Tensor& input) {
-  std::lock_guard<std::mutex> lock(rings_mutex_);
-  if (!all_gather_ring_) all_gather_ring_.reset(new detail::RingCollectives(*this, kAllGatherTags));
-  return all_gather_ring_->all_gather(output, input);
-}
-
-}  // namespace ddp

@@ -24,22 +24,33 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
 
-namespace ddp {
-class ProcessGroup;
-}
-
 namespace ddp::detail {
+
+/// What a ring needs of its process group: its place in the world and
+/// point-to-point messages. ProcessGroup provides one (process_group.cpp),
+/// so the ring never depends on ProcessGroup itself.
+class RingTransport {
+ public:
+  virtual ~RingTransport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual c10::intrusive_ptr<c10d::Work> send(at::Tensor& tensor, int to, int tag) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> recv(at::Tensor& tensor, int from, int tag) = 0;
+  /// Waits for `work`; on failure throws an error that names `what`.
+  virtual void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) = 0;
+};
 
 class RingCollectives {
  public:
-  /// Runs on `group` (which must outlive this), with send/recv tags from
-  /// `tag_base` on, so that two instances (one for reduce-scatters, one for
-  /// all-gathers) never take each other's messages.
-  RingCollectives(ProcessGroup& group, uint32_t tag_base);
+  /// Runs over `transport`, with send/recv tags from `tag_base` on, so that
+  /// two instances (one for reduce-scatters, one for all-gathers) never take
+  /// each other's messages.
+  RingCollectives(std::unique_ptr<RingTransport> transport, uint32_t tag_base);
   ~RingCollectives();
   RingCollectives(const RingCollectives&) = delete;
   RingCollectives& operator=(const RingCollectives&) = delete;
@@ -58,7 +69,7 @@ class RingCollectives {
   void exchange(at::Tensor& send, at::Tensor& receive, uint32_t tag, const char* what);
   void check_header(int64_t kind, int64_t part, at::ScalarType dtype, uint64_t sequence, uint32_t tag);
 
-  ProcessGroup& group_;
+  const std::unique_ptr<RingTransport> transport_;
   const uint32_t tag_base_;
   std::mutex mutex_;
   std::condition_variable wake_;

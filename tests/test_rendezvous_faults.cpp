@@ -1,9 +1,15 @@
 // Rendezvous under faults (issue 12, items 1, 3 and 4; item 2 is in test_cluster.cpp): every
 // wait ends within DDP_TIMEOUT_SECONDS plus a small margin, with a message that names what was
-// awaited. Real processes over real loopback sockets, each under a timeout.
+// awaited. Real processes over real loopback sockets (support/ranks.h: each body describes its
+// own world and calls init_process_group), each under a timeout.
+
+#include <support/launch.h>
+#include <support/ranks.h>
+#include <support/torch_errors.h>
+
+#include <ddp/process_group.h>
 
 #include <gtest/gtest.h>
-#include <support/launch.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -20,8 +26,8 @@ using namespace ddp::testing;
 
 namespace {
 
-// The margin the library promises past DDP_TIMEOUT_SECONDS (1 s), plus the worker's own start
-// and exit (loading libtorch) on a loaded 2-core machine.
+// The margin the library promises past DDP_TIMEOUT_SECONDS (1 s), plus slack for a loaded
+// 2-core machine.
 constexpr double kMarginSeconds = 4.0;
 
 // A listener on 127.0.0.1 that accepts every connection and never sends a byte.
@@ -65,127 +71,163 @@ class SilentListener {
   std::vector<int> accepted_;
 };
 
-RunOptions rank_env(int rank, int world_size, int port, const std::string& timeout_s,
-                    std::vector<std::pair<std::string, std::string>> extra = {}) {
-  std::vector<std::pair<std::string, std::string>> env = {
-      {"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world_size)}, {"MASTER_ADDR", "127.0.0.1"},
-      {"MASTER_PORT", std::to_string(port)}, {"DDP_TIMEOUT_SECONDS", timeout_s}};
-  env.insert(env.end(), extra.begin(), extra.end());
-  return one_rank(env, std::chrono::seconds(60));
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int env_rank() { return std::stoi(std::getenv("RANK")); }
+
+// Sets this rank's view of the world before it calls init_process_group.
+void describe_world(int rank, int world_size, const std::string& timeout_s) {
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  ::setenv("DDP_TIMEOUT_SECONDS", timeout_s.c_str(), 1);
 }
 
 // Item 1: the store client's handshake read had no time limit; a rank blocked forever.
 TEST(RendezvousFaults, AMasterThatAcceptsButNeverAnswersFailsWithinTheTimeout) {
-  SilentListener silent;
-  ASSERT_GT(silent.port(), 0);
-  auto r = run_process({bin_path("ddp_worker"), "ready"}, rank_env(1, 2, silent.port(), "5"));
-  EXPECT_FALSE(r.timed_out) << r.describe();
-  EXPECT_NE(r.exit_code, 0) << r.describe();
-  EXPECT_NE(r.err.find("error: ddp: rank 1 connected to 127.0.0.1:" + std::to_string(silent.port()) +
-                       " but waited 5 s for an answer to the store's handshake without getting it"),
-            std::string::npos)
-      << r.describe();
-  EXPECT_LT(r.seconds, 5 + kMarginSeconds) << r.describe();
-  EXPECT_GE(silent.accepted(), 1u);
-  std::printf("[ measured ] accept-but-silent master, DDP_TIMEOUT_SECONDS=5: rank 1 failed after %.2f s\n",
-              r.seconds);
+  auto ranks = run_on_ranks(
+      1,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        SilentListener silent;
+        ASSERT_GT(silent.port(), 0);
+        describe_world(1, 2, "5");
+        ::setenv("MASTER_PORT", std::to_string(silent.port()).c_str(), 1);
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        const double seconds = seconds_since(start);
+        EXPECT_NE(error.find("ddp: rank 1 connected to 127.0.0.1:" + std::to_string(silent.port()) +
+                             " but waited 5 s for an answer to the store's handshake without getting it"),
+                  std::string::npos)
+            << error;
+        EXPECT_LT(seconds, 5 + kMarginSeconds) << error;
+        EXPECT_GE(silent.accepted(), 1u);
+        std::printf("[ measured ] accept-but-silent master, DDP_TIMEOUT_SECONDS=5: rank 1 failed after %.2f s\n",
+                    seconds);
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
 }
 
 // The same when torchrun's store is expected on MASTER_PORT: rank 0 is a client too.
 TEST(RendezvousFaults, ASilentLauncherStoreFailsRankZeroWithinTheTimeout) {
-  SilentListener silent;
-  ASSERT_GT(silent.port(), 0);
-  auto r = run_process({bin_path("ddp_worker"), "ready"},
-                       rank_env(0, 2, silent.port(), "3", {{"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
-  EXPECT_FALSE(r.timed_out) << r.describe();
-  EXPECT_NE(r.exit_code, 0) << r.describe();
-  EXPECT_NE(r.err.find("error: ddp: rank 0 connected to 127.0.0.1:" + std::to_string(silent.port()) +
-                       " but waited 3 s"),
-            std::string::npos)
-      << r.describe();
-  EXPECT_LT(r.seconds, 3 + kMarginSeconds) << r.describe();
+  auto ranks = run_on_ranks(
+      1,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        SilentListener silent;
+        ASSERT_GT(silent.port(), 0);
+        describe_world(0, 2, "3");
+        ::setenv("MASTER_PORT", std::to_string(silent.port()).c_str(), 1);
+        ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        EXPECT_NE(error.find("ddp: rank 0 connected to 127.0.0.1:" + std::to_string(silent.port()) +
+                             " but waited 3 s"),
+                  std::string::npos)
+            << error;
+        EXPECT_LT(seconds_since(start), 3 + kMarginSeconds) << error;
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
 }
 
 // Item 3: a rank told another world size used to produce only a raw key timeout, after the
 // whole timeout. Now both ranks stop at once and name both sizes.
 TEST(RendezvousFaults, AWrongWorldSizeStopsEveryRankAtOnceNamingBothSizes) {
-  int port = free_port();
-  auto master = start_background({bin_path("ddp_worker"), "ready"}, rank_env(0, 2, port, "60"));
-  auto wrong = run_process({bin_path("ddp_worker"), "ready"}, rank_env(1, 3, port, "60"));
-  auto r0 = wait_background(master, std::chrono::seconds(60));
-  for (const auto* r : {&r0, &wrong}) {
-    EXPECT_FALSE(r->timed_out) << r->describe();
-    EXPECT_NE(r->exit_code, 0) << r->describe();
-    EXPECT_NE(r->err.find("ddp: the ranks disagree on the world size"), std::string::npos) << r->describe();
-    EXPECT_NE(r->err.find("with world size 3"), std::string::npos) << r->describe();
-    EXPECT_NE(r->err.find("with world size 2"), std::string::npos) << r->describe();
-    EXPECT_EQ(r->out.find("READY"), std::string::npos) << r->describe();
-  }
-  // "At once": far below the 60 s timeout.
-  EXPECT_LT(wrong.seconds, 15) << wrong.describe();
-  EXPECT_LT(r0.seconds, 15) << r0.describe();
+  auto ranks = run_on_ranks(
+      2,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        const int rank = env_rank();
+        describe_world(rank, rank == 1 ? 3 : 2, "60");
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        EXPECT_NE(error.find("ddp: the ranks disagree on the world size"), std::string::npos) << error;
+        EXPECT_NE(error.find("with world size 3"), std::string::npos) << error;
+        EXPECT_NE(error.find("with world size 2"), std::string::npos) << error;
+        // "At once": far below the 60 s timeout.
+        EXPECT_LT(seconds_since(start), 15) << error;
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
 }
 
 // Item 3: a missing rank is reported with the ranks that did arrive, on every rank.
 TEST(RendezvousFaults, AMissingRankIsNamedWithTheRanksThatArrived) {
-  int port = free_port();
-  auto start = std::chrono::steady_clock::now();
-  auto master = start_background({bin_path("ddp_worker"), "ready"}, rank_env(0, 3, port, "4"));
-  auto one = run_process({bin_path("ddp_worker"), "ready"}, rank_env(1, 3, port, "4"));
-  auto r0 = wait_background(master, std::chrono::seconds(60));
-  double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_NE(r0.exit_code, 0) << r0.describe();
-  EXPECT_NE(r0.err.find("not all of them joined: rank(s) 0, 1 arrived, rank(s) 2 did not"), std::string::npos)
-      << r0.describe();
-  EXPECT_NE(one.exit_code, 0) << one.describe();
-  EXPECT_NE(one.err.find("rank(s) 0, 1 arrived, rank(s) 2 did not"), std::string::npos) << one.describe();
-  EXPECT_LT(total, 4 + kMarginSeconds) << r0.describe();
+  auto ranks = run_on_ranks(
+      2,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        describe_world(env_rank(), 3, "4");  // rank 2 never comes
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        if (env_rank() == 0) {
+          EXPECT_NE(error.find("not all of them joined: rank(s) 0, 1 arrived, rank(s) 2 did not"), std::string::npos)
+              << error;
+        } else {
+          EXPECT_NE(error.find("rank(s) 0, 1 arrived, rank(s) 2 did not"), std::string::npos) << error;
+        }
+        EXPECT_LT(seconds_since(start), 4 + kMarginSeconds) << error;
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
 }
 
 // Item 4: with a foreign c10d client on rank 0's port (the same default run id, a store
 // client that counts as a worker), rank 0 used to pass c10d's worker count, then fail after
 // a second timeout with a raw key timeout. Now: "not all of them joined", within the timeout.
 TEST(RendezvousFaults, AForeignStoreClientDoesNotCountAsARankNorDoubleTheWait) {
-  int port = free_port();
-  auto start = std::chrono::steady_clock::now();
-  auto master = start_background({bin_path("ddp_worker"), "ready"}, rank_env(0, 2, port, "6"));
-  auto foreign = start_background(
-      {DDP_PYTHON, "-c",
-       "import sys, time, datetime, torch.distributed as dist\n"
-       "s = dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, False, datetime.timedelta(seconds=20))\n"
-       "print('FOREIGN JOINED', flush=True)\n"
-       "time.sleep(20)\n",
-       std::to_string(port)},
-      one_rank({}, std::chrono::seconds(60)));
-  auto r0 = wait_background(master, std::chrono::seconds(60));
-  double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  kill(-foreign.pid, SIGKILL);
-  auto f = wait_background(foreign, std::chrono::seconds(20));
-  EXPECT_NE(f.out.find("FOREIGN JOINED"), std::string::npos) << "the foreign client never connected: " << f.describe();
-  EXPECT_FALSE(r0.timed_out) << r0.describe();
-  EXPECT_NE(r0.exit_code, 0) << r0.describe();
-  EXPECT_NE(r0.err.find("not all of them joined: rank(s) 0 arrived, rank(s) 1 did not"), std::string::npos)
-      << r0.describe();
-  EXPECT_EQ(r0.err.find("wait timeout after"), std::string::npos) << r0.describe();
-  EXPECT_LT(total, 6 + kMarginSeconds) << r0.describe();
-  std::printf("[ measured ] rank 0 with a foreign client, DDP_TIMEOUT_SECONDS=6: failed after %.2f s\n", total);
+  auto ranks = run_on_ranks(
+      1,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        describe_world(0, 2, "6");
+        const std::string port = std::getenv("MASTER_PORT");
+        const auto start = std::chrono::steady_clock::now();
+        // The client retries until rank 0's store listens.
+        auto foreign = start_background(
+            {DDP_PYTHON, "-c",
+             "import sys, time, datetime, torch.distributed as dist\n"
+             "s = dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, False, datetime.timedelta(seconds=20))\n"
+             "print('FOREIGN JOINED', flush=True)\n"
+             "time.sleep(20)\n",
+             port},
+            one_rank({}, std::chrono::seconds(60)));
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        const double seconds = seconds_since(start);
+        kill(-foreign.pid, SIGKILL);
+        auto f = wait_background(foreign, std::chrono::seconds(20));
+        EXPECT_NE(f.out.find("FOREIGN JOINED"), std::string::npos) << "the foreign client never connected: "
+                                                                     << f.describe();
+        EXPECT_NE(error.find("not all of them joined: rank(s) 0 arrived, rank(s) 1 did not"), std::string::npos)
+            << error;
+        EXPECT_EQ(error.find("wait timeout after"), std::string::npos) << error;
+        EXPECT_LT(seconds, 6 + kMarginSeconds) << error;
+        std::printf("[ measured ] rank 0 with a foreign client, DDP_TIMEOUT_SECONDS=6: failed after %.2f s\n",
+                    seconds);
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
 }
 
 // Two processes claiming one rank (another job's rank 1 on the same port and run id) stop
 // the rendezvous instead of forming a corrupt group.
 TEST(RendezvousFaults, TwoProcessesWithOneRankAreRefused) {
-  int port = free_port();
-  auto master = start_background({bin_path("ddp_worker"), "ready"}, rank_env(0, 3, port, "20"));
-  auto first = start_background({bin_path("ddp_worker"), "ready"}, rank_env(1, 3, port, "20"));
-  auto second = run_process({bin_path("ddp_worker"), "ready"}, rank_env(1, 3, port, "20"));
-  auto r0 = wait_background(master, std::chrono::seconds(60));
-  auto r1 = wait_background(first, std::chrono::seconds(60));
-  EXPECT_NE(second.exit_code, 0) << second.describe();
-  EXPECT_NE(r0.exit_code, 0) << r0.describe();
-  EXPECT_NE(r1.exit_code, 0) << r1.describe();
-  EXPECT_NE((second.err + r1.err).find("two processes joined as rank 1"), std::string::npos)
-      << second.describe() << r1.describe();
-  EXPECT_LT(r0.seconds, 15) << r0.describe();
+  auto ranks = run_on_ranks(
+      3,
+      [](const std::shared_ptr<ddp::ProcessGroup>&) {
+        const int launched_as = env_rank();
+        // The third process claims rank 1 too, a moment after the real one.
+        if (launched_as == 2) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        describe_world(launched_as == 2 ? 1 : launched_as, 3, "20");
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        EXPECT_NE(error, "") << "process launched as rank " << launched_as << " joined a corrupt group";
+        if (launched_as == 0) EXPECT_LT(seconds_since(start), 15) << error;
+        std::printf("ERROR launched as rank %d: %s\n", launched_as, error.c_str());
+      },
+      RanksOptions().no_group());
+  expect_all_succeeded(ranks);
+  // Either claimant may be the one told.
+  EXPECT_NE((ranks[1].out + ranks[2].out).find("two processes joined as rank 1"), std::string::npos)
+      << describe_ranks(ranks);
 }
 
 // Item 5 with the real library: a worker's exception goes to its TORCHELASTIC_ERROR_FILE, and

@@ -13,6 +13,7 @@ add_executable(ddp_unit_tests
   test_optimizer_state.cpp
   test_checkpoint.cpp
   test_snapshot.cpp
+  test_error_file.cpp
   test_progress.cpp
   test_gloo_headers.cpp
   test_libtorch_integration.cpp)
@@ -26,9 +27,6 @@ gtest_discover_tests(ddp_unit_tests PROPERTIES LABELS "unit" TIMEOUT 120
 
 # Real processes talking over real sockets, each run under a timeout.
 add_executable(ddp_process_tests
-  test_process_group.cpp
-  test_rendezvous_faults.cpp
-  test_distributed_data_parallel.cpp
   test_wine.cpp
   test_digits.cpp
   test_torchscript.cpp)
@@ -46,7 +44,7 @@ add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
 
-# FSDP and ZeRO against DDP, checkpoint round trips (driven by test_fsdp.cpp).
+# One strategy's training for the launcher tests (mpirun, ddprun on the GPU).
 add_executable(fsdp_worker workers/fsdp_worker.cpp)
 target_link_libraries(fsdp_worker PRIVATE ddp::ddp)
 target_precompile_headers(fsdp_worker REUSE_FROM ddp)
@@ -75,25 +73,27 @@ target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gte
 target_precompile_headers(ddp_gpu_tests REUSE_FROM ddp)
 add_dependencies(ddp_gpu_tests gpu_worker fsdp_worker ddprun)
 gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
-add_executable(ddp_fsdp_tests test_fsdp.cpp)
-target_link_libraries(ddp_fsdp_tests PRIVATE ddp_test_support GTest::gtest_main)
-add_dependencies(ddp_fsdp_tests fsdp_worker ddprun)
-gtest_discover_tests(ddp_fsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
-                     DISCOVERY_MODE PRE_TEST)
-
-# FSDP tests whose ranks' code sits in the test file (support/ranks.h
-# re-executes the test binary once per rank).
-add_executable(ddp_fsdp_rank_tests test_fsdp_ranks.cpp)
+# FSDP and ZeRO on real ranks, each rank's code in the test file
+# (support/ranks.h re-executes the test binary once per rank): strategies
+# against DDP, checkpoints, gradients, reduction and mixed precision.
+add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict.cpp test_fsdp_ranks.cpp
+  test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_fsdp_rank_tests REUSE_FROM ddp)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST)
 
-# ddp inside LibTorch programs, on several ranks: buffer-sync warning, sparse
-# gradients, checkpoints from rank 0, TorchScript modules.
-add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradient_sync.cpp)
+# ddp inside LibTorch programs, on several ranks (support/ranks.h): the
+# process group's rendezvous and its faults, DDP against one process, Join,
+# ZeRO-1, buffer-sync warning, sparse gradients, checkpoints from rank 0,
+# TorchScript modules.
+add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradient_sync.cpp
+  test_process_group.cpp test_rendezvous_faults.cpp test_distributed_data_parallel.cpp test_no_hangs.cpp
+  test_zero_redundancy_optimizer.cpp)
 target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 target_precompile_headers(ddp_integration_rank_tests REUSE_FROM ddp)
+# ddprun's own tests here launch the tiny worker.
+add_dependencies(ddp_integration_rank_tests ddp_worker ddprun)
 gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST)
 

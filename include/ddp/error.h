@@ -19,8 +19,19 @@ class Error : public c10::Error {
   const char* what() const noexcept override { return what_without_backtrace(); }
 };
 
+/// Thrown where this rank fails because another one did: a collective whose
+/// peer closed its connection, died or stopped calling collectives, a wait
+/// for peers that timed out, a rendezvous that another rank stopped or that
+/// a rank never joined. record_error() (error_file.h) marks it a
+/// consequence, so launchers name the other rank's error as the root cause.
+class PeerFailure : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 [[noreturn]] inline void throw_error(std::string message) { throw Error(std::move(message)); }
+[[noreturn]] inline void throw_peer_failure(std::string message) { throw PeerFailure(std::move(message)); }
 }  // namespace detail
 
 }  // namespace ddp
@@ -31,5 +42,14 @@ namespace detail {
   do {                                                              \
     if (C10_UNLIKELY(!(cond))) {                                    \
       ::ddp::detail::throw_error(::c10::str(__VA_ARGS__));          \
+    }                                                               \
+  } while (false)
+
+/// DDP_CHECK for a condition that fails because of another rank: throws
+/// ddp::PeerFailure.
+#define DDP_PEER_CHECK(cond, ...)                                   \
+  do {                                                              \
+    if (C10_UNLIKELY(!(cond))) {                                    \
+      ::ddp::detail::throw_peer_failure(::c10::str(__VA_ARGS__));   \
     }                                                               \
   } while (false)

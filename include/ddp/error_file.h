@@ -22,10 +22,12 @@ namespace ddp {
 
 /// Writes `error` to TORCHELASTIC_ERROR_FILE unless the variable is unset or
 /// this process already recorded an error there (the first one is kept).
-/// c10::Error's message goes without its backtrace. Never throws; returns
-/// whether it wrote the file.
+/// c10::Error's message goes without its backtrace. "consequence" is true
+/// for a ddp::PeerFailure and false for any other ddp::Error (error.h);
+/// other exceptions are judged by their text (is_consequence_error). Never
+/// throws; returns whether it wrote the file.
 bool record_error(const std::exception& error) noexcept;
-/// The same for a message.
+/// The same for a message, judged by its text.
 bool record_error(const std::string& message) noexcept;
 
 /// The whole of a program's failure path, for main()'s catch block:
@@ -38,10 +40,11 @@ bool record_error(const std::string& message) noexcept;
 ///   }
 int report_failure(const std::exception& error) noexcept;
 
-/// Whether `message` describes a consequence of another process's failure
+/// Whether `message` reads like a consequence of another process's failure
 /// rather than a cause: a connection closed or reset by a peer, a timeout
 /// waiting for peers, a rendezvous that another rank stopped. Launchers rank
-/// such errors below original ones.
+/// such errors below original ones. For errors that are not ddp's: ddp's
+/// own say so by their type (ddp::PeerFailure).
 bool is_consequence_error(const std::string& message);
 
 }  // namespace ddp

@@ -30,7 +30,7 @@ class RingCollectives;  // src/ring_collectives.h, not API
 struct RingDeleter {
   void operator()(RingCollectives* ring) const;
 };
-struct ProgressResponder;  // src/process_group.cpp
+struct ProgressResponder;  // src/collective_debug.cpp
 }
 
 enum class BackendKind {
@@ -212,7 +212,7 @@ class ProcessGroup {
   // Gloo's CPU reduce-scatter and all-gather, made on first use.
   bool uses_rings(const at::Tensor& tensor) const;
   using RingPtr = std::unique_ptr<detail::RingCollectives, detail::RingDeleter>;
-  // Defined in src/ring_collectives.cpp.
+  // The rings talk through the group's send_async and recv_async.
   c10::intrusive_ptr<c10d::Work> ring_reduce_scatter(at::Tensor& output, at::Tensor& input);
   c10::intrusive_ptr<c10d::Work> ring_all_gather(at::Tensor& output, at::Tensor& input);
   std::mutex rings_mutex_;

@@ -19,9 +19,18 @@
 // exit code. (Re-executing rather than fork(): torch's thread pools do not
 // survive a fork.)
 //
-// Rules: call run_on_ranks once per test (the children re-run the test from
-// its start, so code before the call runs in every process too, and nothing
-// after it does); needs a binary linked with ddp::ddp and gtest.
+// Rules: call run_on_ranks (or run_phases_on_ranks) once per test (the
+// children re-run the test from its start, so code before the call runs in
+// every process too, and nothing after it does); needs a binary linked with
+// ddp::ddp and gtest.
+//
+// Tests of the environment and the rendezvous themselves set
+// RanksOptions::join_group(false): the body then gets no group and calls
+// init_process_group itself, after changing its own variables (setenv) to
+// whatever world it means to describe. Tests whose steps need different world
+// sizes (a checkpoint written at 2 ranks, resumed at 3) run phases, one after
+// the other, with files in a RanksTempDir, which every process of the test
+// sees at the same path.
 #pragma once
 
 #include <support/subprocess.h>
@@ -36,6 +45,7 @@
 #include <exception>
 #include <functional>
 #include <iostream>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -56,6 +66,22 @@ struct RanksOptions {
   int collective_timeout_seconds = 30;
   /// More variables for the ranks.
   std::vector<std::pair<std::string, std::string>> env;
+  /// Whether the ranks join the group before the body; when false the body
+  /// gets nullptr and calls init_process_group itself.
+  bool join_group = true;
+
+  RanksOptions& no_group() {
+    join_group = false;
+    return *this;
+  }
+};
+
+using RankBody = std::function<void(const std::shared_ptr<ProcessGroup>&)>;
+
+/// One step of run_phases_on_ranks: `world` ranks running `body`.
+struct RanksPhase {
+  int world;
+  RankBody body;
 };
 
 namespace detail {
@@ -72,12 +98,12 @@ inline std::string self_executable() {
   return std::string(buffer, static_cast<size_t>(n));
 }
 
-[[noreturn]] inline void run_as_rank(const std::function<void(const std::shared_ptr<ProcessGroup>&)>& body) {
+[[noreturn]] inline void run_as_rank(const RankBody& body, bool join_group) {
   int code = 0;
   try {
-    auto group = init_process_group();
+    std::shared_ptr<ProcessGroup> group = join_group ? init_process_group() : nullptr;
     body(group);
-    group->shutdown();
+    if (group) group->shutdown();
   } catch (const c10::Error& e) {
     std::cerr << "run_on_ranks: rank " << std::getenv("RANK") << " threw: " << e.what_without_backtrace() << "\n";
     code = 1;
@@ -97,57 +123,120 @@ inline std::string self_executable() {
 }  // namespace detail
 
 /// The environment variable that marks a child process of run_on_ranks; it
-/// holds the test's full name.
+/// holds the test's full name (and "#phase" for a phase after the first).
 constexpr const char* kRanksChildVariable = "DDP_TEST_RANKS_CHILD";
+
+/// The variable that holds a RanksTempDir's path for the ranks.
+constexpr const char* kRanksDirVariable = "DDP_TEST_RANKS_DIR";
+
+/// Whether this process is a rank of the current test (not the test process).
+inline bool in_rank_process() {
+  const char* child = std::getenv(kRanksChildVariable);
+  if (!child) return false;
+  const std::string target = child;
+  const std::string test = detail::current_test_name();
+  return target == test || target.rfind(test + "#", 0) == 0;
+}
+
+/// A directory the test process and all its ranks share: made (and at the
+/// end removed) by the test process, found again by the ranks through the
+/// environment they inherit. One per test.
+class RanksTempDir {
+ public:
+  RanksTempDir() {
+    if (in_rank_process()) {
+      const char* inherited = std::getenv(kRanksDirVariable);
+      if (!inherited) throw std::runtime_error("RanksTempDir: the rank process did not inherit its directory");
+      path_ = inherited;
+      return;
+    }
+    path_ = make_temp_dir("ddp_ranks");
+    ::setenv(kRanksDirVariable, path_.c_str(), 1);
+    owner_ = true;
+  }
+  ~RanksTempDir() {
+    if (!owner_) return;
+    ::unsetenv(kRanksDirVariable);
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  RanksTempDir(const RanksTempDir&) = delete;
+  RanksTempDir& operator=(const RanksTempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+  bool owner_ = false;
+};
+
+/// Runs the phases one after the other (see the top of this file), each on
+/// its own ranks over its own store, and returns each phase's results. A
+/// phase in which a rank failed is the last one run.
+inline std::vector<std::vector<ProcessResult>> run_phases_on_ranks(const std::vector<RanksPhase>& phases,
+                                                                  RanksOptions options = {}) {
+  const std::string test = detail::current_test_name();
+  if (in_rank_process()) {
+    const std::string target = std::getenv(kRanksChildVariable);
+    const size_t hash = target.find('#');
+    const size_t phase = hash == std::string::npos ? 0 : std::stoul(target.substr(hash + 1));
+    if (phase >= phases.size()) throw std::runtime_error("run_on_ranks: no phase " + std::to_string(phase));
+    detail::run_as_rank(phases[phase].body, options.join_group);
+  }
+
+  std::vector<std::vector<ProcessResult>> all;
+  for (size_t phase = 0; phase < phases.size(); ++phase) {
+    const int world = phases[phase].world;
+    const std::string child = phases.size() == 1 ? test : test + "#" + std::to_string(phase);
+    const std::string port = std::to_string(free_port());
+    std::vector<BackgroundProcess> processes;
+    for (int rank = 0; rank < world; ++rank) {
+      RunOptions run;
+      run.env = {{kRanksChildVariable, child},
+                 {"RANK", std::to_string(rank)},
+                 {"LOCAL_RANK", std::to_string(rank)},
+                 {"WORLD_SIZE", std::to_string(world)},
+                 {"LOCAL_WORLD_SIZE", std::to_string(world)},
+                 {"GROUP_RANK", "0"},
+                 {"MASTER_ADDR", "127.0.0.1"},
+                 {"MASTER_PORT", port},
+                 {"DDP_TIMEOUT_SECONDS", std::to_string(options.collective_timeout_seconds)}};
+      run.env.insert(run.env.end(), options.env.begin(), options.env.end());
+      run.unset_env = {"SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID",
+                       "DDP_RUN_ID"};
+      processes.push_back(start_background({detail::self_executable(), "--gtest_filter=" + test}, run));
+    }
+
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point deadline = Clock::now() + options.timeout;
+    std::vector<ProcessResult> results(world);
+    std::vector<bool> done(world, false);
+    int remaining = world;
+    bool failed = false;
+    while (remaining > 0) {
+      const bool out_of_time = Clock::now() >= deadline;
+      for (int rank = 0; rank < world; ++rank) {
+        if (done[rank] || (process_alive(processes[rank].pid) && !out_of_time)) continue;
+        results[rank] = wait_background(processes[rank], std::chrono::milliseconds(out_of_time ? 0 : 5000));
+        done[rank] = true;
+        --remaining;
+        if (results[rank].exit_code != 0 && !failed) {
+          failed = true;
+          deadline = std::min(deadline, Clock::now() + options.grace_after_failure);
+        }
+      }
+      if (remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    all.push_back(std::move(results));
+    if (failed) break;
+  }
+  return all;
+}
 
 /// Runs `body` on `world` ranks (see the top of this file) and returns each
 /// rank's result, indexed by rank.
-inline std::vector<ProcessResult> run_on_ranks(int world,
-                                               const std::function<void(const std::shared_ptr<ProcessGroup>&)>& body,
-                                               RanksOptions options = {}) {
-  const std::string test = detail::current_test_name();
-  if (const char* child = std::getenv(kRanksChildVariable); child && test == child) detail::run_as_rank(body);
-
-  const std::string port = std::to_string(free_port());
-  std::vector<BackgroundProcess> processes;
-  for (int rank = 0; rank < world; ++rank) {
-    RunOptions run;
-    run.env = {{kRanksChildVariable, test},
-               {"RANK", std::to_string(rank)},
-               {"LOCAL_RANK", std::to_string(rank)},
-               {"WORLD_SIZE", std::to_string(world)},
-               {"LOCAL_WORLD_SIZE", std::to_string(world)},
-               {"GROUP_RANK", "0"},
-               {"MASTER_ADDR", "127.0.0.1"},
-               {"MASTER_PORT", port},
-               {"DDP_TIMEOUT_SECONDS", std::to_string(options.collective_timeout_seconds)}};
-    run.env.insert(run.env.end(), options.env.begin(), options.env.end());
-    run.unset_env = {"SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID",
-                     "DDP_RUN_ID"};
-    processes.push_back(start_background({detail::self_executable(), "--gtest_filter=" + test}, run));
-  }
-
-  using Clock = std::chrono::steady_clock;
-  Clock::time_point deadline = Clock::now() + options.timeout;
-  std::vector<ProcessResult> results(world);
-  std::vector<bool> done(world, false);
-  int remaining = world;
-  bool failed = false;
-  while (remaining > 0) {
-    const bool out_of_time = Clock::now() >= deadline;
-    for (int rank = 0; rank < world; ++rank) {
-      if (done[rank] || (process_alive(processes[rank].pid) && !out_of_time)) continue;
-      results[rank] = wait_background(processes[rank], std::chrono::milliseconds(out_of_time ? 0 : 5000));
-      done[rank] = true;
-      --remaining;
-      if (results[rank].exit_code != 0 && !failed) {
-        failed = true;
-        deadline = std::min(deadline, Clock::now() + options.grace_after_failure);
-      }
-    }
-    if (remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return results;
+inline std::vector<ProcessResult> run_on_ranks(int world, const RankBody& body, RanksOptions options = {}) {
+  return run_phases_on_ranks({RanksPhase{world, body}}, std::move(options)).front();
 }
 
 /// Every rank's stdout and stderr, for assertion messages.

@@ -1,6 +1,9 @@
-// A worker for multi-process tests, launched through ddprun (or directly
-// with hand-set variables). The first argument picks the scenario; each one
-// prints a marker line the test looks for and exits 0 only on success.
+// The program for tests in which a launcher must start the ranks (ddprun,
+// torchrun, mpirun, ip netns exec): the first argument picks the scenario;
+// each one prints a marker line the test looks for and exits 0 only on
+// success. Tests that need no launcher run their ranks' code in the test
+// file instead (support/ranks.h). The training scenarios are here for
+// test_mpi.cpp's run of the training stack under mpirun.
 
 #include "worker_flags.h"
 
@@ -54,8 +57,6 @@ ddp::DDPOptions options_from(int argc, char** argv) {
   auto options = ddp::DDPOptions()
                      .bucket_cap_mb(cap_mb)
                      .first_bucket_cap_mb(std::min(cap_mb, 1.0))
-                     .gradient_as_bucket_view(has_flag(argc, argv, "--bucket-view"))
-                     .find_unused_parameters(has_flag(argc, argv, "--find-unused"))
                      .overlap_with_backward(!has_flag(argc, argv, "--no-overlap"))
                      .rebuild_buckets(!has_flag(argc, argv, "--no-rebuild"));
   std::string hook = flag(argc, argv, "--hook", "allreduce");
@@ -118,21 +119,6 @@ int equivalence(int argc, char** argv) {
   }
   std::printf("BUCKETS %zu REBUILT %d\n", ddp_model.reducer().bucket_assignment().size(),
               ddp_model.reducer().buckets_rebuilt() ? 1 : 0);
-  if (has_flag(argc, argv, "--bucket-view")) {
-    // Every gradient lives inside its bucket's memory.
-    const auto& reducer = ddp_model.reducer();
-    int inside = 0;
-    for (auto& p : model->parameters()) {
-      auto* data = static_cast<const char*>(p.grad().data_ptr());
-      for (size_t b = 0; b < reducer.bucket_assignment().size(); ++b) {
-        const at::Tensor& flat = reducer.bucket_buffer(b);
-        auto* begin = static_cast<const char*>(flat.data_ptr());
-        if (data >= begin && data < begin + flat.nbytes()) ++inside;
-      }
-    }
-    std::printf("GRADS IN BUCKETS %d of %zu\n", inside, model->parameters().size());
-  }
-
   // Every replica must hold exactly the same weights.
   at::Tensor mine = flatten_parameters(*model);
   auto all = group->all_gather(mine);
@@ -448,35 +434,11 @@ int zero(int argc, char** argv) {
         same_state = same_state && at::equal(field.value().toTensor(), mine.at(field.key()).toTensor());
       }
     }
-    std::string out = flag(argc, argv, "--save", "");
-    if (!out.empty()) ddp::save_value(consolidated, out);
     std::printf("ZERO consolidated %zu states, same_state=%d\n", merged.size(), same_state);
   }
   group->barrier();
   bool ok = same_weights && replicas && states == zero_optimizer.local_indices().size() && same_state;
   return ok ? 0 : 11;
-}
-
-// A parameter used only in no_sync() micro-batches must still be averaged
-// by the next synced step, or the replicas drift apart.
-int nosync_unused(int argc, char** argv) {
-  auto group = ddp::init_process_group();
-  torch::manual_seed(3);
-  Branchy model;
-  ddp::DistributedDataParallel<Branchy> ddp_model(model, group, options_from(argc, argv).find_unused_parameters(true));
-  at::Tensor x = at::full({2, 4}, 1.0 + group->rank());
-  {
-    auto guard = ddp_model.no_sync();
-    ddp_model.forward(x, true).sum().backward();  // uses `right`
-  }
-  at::Tensor local = model->right->weight.grad().clone();
-  ddp_model.forward(x, false).sum().backward();  // does not
-  auto all = group->all_gather(model->right->weight.grad());
-  auto locals = group->all_gather(local);
-  at::Tensor average = (locals[0] + locals[1]) / 2;
-  bool same = at::equal(all[0], all[1]) && at::allclose(all[0], average);
-  std::printf("NOSYNC_UNUSED averaged=%d\n", same);
-  return same ? 0 : 12;
 }
 
 int ready(int, char**) {
@@ -507,50 +469,12 @@ int mismatch(int, char**) {
   return 0;
 }
 
-int unused_parameter(int, char**) {
-  auto group = ddp::init_process_group();
-  auto model = std::make_shared<torch::nn::Module>();
-  auto used = model->register_module("used", torch::nn::Linear(4, 2));
-  model->register_module("unused", torch::nn::Linear(4, 2));
-  ddp::DistributedDataParallel<std::shared_ptr<torch::nn::Module>> ddp_model(model, group);
-  auto out = used->forward(at::ones({3, 4})).sum();
-  out.backward();
-  std::printf("NO ERROR\n");
-  return 0;
-}
-
-struct WithBufferImpl : torch::nn::Module {
-  WithBufferImpl() {
-    fc = register_module("fc", torch::nn::Linear(2, 2));
-    counter = register_buffer("counter", at::zeros({3}));
-  }
-  at::Tensor forward(const at::Tensor& x) { return fc(x) + counter.sum(); }
-  torch::nn::Linear fc{nullptr};
-  at::Tensor counter;
-};
-TORCH_MODULE(WithBuffer);
-
-int buffers(int, char**) {
-  auto group = ddp::init_process_group();
-  WithBuffer model;
-  ddp::DistributedDataParallel<WithBuffer> ddp_model(model, group);
-  // Ranks drift apart (as BatchNorm statistics would); the next forward
-  // must bring rank 0's values everywhere.
-  model->counter.fill_(static_cast<float>(10 + group->rank()));
-  ddp_model.forward(at::ones({1, 2}));
-  auto all = group->all_gather(model->counter);
-  bool same = true;
-  for (auto& t : all) same = same && at::equal(t, at::full({3}, 10.0f));
-  std::printf("BUFFERS %s\n", same ? "synchronised" : "differ");
-  return same ? 0 : 5;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
-    std::cerr << "usage: ddp_worker equivalence|ready|throw|mismatch|unused|buffers|no_sync|find_unused|hook_gradients|stall|nonfinite|join|zero|nosync_unused [flags]\n";
+    std::cerr << "usage: ddp_worker ready|throw|stall|equivalence|mismatch|no_sync|find_unused|hook_gradients|nonfinite|join|zero [flags]\n";
     return 2;
   }
   std::string mode = argv[1];
@@ -559,14 +483,11 @@ int main(int argc, char** argv) {
     if (mode == "ready") return ready(argc, argv);
     if (mode == "throw") return throw_on_rank(argc, argv);
     if (mode == "mismatch") return mismatch(argc, argv);
-    if (mode == "unused") return unused_parameter(argc, argv);
-    if (mode == "buffers") return buffers(argc, argv);
     if (mode == "no_sync") return no_sync(argc, argv);
     if (mode == "stall") return stall(argc, argv);
     if (mode == "nonfinite") return nonfinite(argc, argv);
     if (mode == "join") return join(argc, argv);
     if (mode == "zero") return zero(argc, argv);
-    if (mode == "nosync_unused") return nosync_unused(argc, argv);
     if (mode == "hook_gradients") return hook_gradients(argc, argv);
     if (mode == "find_unused") return find_unused(argc, argv);
     std::cerr << "unknown mode " << mode << "\n";

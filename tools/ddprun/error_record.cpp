@@ -217,14 +217,18 @@ ErrorRecord read_error_record(const std::string& path) {
       return record;
     }
     record.timestamp_ns = seconds * 1000000000LL;
-    record.consequence = looks_like_consequence(record.message);
+    // A ddp program says which errors are consequences (by their type, in
+    // the "ddp" object); only other programs' messages are judged by text.
+    bool judged = false;
     if (const Json* ddp = root.member("ddp")) {
       long long ns = 0;
       if (integer_of(ddp->member("timestamp_ns"), ns)) record.timestamp_ns = ns;
       if (const Json* flag = ddp->member("consequence"); flag != nullptr && flag->kind == Json::Kind::kBool) {
         record.consequence = flag->boolean;
+        judged = true;
       }
     }
+    if (!judged) record.consequence = looks_like_consequence(record.message);
     // A multi-line message (a Python traceback) is reported by its first line.
     size_t newline = record.message.find('\n');
     if (newline != std::string::npos) record.message = record.message.substr(0, newline) + " [...]";

@@ -11,7 +11,7 @@ struct ErrorRecord {
   bool present = false;    // the file existed and held a message
   std::string message;     // message.message (torchrun's layout), or a plain "message"
   long long timestamp_ns = 0;  // ddp.timestamp_ns, else extraInfo.timestamp (seconds) * 1e9
-  bool consequence = false;    // ddp.consequence, else looks_like_consequence(message)
+  bool consequence = false;    // ddp.consequence (a ddp program's), else looks_like_consequence(message)
 };
 
 // Reads a worker's error file; an absent, empty or unreadable file gives present == false.
@@ -20,6 +20,8 @@ ErrorRecord read_error_record(const std::string& path);
 
 // Whether an error message describes a consequence of another process's failure: a connection
 // closed or reset by a peer, a timeout waiting for peers, a rendezvous another rank stopped.
+// For error files without ddp's "ddp" object (programs that are not ddp programs): ddp marks
+// its own errors by their type (ddp::PeerFailure).
 bool looks_like_consequence(const std::string& message);
 
 // Whether an output line reads like an error message ("error: ...", "RuntimeError: ...",

@@ -36,6 +36,8 @@
 #include "std_spec.h"
 #include "watchdog.h"
 
+#include <ddp/launch_env.h>
+
 extern char** environ;
 
 namespace ddprun {
@@ -282,12 +284,12 @@ class Job {
 
   void start_workers() {
     Environment shared = shared_environment_;
-    shared.set("MASTER_ADDR", assignment_.master_addr);
-    shared.set("MASTER_PORT", std::to_string(assignment_.master_port));
-    shared.set("TORCHELASTIC_RESTART_COUNT", std::to_string(assignment_.restart_count));
+    shared.set(ddp::launch_env::kMasterAddr, assignment_.master_addr);
+    shared.set(ddp::launch_env::kMasterPort, std::to_string(assignment_.master_port));
+    shared.set(ddp::launch_env::kRestartCount, std::to_string(assignment_.restart_count));
     shared.set("DDPRUN_ATTEMPT", std::to_string(assignment_.attempt));
-    shared.set("WORLD_SIZE", std::to_string(assignment_.world_size));
-    shared.set("GROUP_RANK", std::to_string(assignment_.node_rank));
+    shared.set(ddp::launch_env::kWorldSize, std::to_string(assignment_.world_size));
+    shared.set(ddp::launch_env::kGroupRank, std::to_string(assignment_.node_rank));
     shared.set("GROUP_WORLD_SIZE", std::to_string(assignment_.nnodes));
     shared.set("ROLE_WORLD_SIZE", std::to_string(assignment_.world_size));
 
@@ -307,11 +309,11 @@ class Job {
       if (setup_.omp_threads_from_cpus) {
         environment.set("OMP_NUM_THREADS", std::to_string(cpus_of(worker).size()));
       }
-      environment.set("RANK", std::to_string(worker.global_rank));
-      environment.set("LOCAL_RANK", std::to_string(worker.local_rank));
+      environment.set(ddp::launch_env::kRank, std::to_string(worker.global_rank));
+      environment.set(ddp::launch_env::kLocalRank, std::to_string(worker.local_rank));
       if (options_.virtual_local_rank) {
         // As torchrun: each worker sees only its own GPU, as device 0.
-        environment.set("LOCAL_RANK", "0");
+        environment.set(ddp::launch_env::kLocalRank, "0");
         environment.set("CUDA_VISIBLE_DEVICES", virtual_local_rank_device(worker.local_rank));
       }
       environment.set("ROLE_RANK", std::to_string(worker.global_rank));
@@ -319,10 +321,10 @@ class Job {
       // names the earliest original error rather than whichever worker exited first.
       worker.error_file = error_file_for(worker);
       ::unlink(worker.error_file.c_str());
-      environment.set("TORCHELASTIC_ERROR_FILE", worker.error_file);
+      environment.set(ddp::launch_env::kErrorFile, worker.error_file);
       // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
       // collective fails, next to the attempt's logs.
-      if (!options_.log_dir.empty()) environment.set("DDP_LOG_DIR", attempt_log_dir(options_.log_dir, attempt_));
+      if (!options_.log_dir.empty()) environment.set(ddp::launch_env::kLogDir, attempt_log_dir(options_.log_dir, attempt_));
       spawn(worker, environment);
     }
   }
@@ -1036,18 +1038,18 @@ class Session {
   // The environment every worker of every attempt shares.
   Environment shared_environment() const {
     Environment environment = Environment::inherited();
-    environment.set("LOCAL_WORLD_SIZE", std::to_string(options_.nproc_per_node));
+    environment.set(ddp::launch_env::kLocalWorldSize, std::to_string(options_.nproc_per_node));
     environment.set("ROLE_NAME", options_.role);
     environment.set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
     environment.set("TORCHELASTIC_SIGNALS_TO_HANDLE", options_.signals_to_handle);
     // Rank 0 of the workers hosts their store (ddp's ProcessGroup, torch's env://); ddprun hosts
     // none, unlike torchrun's agent, so a worker must not wait for one.
-    environment.set("TORCHELASTIC_USE_AGENT_STORE", "False");
+    environment.set(ddp::launch_env::kUseAgentStore, "False");
     if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr) {
       environment.set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
     }
-    environment.set("TORCHELASTIC_RUN_ID", options_.run_id);
-    environment.set("DDP_RUN_ID", options_.run_id);
+    environment.set(ddp::launch_env::kRunId, options_.run_id);
+    environment.set(ddp::launch_env::kDdpRunId, options_.run_id);
     if (setup_.omp_threads_from_cpus) {
       say("OMP_NUM_THREADS is not set; with --cpu-bind cores, setting it for each of the " +
           std::to_string(options_.nproc_per_node) +

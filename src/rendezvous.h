@@ -1,0 +1,76 @@
+#pragma once
+
+// Internal, not API: how the ranks of a TCP-store job find each other, for
+// ProcessGroup::create. It knows nothing of ProcessGroup: it returns the
+// store the group keeps.
+//
+//   std::optional<StoreDeadline> deadline;
+//   deadline.emplace(world.master_port);
+//   auto store = rendezvous(world, run_id, timeout, *deadline);
+//   ... connect the backend over `store`; deadline->disarm();
+
+#include <ddp/env.h>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace ddp::detail {
+
+// Puts a deadline on the store client's reads. c10d's client reads some
+// replies (its handshake's ping, add, get) without a time limit, so a master
+// that accepts the connection and never answers would block a rank forever.
+// When the deadline passes, this cuts (shutdown()) this process's
+// connections to MASTER_ADDR:MASTER_PORT; the blocked read returns, c10d
+// throws, and rendezvous reports what it was waiting for.
+class StoreDeadline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit StoreDeadline(int master_port) : master_port_(master_port) {}
+  ~StoreDeadline();
+  StoreDeadline(const StoreDeadline&) = delete;
+  StoreDeadline& operator=(const StoreDeadline&) = delete;
+
+  // From now until disarm(), a wait for `awaited` that is still going on at
+  // `deadline` is cut.
+  void arm(Clock::time_point deadline, std::string awaited);
+  void disarm();
+  // Whether a wait was cut.
+  bool expired() const;
+  std::string awaited() const;
+
+ private:
+  void run();
+  void cut_store_connections();
+
+  const int master_port_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::thread thread_;
+  Clock::time_point deadline_;
+  std::string awaited_;
+  bool armed_ = false;
+  bool expired_ = false;
+  bool stop_ = false;
+};
+
+// Connects to the store (rank 0 hosts it on MASTER_ADDR:MASTER_PORT, unless
+// TORCHELASTIC_USE_AGENT_STORE says torchrun's agent serves one) and checks
+// the world (WorldCheck in rendezvous.cpp): run ids, one process per rank,
+// one world size, every rank arrived; all within `timeout`. Returns the
+// store for this job's keys ("run/<run id>/" within this restart's prefix).
+// `deadline` stays armed for the backend's own connection, which follows.
+c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, const std::string& run_id,
+                                           std::chrono::milliseconds timeout, StoreDeadline& deadline);
+
+// What a rank says when `deadline` had to cut a wait of c10d's (`cause` is
+// c10d's error that followed): a PeerFailure naming what it waited for.
+[[noreturn]] void throw_store_did_not_answer(const World& world, std::chrono::milliseconds timeout,
+                                             const StoreDeadline& deadline, const c10::Error& cause);
+
+}  // namespace ddp::detail

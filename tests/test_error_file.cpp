@@ -1,0 +1,96 @@
+// The error file a worker leaves for its launcher (src/error_file.cpp): whether an error is a
+// consequence of another rank's failure is decided by its type for ddp's errors, and by its text
+// only for exceptions that are not ddp's.
+
+#include <ddp/error.h>
+#include <ddp/error_file.h>
+#include <ddp/process_group.h>
+
+#include <gtest/gtest.h>
+
+#include "support/subprocess.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace {
+
+// Records `error` into a fresh error file and returns the file's text.
+std::string recorded(const std::exception& error) {
+  const std::string dir = ddp::testing::make_temp_dir("ddp_error_file");
+  const std::string path = dir + "/error.json";
+  ::setenv("TORCHELASTIC_ERROR_FILE", path.c_str(), 1);
+  const bool wrote = ddp::record_error(error);
+  ::unsetenv("TORCHELASTIC_ERROR_FILE");
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::filesystem::remove_all(dir);
+  EXPECT_TRUE(wrote) << error.what();
+  return text.str();
+}
+
+bool recorded_as_consequence(const std::exception& error) {
+  const std::string text = recorded(error);
+  const bool yes = text.find("\"consequence\": true") != std::string::npos;
+  const bool no = text.find("\"consequence\": false") != std::string::npos;
+  EXPECT_NE(yes, no) << text;
+  return yes;
+}
+
+TEST(ErrorFile, APeerFailureIsAConsequenceByItsType) {
+  // No sentence the text heuristics know: the type alone says it.
+  EXPECT_TRUE(recorded_as_consequence(ddp::PeerFailure("ddp: rank 3 left the job")));
+}
+
+TEST(ErrorFile, AnyOtherDdpErrorIsOriginalWhateverItsText) {
+  // Reads like a consequence ("timed out"), but ddp threw it as its own error.
+  EXPECT_FALSE(recorded_as_consequence(ddp::Error("ddp: loading 'model.pt' timed out on a slow disk")));
+  const std::string text = recorded(ddp::Error("ddp: bad option"));
+  EXPECT_NE(text.find("\"message\": \"ddp: bad option\""), std::string::npos) << text;
+}
+
+TEST(ErrorFile, OtherExceptionsAreJudgedByTheirText) {
+  EXPECT_TRUE(recorded_as_consequence(std::runtime_error("Read error [127.0.0.1]:4242: Connection reset by peer")));
+  EXPECT_FALSE(recorded_as_consequence(std::runtime_error("shape mismatch in layer 2")));
+  try {
+    TORCH_CHECK(false, "Socket Timeout");  // a c10::Error that is not ddp's
+  } catch (const c10::Error& e) {
+    EXPECT_TRUE(recorded_as_consequence(e));
+  }
+}
+
+// The throw sites: a rank whose peers never come fails with a PeerFailure, and so does a rank
+// that cannot reach its master, so their error files name them consequences.
+TEST(ErrorFile, RendezvousWithoutPeersThrowsPeerFailure) {
+  ddp::World world;
+  world.world_size = 2;
+  world.local_world_size = 2;
+  world.master_addr = "127.0.0.1";
+  world.master_port = ddp::testing::free_port();
+  world.source = "torchrun";
+  const auto options = ddp::ProcessGroupOptions().backend(ddp::BackendKind::kGloo).timeout(std::chrono::milliseconds(300));
+
+  world.rank = 0;  // hosts the store; rank 1 never joins
+  try {
+    ddp::ProcessGroup::create(world, options);
+    ADD_FAILURE() << "rank 0 formed a group of two alone";
+  } catch (const ddp::PeerFailure& e) {
+    EXPECT_NE(std::string(e.what()).find("not all of them joined"), std::string::npos) << e.what();
+  }
+
+  world.rank = 1;  // nobody listens on the master's port
+  try {
+    ddp::ProcessGroup::create(world, options);
+    ADD_FAILURE() << "rank 1 joined a master that does not exist";
+  } catch (const ddp::PeerFailure& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot reach the master"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
