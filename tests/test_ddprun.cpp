@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/rdzv_agents.h"
 #include "support/subprocess.h"
 
 namespace {
@@ -102,12 +103,7 @@ std::map<int, int> workers_per_attempt(const std::string& out) {
   return counts;
 }
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  return contents.str();
-}
+using ddp::testing::read_text_file;
 
 std::string hostname() {
   char name[256] = {};
@@ -1108,27 +1104,12 @@ TEST(DdprunRootCause, WithoutAnErrorFileTheErrorLineBeatsStackFrames) {
 
 namespace {
 
-// One agent (ddprun) of a c10d job, running in the background.
-struct RdzvAgent {
-  BackgroundProcess process;
-  ProcessResult result;
-  bool finished = false;
-  std::string err_so_far() const { return read_text_file(process.err_path); }
-  ProcessResult& finish(std::chrono::milliseconds timeout = 30s) {
-    if (!finished) result = ddp::testing::wait_background(process, timeout);
-    finished = true;
-    return result;
-  }
-};
+using ddp::testing::RdzvAgent;
 
 class DdprunRendezvous : public ::testing::Test {
  protected:
   void SetUp() override { port_ = ddp::testing::free_port(); }
-  void TearDown() override {
-    for (RdzvAgent& agent : agents_) {
-      if (!agent.finished) agent.finish(1ms);
-    }
-  }
+  void TearDown() override { ddp::testing::finish_agents(agents_); }
 
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
 
@@ -1146,24 +1127,11 @@ class DdprunRendezvous : public ::testing::Test {
     return agents_.back();
   }
 
-  // Waits until the agent's stderr contains text.
   bool wait_for_err(const RdzvAgent& agent, const std::string& text, std::chrono::milliseconds timeout = 15s) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (agent.err_so_far().find(text) == std::string::npos) {
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(10ms);
-    }
-    return true;
+    return ddp::testing::wait_for_err(agent, text, timeout);
   }
 
-  std::string everything() {
-    std::string text;
-    for (size_t i = 0; i < agents_.size(); ++i) {
-      text += "--- agent " + std::to_string(i) + ": " + (agents_[i].finished ? agents_[i].result.describe()
-                                                                               : agents_[i].err_so_far()) + "\n";
-    }
-    return text;
-  }
+  std::string everything() { return ddp::testing::describe_agents(agents_); }
 
   int port_ = 0;
   std::deque<RdzvAgent> agents_;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "hmac_sha256.h"
+#include "support/rdzv_agents.h"
 #include "support/subprocess.h"
 
 namespace {
@@ -198,12 +199,7 @@ class RawPeer {
   bool got_challenge_ = false;
 };
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  return contents.str();
-}
+using ddp::testing::read_text_file;
 
 size_t count_of(const std::string& text, const std::string& what) {
   size_t count = 0;
@@ -234,17 +230,7 @@ bool allow_descriptors(rlim_t wanted) {
 
 // ---------------------------------------------------------------------------------------------
 
-struct Agent {
-  BackgroundProcess process;
-  ProcessResult result;
-  bool finished = false;
-  std::string err_so_far() const { return read_text_file(process.err_path); }
-  ProcessResult& finish(std::chrono::milliseconds timeout = 30s) {
-    if (!finished) result = ddp::testing::wait_background(process, timeout);
-    finished = true;
-    return result;
-  }
-};
+using Agent = ddp::testing::RdzvAgent;
 
 class RdzvSecurity : public ::testing::Test {
  protected:
@@ -253,9 +239,7 @@ class RdzvSecurity : public ::testing::Test {
     dir_ = ddp::testing::make_temp_dir("rdzv_security");
   }
   void TearDown() override {
-    for (Agent& agent : agents_) {
-      if (!agent.finished) agent.finish(1ms);
-    }
+    ddp::testing::finish_agents(agents_);
     std::string ignored = "rm -rf '" + dir_ + "'";
     EXPECT_EQ(std::system(ignored.c_str()), 0);
   }
@@ -290,22 +274,10 @@ class RdzvSecurity : public ::testing::Test {
   }
 
   bool wait_for_err(const Agent& agent, const std::string& text, std::chrono::milliseconds timeout = 15s) {
-    const auto deadline = Clock::now() + timeout;
-    while (agent.err_so_far().find(text) == std::string::npos) {
-      if (Clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(10ms);
-    }
-    return true;
+    return ddp::testing::wait_for_err(agent, text, timeout);
   }
 
-  std::string everything() {
-    std::string text;
-    for (size_t i = 0; i < agents_.size(); ++i) {
-      text += "--- agent " + std::to_string(i) + ": " +
-              (agents_[i].finished ? agents_[i].result.describe() : agents_[i].err_so_far()) + "\n";
-    }
-    return text;
-  }
+  std::string everything() { return ddp::testing::describe_agents(agents_); }
 
   // A worker that lives long enough for the forgeries to land mid-round, then prints its rank.
   static std::vector<std::string> worker() {
