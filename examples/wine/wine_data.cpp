@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

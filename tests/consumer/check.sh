@@ -2,13 +2,34 @@
 # usage: check.sh MODE DDP_BUILD_DIR DDP_SOURCE_DIR
 #   MODE: installed (cmake --install into a temporary prefix, find_package),
 #         build-tree (find_package with ddp_DIR=<build dir>),
-#         fetchcontent (FetchContent_Declare(ddp SOURCE_DIR ...))
+#         fetchcontent (FetchContent_Declare(ddp SOURCE_DIR ...)),
+#         examples (the examples built on their own against the installed package,
+#                   as README's "Using ddp in your project" says, and run)
 set -euo pipefail
 mode=$1 build=$2 source=$3
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 args=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 case "$mode" in
+  examples)
+    cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+    for example in torchscript digits; do
+      cmake -S "$source/examples/$example" -B "$work/$example" "${args[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
+        > "$work/$example.configure.log" 2>&1 || { cat "$work/$example.configure.log"; exit 1; }
+      cmake --build "$work/$example" -j 2 > "$work/$example.build.log" 2>&1 || { tail -50 "$work/$example.build.log"; exit 1; }
+    done
+    mkdir -p "$work/runs"
+    "$work/torchscript/wine/wine_single" 2 2 --checkpoint-dir "$work/runs" | tee "$work/wine.log"
+    grep -q "Test accuracy" "$work/wine.log"
+    "$work/prefix/bin/ddprun" --standalone --nproc-per-node 2 "$work/torchscript/wine/wine_ddp" 2 2 \
+      --checkpoint-dir "$work/runs" --no-resume | tee "$work/wine_ddp.log"
+    grep -q "Test accuracy" "$work/wine_ddp.log"
+    test -x "$work/torchscript/wine/wine_sharded" && test -x "$work/torchscript/train_scripted"
+    mkdir -p "$work/runs-digits"
+    "$work/digits/digits_ddp" 1 1 --checkpoint-dir "$work/runs-digits" | tee "$work/digits.log"
+    grep -q "Test accuracy" "$work/digits.log"
+    echo "examples ok: built against the installed package and run"
+    exit 0 ;;
   installed)
     cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
     args+=(-DCMAKE_PREFIX_PATH="$work/prefix") ;;

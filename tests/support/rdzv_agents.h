@@ -1,6 +1,7 @@
 // Agents of one ddprun c10d job, each a ddprun in the background on this host: the tests of
-// the rendezvous (test_ddprun.cpp) and of its store's defences (test_rdzv_security.cpp) start
-// them, wait for what they print, and describe them all when an assertion fails.
+// the rendezvous (test_ddprun_rendezvous.cpp) and of its store's defences
+// (test_rdzv_security.cpp) start them, wait for what they print, and describe them all when an
+// assertion fails.
 #pragma once
 
 #include <support/subprocess.h>

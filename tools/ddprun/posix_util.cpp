@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
 
 #include "console.h"
@@ -112,6 +113,12 @@ std::string describe_exit(int exit_code, int term_signal) {
            ")";
   }
   return "exit code " + std::to_string(exit_code);
+}
+
+std::string format_seconds(double seconds) {
+  std::ostringstream text;
+  text << seconds;
+  return text.str();
 }
 
 void set_nonblocking(int fd) {

@@ -19,6 +19,9 @@ std::string signal_name(int signal_number);
 // "exit code 3" or "killed by signal 11 (SIGSEGV)".
 std::string describe_exit(int exit_code, int term_signal);
 
+// A number of seconds as ddprun's messages write it, in std::ostream's default form: "5", "0.5".
+std::string format_seconds(double seconds);
+
 // Sets O_NONBLOCK on fd. Throws std::runtime_error.
 void set_nonblocking(int fd);
 

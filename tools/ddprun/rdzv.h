@@ -3,11 +3,19 @@
 // on the workers' MASTER_ADDR/MASTER_PORT for every attempt, keeps one restart budget for the
 // whole job, watches every agent's heartbeat, and picks the job-wide root cause.
 //
-// The protocol is ddprun's own: every message is a list of strings, framed as
-//   u32 total length | u32 count | (u32 length, bytes)*   (big-endian)
-// and every socket operation on either side has a deadline. Each connection starts with a
-// challenge and response over the job's secret (docs/security.md); then JOIN or RESUME binds it
-// to one agent, and it may speak for that agent only.
+// The protocol is ddprun's own (framing and handshake: rdzv_wire.h), and every socket operation
+// on either side has a deadline. Each connection starts with a challenge and response over the
+// job's secret (docs/security.md); then JOIN or RESUME binds it to one agent, and it may speak
+// for that agent only. The store: rdzv_server.cpp (network) and rdzv_store.cpp (its rules);
+// an agent's side: rdzv_client.cpp.
+//
+// Why not c10d's TCPStore, as torchrun does: ddprun links nothing from torch, and a key-value
+// store gives none of what the agents need. They need an identity per connection (the secret's
+// challenge and response, and requests bound to the connection that owns the node, so that no
+// one can speak for another node), heartbeats after which the store itself declares a node
+// lost, one restart budget for the whole job, and one job-wide root cause picked from every
+// node's report. Over a plain store each agent would have to build these from keys that any
+// client can read and overwrite.
 #pragma once
 
 #include <atomic>
@@ -125,7 +133,6 @@ class RdzvClient {
   bool request(const Message& message, Message* reply, double timeout_seconds);
   bool connect_once(double timeout_seconds);
   bool authenticate(int fd, std::chrono::steady_clock::time_point deadline);
-  static bool exchange(int fd, const Message& message, Message* reply, std::chrono::steady_clock::time_point deadline);
   void heartbeat_loop();
   static RdzvView parse_view(const Message& reply);
 

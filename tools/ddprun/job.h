@@ -1,0 +1,124 @@
+// One attempt of the job: start the workers (worker_setup.cpp), supervise them and their
+// output, tear them all down when one fails or ddprun is asked to stop, and name the root
+// cause (job.cpp). The Session (session.cpp) runs one Job per attempt.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "error_record.h"
+#include "launcher.h"
+#include "line_forwarder.h"
+#include "posix_util.h"
+#include "worker_setup.h"
+
+namespace ddprun {
+
+class RdzvClient;
+class SignalPipe;
+class Watchdog;
+
+// The worker whose failure ended an attempt, as the final report describes it.
+struct FailedWorker {
+  int global_rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  int exit_code = -1;
+  int term_signal = 0;
+  std::string exit_text;  // how it ended, as the reports say it
+  std::string last_line;
+  std::string log_path;  // empty without --log-dir
+  // The worker's recorded error (TORCHELASTIC_ERROR_FILE), when one was recorded.
+  ErrorRecord record;
+};
+
+struct AttemptOutcome {
+  int received_signal = 0;  // ddprun was asked to stop: never restart
+  bool worker_failed = false;
+  FailedWorker first_failure;  // when worker_failed
+  // With the c10d rendezvous: the store asked us to stop (another node failed, a node was lost
+  // or is joining), or the store itself stopped answering.
+  bool stopped_by_rendezvous = false;
+  bool store_lost = false;
+};
+
+// Where one attempt's workers sit in the job.
+struct Assignment {
+  int attempt = 0;        // rounds of the job, from 0: names log directories and error files
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT: restarts after failures so far
+  int node_rank = 0;
+  int nnodes = 1;
+  int world_size = 1;
+  int base_rank = 0;  // global rank of local rank 0
+  std::string master_addr;
+  int master_port = 0;
+};
+
+// One attempt of the job: start the workers, watch them and their output, stop them.
+class Job {
+ public:
+  // The Job borrows everything; all of it must outlive the Job.
+  Job(const LaunchOptions& options, const Assignment& assignment, const Environment& shared_environment,
+      const WorkerSetup& setup, const std::string& error_dir, Watchdog& watchdog, SignalPipe& signals,
+      RdzvClient* client = nullptr);
+
+  AttemptOutcome run();
+
+ private:
+  enum class Stage {
+    kRunning,   // workers are running normally
+    kStopping,  // workers were sent SIGTERM (or a forwarded signal); waiting for the grace period
+    kKilled,    // workers were sent SIGKILL
+  };
+
+  using Clock = std::chrono::steady_clock;
+
+  // Setting the workers up (worker_setup.cpp).
+  void start_workers();
+  std::string error_file_for(const Worker& worker) const;
+  void open_log_files();
+  void open_stream_files();
+  const CpuList& cpus_of(const Worker& worker) const;
+  std::vector<LineSink> sinks_for(const Worker& worker, int console_fd, int stream) const;
+  void spawn(Worker& worker, const Environment& environment);
+
+  // Supervising and tearing down (job.cpp).
+  void watch_until_done();
+  void check_rendezvous();
+  bool any_stream_open() const;
+  void wait_for_events();
+  void handle_signals();
+  void collect_exits();
+  void stop_workers(int signal_number);
+  void kill_workers(bool early);
+  void kill_all_groups();
+  void reap_all();
+  AttemptOutcome report_outcome() const;
+
+  const LaunchOptions& options_;
+  const Assignment& assignment_;
+  const WorkerSetup& setup_;
+  FileDescriptor filtered_stdout_;  // torchrun's attempt_<A>/filtered_stdout.log
+  FileDescriptor filtered_stderr_;
+  const int attempt_;
+  const std::string& error_dir_;
+  const Environment& shared_environment_;
+  Watchdog& watchdog_;
+  SignalPipe& signals_;
+  RdzvClient* client_;
+  bool stopped_by_rendezvous_ = false;
+  bool store_lost_ = false;
+  std::vector<Worker> workers_;
+  Stage stage_ = Stage::kRunning;
+  Clock::time_point kill_deadline_;
+  Clock::time_point abandon_deadline_;
+  int received_signal_ = 0;
+  bool killed_early_ = false;
+  const Worker* first_failed_ = nullptr;  // the first worker that failed while running
+  long long teardown_started_ns_ = 0;      // wall clock (as error files have it) of the first stop
+};
+
+}  // namespace ddprun

@@ -1,0 +1,294 @@
+#include "worker_setup.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+
+#include "job.h"
+#include "signal_pipe.h"
+#include "std_spec.h"
+#include "watchdog.h"
+
+#include <ddp/launch_env.h>
+
+extern char** environ;
+
+namespace ddprun {
+namespace {
+
+// argv/envp view of strings; valid while `strings` lives.
+std::vector<char*> c_string_array(const std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  pointers.reserve(strings.size() + 1);
+  for (const std::string& s : strings) pointers.push_back(const_cast<char*>(s.c_str()));
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+// Truncated, appended to (lines of several workers may share it).
+FileDescriptor create_log_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw_errno("cannot create log file '" + path + "'");
+  return FileDescriptor(fd);
+}
+
+}  // namespace
+
+std::string virtual_local_rank_device(int local_rank) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr) return std::to_string(local_rank);
+  // torchrun splits on ',' and strips each entry, nothing more.
+  std::vector<std::string> devices;
+  std::stringstream entries(visible);
+  for (std::string entry; std::getline(entries, entry, ',');) devices.push_back(entry);
+  if (std::string(visible).empty() || std::string(visible).back() == ',') devices.emplace_back();
+  if (local_rank >= static_cast<int>(devices.size())) {
+    throw std::invalid_argument("--virtual-local-rank gives each local rank one entry of CUDA_VISIBLE_DEVICES='" +
+                                std::string(visible) + "', but local rank " + std::to_string(local_rank) +
+                                " has none; lower --nproc-per-node or list more devices");
+  }
+  std::string device = devices[static_cast<size_t>(local_rank)];
+  const size_t first = device.find_first_not_of(" \t");
+  return first == std::string::npos ? "" : device.substr(first, device.find_last_not_of(" \t") - first + 1);
+}
+
+Environment Environment::inherited() {
+  Environment environment;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    environment.entries_.emplace_back(*entry);
+  }
+  return environment;
+}
+
+void Environment::set(const std::string& key, const std::string& value) {
+  const std::string key_prefix = key + "=";
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                [&](const std::string& entry) {
+                                  return entry.compare(0, key_prefix.size(), key_prefix) == 0;
+                                }),
+                 entries_.end());
+  entries_.push_back(key_prefix + value);
+}
+
+std::string attempt_log_dir(const std::string& log_dir, int attempt) {
+  return log_dir + "/attempt_" + std::to_string(attempt);
+}
+
+void create_directories(const std::string& path) {
+  std::error_code error;
+  std::filesystem::create_directories(path, error);
+  if (error) {
+    throw std::runtime_error("cannot create log directory '" + path + "': " + error.message());
+  }
+}
+
+void Job::start_workers() {
+  Environment shared = shared_environment_;
+  shared.set(ddp::launch_env::kMasterAddr, assignment_.master_addr);
+  shared.set(ddp::launch_env::kMasterPort, std::to_string(assignment_.master_port));
+  shared.set(ddp::launch_env::kRestartCount, std::to_string(assignment_.restart_count));
+  shared.set("DDPRUN_ATTEMPT", std::to_string(assignment_.attempt));
+  shared.set(ddp::launch_env::kWorldSize, std::to_string(assignment_.world_size));
+  shared.set(ddp::launch_env::kGroupRank, std::to_string(assignment_.node_rank));
+  shared.set("GROUP_WORLD_SIZE", std::to_string(assignment_.nnodes));
+  shared.set("ROLE_WORLD_SIZE", std::to_string(assignment_.world_size));
+
+  workers_.reserve(static_cast<size_t>(options_.nproc_per_node));
+  for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
+    Worker worker;
+    worker.local_rank = local_rank;
+    worker.global_rank = assignment_.base_rank + local_rank;
+    workers_.push_back(std::move(worker));
+  }
+  // Every log file exists before the first worker starts, so a log directory we cannot write
+  // stops the attempt before any work is done.
+  if (!options_.log_dir.empty()) open_log_files();
+  if (!setup_.stream_log_dir.empty()) open_stream_files();
+  for (Worker& worker : workers_) {
+    Environment environment = shared;
+    if (setup_.omp_threads_from_cpus) {
+      environment.set("OMP_NUM_THREADS", std::to_string(cpus_of(worker).size()));
+    }
+    environment.set(ddp::launch_env::kRank, std::to_string(worker.global_rank));
+    environment.set(ddp::launch_env::kLocalRank, std::to_string(worker.local_rank));
+    if (options_.virtual_local_rank) {
+      // As torchrun: each worker sees only its own GPU, as device 0.
+      environment.set(ddp::launch_env::kLocalRank, "0");
+      environment.set("CUDA_VISIBLE_DEVICES", virtual_local_rank_device(worker.local_rank));
+    }
+    environment.set("ROLE_RANK", std::to_string(worker.global_rank));
+    // Where the worker records its first error (torchrun's convention), so that the summary
+    // names the earliest original error rather than whichever worker exited first.
+    worker.error_file = error_file_for(worker);
+    ::unlink(worker.error_file.c_str());
+    environment.set(ddp::launch_env::kErrorFile, worker.error_file);
+    // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
+    // collective fails, next to the attempt's logs.
+    if (!options_.log_dir.empty()) environment.set(ddp::launch_env::kLogDir, attempt_log_dir(options_.log_dir, attempt_));
+    spawn(worker, environment);
+  }
+}
+
+std::string Job::error_file_for(const Worker& worker) const {
+  if (!options_.log_dir.empty()) {
+    return attempt_log_dir(options_.log_dir, attempt_) + "/rank_" + std::to_string(worker.global_rank) +
+           ".error.json";
+  }
+  return error_dir_ + "/attempt_" + std::to_string(attempt_) + ".rank_" + std::to_string(worker.global_rank) +
+         ".error.json";
+}
+
+void Job::open_log_files() {
+  const std::string directory = attempt_log_dir(options_.log_dir, attempt_);
+  create_directories(directory);
+  for (Worker& worker : workers_) {
+    worker.log_path = directory + "/rank_" + std::to_string(worker.global_rank) + ".log";
+    worker.log_file = create_log_file(worker.log_path);
+  }
+}
+
+// torchrun's layout: <stream_log_dir>/attempt_<A>/<local_rank>/{stdout,stderr}.log for the
+// streams --redirects or --tee name, and attempt_<A>/filtered_{stdout,stderr}.log for the
+// --duplicate-*-filters.
+void Job::open_stream_files() {
+  const std::string attempt_dir = setup_.stream_log_dir + "/attempt_" + std::to_string(attempt_);
+  for (Worker& worker : workers_) {
+    const std::string directory = attempt_dir + "/" + std::to_string(worker.local_rank);
+    create_directories(directory);
+    const int streams = std_streams_for(options_.redirects, worker.local_rank) |
+                        std_streams_for(options_.tee_spec, worker.local_rank);
+    if ((streams & kStdOut) != 0) worker.stdout_file = create_log_file(directory + "/stdout.log");
+    if ((streams & kStdErr) != 0) worker.stderr_file = create_log_file(directory + "/stderr.log");
+  }
+  if (!options_.duplicate_stdout_filters.empty()) filtered_stdout_ = create_log_file(attempt_dir + "/filtered_stdout.log");
+  if (!options_.duplicate_stderr_filters.empty()) filtered_stderr_ = create_log_file(attempt_dir + "/filtered_stderr.log");
+}
+
+const CpuList& Job::cpus_of(const Worker& worker) const {
+  static const CpuList kUnbound;
+  const size_t index = static_cast<size_t>(worker.local_rank);
+  return index < setup_.cpus_by_local_rank.size() ? setup_.cpus_by_local_rank[index] : kUnbound;
+}
+
+// Where the lines of one of the worker's streams (kStdOut or kStdErr) go, as torchrun sends
+// them: a redirected stream only to its file, a teed one to its file and to the console with
+// torchrun's "[<role><local_rank>]:" (and, matching a --duplicate-*-filter, to the filtered
+// file), any other to the console with ddprun's "[rank<R>]: " (which --no-prefix drops, so
+// that the console reads as torchrun's). --local-ranks-filter keeps the other ranks off the
+// console (and out of the filtered file, as torchrun does). With --log-dir, ddprun's
+// rank_<R>.log gets both streams whatever the rest says.
+std::vector<LineSink> Job::sinks_for(const Worker& worker, int console_fd, int stream) const {
+  const bool redirected = (std_streams_for(options_.redirects, worker.local_rank) & stream) != 0;
+  const bool teed = (std_streams_for(options_.tee_spec, worker.local_rank) & stream) != 0;
+  const bool shown = setup_.console_local_ranks.empty() || setup_.console_local_ranks.count(worker.local_rank) != 0;
+  const std::string torchrun_prefix = "[" + options_.role + std::to_string(worker.local_rank) + "]:";
+  std::vector<LineSink> sinks;
+  if (worker.log_file.get() >= 0) sinks.push_back(LineSink{worker.log_file.get(), "", /*console=*/false, {}});
+  const FileDescriptor& stream_file = stream == kStdOut ? worker.stdout_file : worker.stderr_file;
+  if (stream_file.get() >= 0) sinks.push_back(LineSink{stream_file.get(), "", /*console=*/false, {}});
+  if (!shown) return sinks;
+  if (teed) {
+    sinks.push_back(LineSink{console_fd, torchrun_prefix, /*console=*/true, {}});
+    const FileDescriptor& filtered = stream == kStdOut ? filtered_stdout_ : filtered_stderr_;
+    const auto& filters = stream == kStdOut ? options_.duplicate_stdout_filters : options_.duplicate_stderr_filters;
+    if (filtered.get() >= 0) sinks.push_back(LineSink{filtered.get(), torchrun_prefix, /*console=*/false, filters});
+  } else if (!redirected) {
+    const std::string prefix = options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
+    sinks.push_back(LineSink{console_fd, prefix, /*console=*/true, {}});
+  }
+  return sinks;
+}
+
+void Job::spawn(Worker& worker, const Environment& environment) {
+  // Everything the child needs is built before fork, so the child only makes system calls.
+  std::vector<char*> argv = c_string_array(options_.command);
+  std::vector<char*> envp = c_string_array(environment.entries());
+  const std::string exec_failure = "ddprun: cannot execute '" + options_.command[0] + "': ";
+  std::vector<LineSink> out_sinks = sinks_for(worker, STDOUT_FILENO, kStdOut);
+  std::vector<LineSink> err_sinks = sinks_for(worker, STDERR_FILENO, kStdErr);
+  const CpuList& cpus = cpus_of(worker);
+  cpu_set_t cpu_set;
+  CPU_ZERO(&cpu_set);
+  for (int cpu : cpus) CPU_SET(cpu, &cpu_set);
+  const std::string bind_failure = "ddprun: cannot bind local rank " + std::to_string(worker.local_rank) +
+                                   " to CPUs " + format_cpu_list(cpus) + ": ";
+
+  int out_pipe[2];
+  int err_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw_errno("pipe2");
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    int saved = errno;
+    ::close(out_pipe[0]);
+    ::close(out_pipe[1]);
+    errno = saved;
+    throw_errno("pipe2");
+  }
+
+  const pid_t launcher_pid = ::getpid();
+  // Blocked across fork: a signal arriving before the child has reset its dispositions would
+  // otherwise run our handler in the child and write into the launcher's signal pipe.
+  sigset_t all_signals;
+  sigset_t previous_mask;
+  sigfillset(&all_signals);
+  ::sigprocmask(SIG_BLOCK, &all_signals, &previous_mask);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // Own process group, so that stopping a worker also reaches the processes it started.
+    ::setpgid(0, 0);
+    // Dies with the launcher even when the launcher is SIGKILLed and cannot clean up...
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    // ...unless the launcher died before prctl took effect.
+    if (::getppid() != launcher_pid) ::_exit(1);
+    signals_.reset_in_child();
+    ::signal(SIGPIPE, SIG_DFL);
+    // ensure_standard_fds_open() guarantees the pipe ends are not 1 or 2 themselves.
+    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::dup2(err_pipe[1], STDERR_FILENO);
+    // Before exec, so that every thread the program starts inherits it.
+    if (!cpus.empty() && ::sched_setaffinity(0, sizeof cpu_set, &cpu_set) != 0) {
+      const char* reason = std::strerror(errno);
+      write_all(STDERR_FILENO, bind_failure.data(), bind_failure.size());
+      write_all(STDERR_FILENO, reason, std::strlen(reason));
+      write_all(STDERR_FILENO, "\n", 1);
+      ::_exit(127);
+    }
+    sigset_t no_signals;
+    sigemptyset(&no_signals);
+    ::sigprocmask(SIG_SETMASK, &no_signals, nullptr);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const char* reason = std::strerror(errno);
+    write_all(STDERR_FILENO, exec_failure.data(), exec_failure.size());
+    write_all(STDERR_FILENO, reason, std::strlen(reason));
+    write_all(STDERR_FILENO, "\n", 1);
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
+  ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  if (pid < 0) {
+    ::close(out_pipe[0]);
+    ::close(err_pipe[0]);
+    errno = fork_errno;
+    throw_errno("fork");
+  }
+  // Also done here so the group exists before we could signal it, whoever runs first.
+  ::setpgid(pid, pid);
+  worker.pid = pid;
+  watchdog_.watch(pid);
+
+  worker.streams.emplace_back(out_pipe[0], std::move(out_sinks));
+  worker.streams.emplace_back(err_pipe[0], std::move(err_sinks));
+}
+
+}  // namespace ddprun
