@@ -337,6 +337,10 @@ GLOO_DIR=$(find_header gloo/config.h)
 GTEST_DIR=$(find_header gtest/gtest.h)
 ZLIB_DIR=$(find_header zlib.h)
 [[ -n $GLOO_DIR ]] || MISSING+=("Gloo's headers (libgloo-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
+JSON_DIR=$(find_header nlohmann/json.hpp)
+CLI11_DIR=$(find_header CLI/CLI.hpp)
+[[ -n $JSON_DIR ]] || MISSING+=("nlohmann's JSON headers (nlohmann-json3-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
+[[ -n $CLI11_DIR ]] || MISSING+=("CLI11's headers (libcli11-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
 HAVE_GTEST=0 HAVE_ZLIB=0
 [[ -n $GTEST_DIR ]] && HAVE_GTEST=1
 [[ -n $ZLIB_DIR ]] && HAVE_ZLIB=1
@@ -352,6 +356,9 @@ command -v ninja > /dev/null && GENERATOR=Ninja
 # so the prefix's include folder goes on it; googletest and zlib are named
 # to their CMake find modules.
 DEPS_ARGS=()
+# nlohmann_json and CLI11 are found by find_package through their CMake
+# configs, which live under the prefix's usr/share/cmake.
+[[ -n $PREFIX_INCLUDE ]] && DEPS_ARGS+=("-DCMAKE_PREFIX_PATH=$DEPS_PREFIX/usr")
 [[ -n $PREFIX_INCLUDE && ( $GLOO_DIR == "$PREFIX_INCLUDE" || $GTEST_DIR == "$PREFIX_INCLUDE" || $ZLIB_DIR == "$PREFIX_INCLUDE" ) ]] &&
   DEPS_ARGS+=("-DCMAKE_CXX_FLAGS=-isystem $PREFIX_INCLUDE")
 if [[ $HAVE_ZLIB == 1 && $ZLIB_DIR == "$PREFIX_INCLUDE" ]]; then

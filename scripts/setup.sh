@@ -10,9 +10,11 @@ TORCH_VERSION=2.11.0
 REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # openmpi-bin, slurm-wlm and iproute2 serve the cluster tests (mpirun, a
 # single-host Slurm, network namespaces); libopenmpi-dev the mpi backend; binutils' nm and readelf the Gloo
-# header checks.
+# header checks; nlohmann-json3-dev and libcli11-dev the JSON and command-line
+# libraries (header-only) of the library, ddprun, the examples and benchmarks.
 APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
-              python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm valgrind)
+              python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm valgrind
+              nlohmann-json3-dev libcli11-dev)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

@@ -21,8 +21,9 @@ case $mode in
       [[ $pin =~ ^[a-z0-9][a-z0-9+.-]+=[0-9][A-Za-z0-9.+:~-]*$ ]] || fail "not package=version: '$pin'"
     done
     # What the build cannot do without (Gloo's headers for the library,
-    # googletest for the gpu tests, zlib.h for the examples' configure).
-    for needed in libgloo-dev libgtest-dev zlib1g-dev; do
+    # googletest for the gpu tests, zlib.h for the examples' configure,
+    # nlohmann's JSON and CLI11 for the library, ddprun and the examples).
+    for needed in libgloo-dev libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev; do
       printf '%s\n' "${pins[@]}" | grep -q "^$needed=" || fail "$needed is not pinned in $manifest"
     done
     dupes=$(printf '%s\n' "${pins[@]}" | cut -d= -f1 | sort | uniq -d)
