@@ -2,7 +2,7 @@
 
 add_executable(ddp_worker workers/ddp_worker.cpp)
 target_link_libraries(ddp_worker PRIVATE ddp::ddp)
-target_precompile_headers(ddp_worker REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_worker)
 
 # Pure functions and single-process behaviour.
 add_executable(ddp_unit_tests
@@ -18,7 +18,7 @@ add_executable(ddp_unit_tests
   test_gloo_headers.cpp
   test_libtorch_integration.cpp)
 target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_unit_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_unit_tests)
 target_compile_definitions(ddp_unit_tests PRIVATE
   DDP_LIBRARY_PATH="$<TARGET_FILE:ddp>"
   DDP_TORCH_LIB_DIR="${DDP_TORCH_ROOT}/lib")
@@ -39,7 +39,7 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 # nodes. Each test skips with its reason where its tools are missing.
 add_executable(ddp_cluster_tests test_cluster.cpp)
 target_link_libraries(ddp_cluster_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_cluster_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_cluster_tests)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
@@ -47,7 +47,7 @@ gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
 # One strategy's training for the launcher tests (mpirun, ddprun on the GPU).
 add_executable(fsdp_worker workers/fsdp_worker.cpp)
 target_link_libraries(fsdp_worker PRIVATE ddp::ddp)
-target_precompile_headers(fsdp_worker REUSE_FROM ddp)
+ddp_reuse_precompiled_header(fsdp_worker)
 
 # ---------------------------------------------------------------------------
 # The GPU path: device selection, GradScaler and autocast (unit tests on the
@@ -55,7 +55,7 @@ target_precompile_headers(fsdp_worker REUSE_FROM ddp)
 # size, and the tests that need CUDA (label "gpu"; each skips without it).
 add_executable(gpu_worker workers/gpu_worker.cpp)
 target_link_libraries(gpu_worker PRIVATE ddp::ddp)
-target_precompile_headers(gpu_worker REUSE_FROM ddp)
+ddp_reuse_precompiled_header(gpu_worker)
 
 target_sources(ddp_unit_tests PRIVATE test_device.cpp test_grad_scaler.cpp)
 
@@ -70,7 +70,7 @@ gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess"
 
 add_executable(ddp_gpu_tests test_gpu.cpp)
 target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_gpu_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_gpu_tests)
 add_dependencies(ddp_gpu_tests gpu_worker fsdp_worker ddprun)
 gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
 # FSDP and ZeRO on real ranks, each rank's code in the test file
@@ -79,7 +79,7 @@ gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY
 add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict.cpp test_fsdp_ranks.cpp
   test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_fsdp_rank_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST)
 
@@ -91,7 +91,7 @@ add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradie
   test_process_group.cpp test_rendezvous_faults.cpp test_distributed_data_parallel.cpp test_no_hangs.cpp
   test_zero_redundancy_optimizer.cpp)
 target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_integration_rank_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_integration_rank_tests)
 # ddprun's own tests here launch the tiny worker.
 add_dependencies(ddp_integration_rank_tests ddp_worker ddprun)
 gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
@@ -108,7 +108,7 @@ gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT
 # The mpi backend under a real mpirun (each test skips without MPI).
 add_executable(ddp_mpi_tests test_mpi.cpp)
 target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_mpi_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_mpi_tests)
 add_dependencies(ddp_mpi_tests ddp_worker fsdp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST)
@@ -117,6 +117,6 @@ gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 
 # the desync check, the trace analyser and stack dumps.
 add_executable(ddp_trace_tests test_collective_trace.cpp)
 target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-target_precompile_headers(ddp_trace_tests REUSE_FROM ddp)
+ddp_reuse_precompiled_header(ddp_trace_tests)
 add_dependencies(ddp_trace_tests ddprun ddp_worker)
 gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST)
