@@ -5,6 +5,8 @@
 
 #include <ddp/error.h>
 
+#include "fnv1a.h"
+
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/jit/api/module.h>
@@ -72,15 +74,6 @@ std::vector<TensorSignature> decode_all(const std::string& text) {
   std::string line;
   while (std::getline(in, line)) result.push_back(TensorSignature::decode(line));
   return result;
-}
-
-uint64_t fnv1a(const std::string& text) {
-  uint64_t hash = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ULL;
-  }
-  return hash;
 }
 
 // Why rank `other` differs from rank 0, naming the first differing tensor.

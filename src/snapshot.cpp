@@ -3,6 +3,8 @@
 #include <ddp/error.h>
 #include <ddp/collective_trace.h>
 
+#include "fnv1a.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/core/Dict.h>
@@ -59,17 +61,11 @@ class Checksum {
       bytes(&b, 1);
     }
   }
-  int64_t value() const { return static_cast<int64_t>(hash_); }
+  int64_t value() const { return static_cast<int64_t>(hash_.value()); }
 
  private:
-  void bytes(const void* data, size_t n) {
-    auto* p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) {
-      hash_ ^= p[i];
-      hash_ *= 1099511628211ULL;
-    }
-  }
-  uint64_t hash_ = 1469598103934665603ULL;
+  void bytes(const void* data, size_t n) { hash_.add(data, n); }
+  detail::Fnv1a hash_;
 };
 
 const char* kFormat = "ddp.snapshot";
