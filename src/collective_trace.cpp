@@ -2,11 +2,11 @@
 
 #include <ddp/error.h>
 
+#include "json_text.h"
+
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
-#include <sstream>
 
 namespace ddp {
 namespace {
@@ -19,32 +19,9 @@ int64_t now_ns() {
 thread_local std::string current_tag;
 
 std::string size_text(int64_t bytes) {
-  char text[32];
-  if (bytes >= (1 << 20)) {
-    std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  } else if (bytes >= 1024) {
-    std::snprintf(text, sizeof(text), "%.1f KiB", static_cast<double>(bytes) / 1024);
-  } else {
-    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
-  }
-  return text;
-}
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
+  if (bytes >= (1 << 20)) return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+  if (bytes >= 1024) return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / 1024);
+  return fmt::format("{} B", bytes);
 }
 
 const char* state_name(CollectiveRecord::State state) {
@@ -161,16 +138,19 @@ std::vector<CollectiveRecord> CollectiveTrace::recent(size_t count) const {
 }
 
 std::string CollectiveTrace::json_lines(int rank) const {
-  std::ostringstream out;
+  std::string out;
   for (const auto& r : recent(records_.size())) {
-    out << "{\"rank\":" << rank << ",\"seq\":" << r.seq << ",\"op\":" << json_string(r.op)
-        << ",\"dtype\":" << json_string(r.dtype) << ",\"shape\":[";
-    for (size_t i = 0; i < r.shape.size(); ++i) out << (i ? "," : "") << r.shape[i];
-    out << "],\"bytes\":" << r.bytes << ",\"tag\":" << json_string(r.tag) << ",\"queued_ns\":" << r.queued_ns
-        << ",\"started_ns\":" << r.started_ns << ",\"ended_ns\":" << r.ended_ns << ",\"state\":\""
-        << state_name(r.state) << "\"}\n";
+    // Compact, one record a line, in this key order: tools/trace/analyze_traces.py
+    // and the tests read these lines.
+    const detail::OrderedJson line = {
+        {"rank", rank}, {"seq", r.seq}, {"op", r.op}, {"dtype", r.dtype}, {"shape", r.shape}, {"bytes", r.bytes},
+        {"tag", r.tag}, {"queued_ns", r.queued_ns}, {"started_ns", r.started_ns}, {"ended_ns", r.ended_ns},
+        {"state", state_name(r.state)},
+    };
+    out += detail::compact_json(line);
+    out += '\n';
   }
-  return out.str();
+  return out;
 }
 
 namespace {

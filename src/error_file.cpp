@@ -2,6 +2,9 @@
 
 #include <ddp/error.h>
 #include <ddp/launch_env.h>
+#include <ddp/launch_errors.h>
+
+#include "json_text.h"
 
 #include <c10/util/Exception.h>
 
@@ -9,43 +12,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 namespace ddp {
 namespace {
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (unsigned char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char escaped[8];
-          std::snprintf(escaped, sizeof escaped, "\\u%04x", c);
-          out += escaped;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-  return text;
-}
 
 bool write_whole(int fd, const std::string& text) {
   const char* data = text.data();
@@ -71,14 +45,16 @@ bool write_record(const std::string& message, bool consequence) noexcept {
     long long seconds = std::chrono::duration_cast<std::chrono::seconds>(now).count();
     long long nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(now).count();
     const char* rank = std::getenv(launch_env::kRank);
-    std::string json = "{\"message\": {\"message\": " + json_string(message) +
-                       ", \"extraInfo\": {\"py_callstack\": " +
-                       json_string("(a C++ program: no Python stack)") + ", \"timestamp\": \"" +
-                       std::to_string(seconds) + "\"}}, \"ddp\": {\"timestamp_ns\": " +
-                       std::to_string(nanoseconds) +
-                       ", \"consequence\": " + (consequence ? "true" : "false") +
-                       ", \"rank\": " + json_string(rank ? rank : "") +
-                       ", \"pid\": " + std::to_string(::getpid()) + "}}\n";
+    // torchrun's layout (its @record decorator writes the "message" object),
+    // plus ddp's own object that torchrun ignores.
+    const detail::OrderedJson extra_info = {{"py_callstack", "(a C++ program: no Python stack)"},
+                                            {"timestamp", std::to_string(seconds)}};
+    const detail::OrderedJson record = {
+        {"message", {{"message", message}, {"extraInfo", extra_info}}},
+        {"ddp", {{"timestamp_ns", nanoseconds}, {"consequence", consequence}, {"rank", rank ? rank : ""},
+                 {"pid", ::getpid()}}},
+    };
+    const std::string json = detail::python_style_json(record) + "\n";
     // Written whole under another name, then renamed: a launcher never reads
     // half a file.
     std::string temporary = std::string(path) + ".tmp." + std::to_string(::getpid());
@@ -98,18 +74,7 @@ bool write_record(const std::string& message, bool consequence) noexcept {
 
 }  // namespace
 
-bool is_consequence_error(const std::string& message) {
-  const std::string text = lower(message);
-  static const char* const kPatterns[] = {
-      "connection closed by peer", "connection reset by peer", "broken pipe", "a peer may have died",
-      "timed out", "socket timeout", "wait timeout", "not all of them joined", "stops too",
-      "cannot reach the master", "did not publish its run id", "for rank 0 to join",
-  };
-  for (const char* pattern : kPatterns) {
-    if (text.find(pattern) != std::string::npos) return true;
-  }
-  return false;
-}
+bool is_consequence_error(const std::string& message) { return launch_errors::reads_like_consequence(message); }
 
 bool record_error(const std::exception& error) noexcept {
   try {

@@ -2,6 +2,8 @@
 
 #include <ddp/error.h>
 
+#include "json_text.h"
+
 #include <c10/util/Exception.h>
 
 #include <unistd.h>
@@ -10,7 +12,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 
 namespace ddp {
 namespace {
@@ -35,14 +36,8 @@ std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   auto total = static_cast<int64_t>(std::llround(seconds));
   int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;
-  char text[32];
-  if (h > 0) {
-    std::snprintf(text, sizeof(text), "%lld:%02lld:%02lld", static_cast<long long>(h), static_cast<long long>(m),
-                  static_cast<long long>(s));
-  } else {
-    std::snprintf(text, sizeof(text), "%lld:%02lld", static_cast<long long>(m), static_cast<long long>(s));
-  }
-  return text;
+  if (h > 0) return fmt::format("{}:{:02}:{:02}", h, m, s);
+  return fmt::format("{}:{:02}", m, s);
 }
 
 ProgressLine::ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options)
@@ -116,13 +111,9 @@ double ProgressLine::eta_seconds() const {
 }
 
 std::string ProgressLine::render() const {
-  char text[256];
   double loss = step_in_epoch_ > 0 ? loss_sum_ / static_cast<double>(step_in_epoch_) : NAN;
-  std::snprintf(text, sizeof(text), "epoch %lld/%lld | step %lld/%lld | loss %.4f | %.0f samples/s | ETA %s",
-                static_cast<long long>(epoch_ + 1), static_cast<long long>(total_epochs_),
-                static_cast<long long>(step_in_epoch_), static_cast<long long>(steps_per_epoch_), loss,
-                samples_per_second(), format_duration(eta_seconds()).c_str());
-  return text;
+  return fmt::format("epoch {}/{} | step {}/{} | loss {:.4f} | {:.0f} samples/s | ETA {}", epoch_ + 1, total_epochs_,
+                     step_in_epoch_, steps_per_epoch_, loss, samples_per_second(), format_duration(eta_seconds()));
 }
 
 void ProgressLine::draw(bool force) {
@@ -151,16 +142,14 @@ MetricsWriter::~MetricsWriter() {
 }
 
 std::string MetricsWriter::to_json(const EpochMetrics& m) {
-  std::ostringstream out;
-  out.precision(10);
-  out << "{\"epoch\": " << m.epoch << ", \"loss\": " << m.loss << ", \"test_accuracy\": ";
-  if (m.test_accuracy) {
-    out << *m.test_accuracy;
-  } else {
-    out << "null";
-  }
-  out << ", \"samples_per_s\": " << m.samples_per_second << ", \"wall_time_s\": " << m.wall_time_seconds << "}";
-  return out.str();
+  const detail::OrderedJson row = {
+      {"epoch", m.epoch},
+      {"loss", m.loss},
+      {"test_accuracy", m.test_accuracy ? detail::OrderedJson(*m.test_accuracy) : detail::OrderedJson(nullptr)},
+      {"samples_per_s", m.samples_per_second},
+      {"wall_time_s", m.wall_time_seconds},
+  };
+  return detail::python_style_json(row);
 }
 
 void MetricsWriter::write(const EpochMetrics& metrics) {

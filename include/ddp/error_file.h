@@ -44,7 +44,8 @@ int report_failure(const std::exception& error) noexcept;
 /// rather than a cause: a connection closed or reset by a peer, a timeout
 /// waiting for peers, a rendezvous that another rank stopped. Launchers rank
 /// such errors below original ones. For errors that are not ddp's: ddp's
-/// own say so by their type (ddp::PeerFailure).
+/// own say so by their type (ddp::PeerFailure). The patterns, which ddprun
+/// shares: launch_errors.h.
 bool is_consequence_error(const std::string& message);
 
 }  // namespace ddp

@@ -96,7 +96,8 @@ struct EpochMetrics {
 
 /// Appends one JSON object per line to a file, flushed after each line:
 ///   {"epoch": 3, "loss": 0.1234, "test_accuracy": null, "samples_per_s": 1234.5, "wall_time_s": 1.25}
-/// An empty path writes nothing, so callers need no special case.
+/// An empty path writes nothing, so callers need no special case. A loss or
+/// rate that is NaN or infinite is written as null, which JSON readers accept.
 class MetricsWriter {
  public:
   /// Opens `path` (truncated, or appended to when resuming); throws naming

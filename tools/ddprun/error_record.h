@@ -11,18 +11,14 @@ struct ErrorRecord {
   bool present = false;    // the file existed and held a message
   std::string message;     // message.message (torchrun's layout), or a plain "message"
   long long timestamp_ns = 0;  // ddp.timestamp_ns, else extraInfo.timestamp (seconds) * 1e9
-  bool consequence = false;    // ddp.consequence (a ddp program's), else looks_like_consequence(message)
+  // ddp.consequence (a ddp program's), else judged by the message's text
+  // (ddp::launch_errors::reads_like_consequence, <ddp/launch_errors.h>).
+  bool consequence = false;
 };
 
-// Reads a worker's error file; an absent, empty or unreadable file gives present == false.
-// Never throws.
+// Reads a worker's error file; an absent, empty, unreadable or malformed file gives
+// present == false. Never throws.
 ErrorRecord read_error_record(const std::string& path);
-
-// Whether an error message describes a consequence of another process's failure: a connection
-// closed or reset by a peer, a timeout waiting for peers, a rendezvous another rank stopped.
-// For error files without ddp's "ddp" object (programs that are not ddp programs): ddp marks
-// its own errors by their type (ddp::PeerFailure).
-bool looks_like_consequence(const std::string& message);
 
 // Whether an output line reads like an error message ("error: ...", "RuntimeError: ...",
 // "terminate called ...") rather than a stack frame or ordinary output.
