@@ -56,6 +56,21 @@ bool loopback_port_is_free(int port) {
   return bound;
 }
 
+// This node's place in the job for one round, whether the static flags fixed it or the
+// rendezvous store formed the round.
+Assignment assignment_for(const RdzvView& round) {
+  Assignment assignment;
+  assignment.attempt = round.round;
+  assignment.restart_count = round.restart_count;
+  assignment.node_rank = round.node_rank;
+  assignment.nnodes = round.nnodes;
+  assignment.world_size = round.world_size;
+  assignment.base_rank = round.base_rank;
+  assignment.master_addr = round.master_addr;
+  assignment.master_port = round.master_port;
+  return assignment;
+}
+
 std::string host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "(unknown host)";
@@ -77,18 +92,20 @@ class Session {
     setup_ = worker_setup();
     if (options_.rdzv_backend == "c10d") return run_rendezvous();
     const Environment shared = shared_environment();
-    Assignment assignment;
-    assignment.master_addr = options_.standalone ? "127.0.0.1" : options_.master_addr;
-    assignment.master_port = options_.standalone ? pick_free_port() : options_.master_port;
-    assignment.node_rank = options_.node_rank;
-    assignment.nnodes = options_.nnodes;
-    assignment.world_size = options_.nnodes * options_.nproc_per_node;
-    assignment.base_rank = options_.node_rank * options_.nproc_per_node;
-    int& master_port = assignment.master_port;
+    // Static: the flags fix this node's place; only the attempt and the port change.
+    RdzvView place;
+    place.node_rank = options_.node_rank;
+    place.nnodes = options_.nnodes;
+    place.world_size = options_.nnodes * options_.nproc_per_node;
+    place.base_rank = options_.node_rank * options_.nproc_per_node;
+    place.master_addr = options_.standalone ? "127.0.0.1" : options_.master_addr;
+    place.master_port = options_.standalone ? pick_free_port() : options_.master_port;
+    int& master_port = place.master_port;
 
     for (int attempt = 0;; ++attempt) {
-      assignment.attempt = attempt;
-      assignment.restart_count = attempt;
+      place.round = attempt;
+      place.restart_count = attempt;
+      const Assignment assignment = assignment_for(place);
       AttemptOutcome outcome = Job(options_, assignment, shared, setup_, error_dir_, watchdog_, signals_).run();
       if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
       if (!outcome.worker_failed) return finish(0);
@@ -187,15 +204,7 @@ class Session {
         say(view.text);
         return finish(1);
       }
-      Assignment assignment;
-      assignment.attempt = view.round;
-      assignment.restart_count = view.restart_count;
-      assignment.node_rank = view.node_rank;
-      assignment.nnodes = view.nnodes;
-      assignment.world_size = view.world_size;
-      assignment.base_rank = view.base_rank;
-      assignment.master_addr = view.master_addr;
-      assignment.master_port = view.master_port;
+      const Assignment assignment = assignment_for(view);
       say("rendezvous round " + std::to_string(view.round) + " (" + view.text + "): node rank " +
           std::to_string(view.node_rank) + " of " + std::to_string(view.nnodes) + ", ranks " +
           std::to_string(view.base_rank) + ".." + std::to_string(view.base_rank + options_.nproc_per_node - 1) +
@@ -313,8 +322,10 @@ class Session {
     return setup;
   }
 
-  // mkdtemp of <parent>/<prefix>XXXXXX; parent defaults to $TMPDIR or /tmp.
-  static std::string make_temp_dir(const std::string& prefix, std::string parent = "") {
+  // mkdtemp of <parent>/<prefix>XXXXXX; parent defaults to $TMPDIR or /tmp. `what` names the
+  // directory in the error.
+  static std::string make_temp_dir(const std::string& prefix, std::string parent = "",
+                                   const std::string& what = "") {
     if (parent.empty()) {
       const char* tmp = std::getenv("TMPDIR");
       parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
@@ -322,7 +333,9 @@ class Session {
     std::string pattern = parent + "/" + prefix + "XXXXXX";
     std::vector<char> buffer(pattern.begin(), pattern.end());
     buffer.push_back('\0');
-    if (::mkdtemp(buffer.data()) == nullptr) throw_errno("cannot create log directory '" + pattern + "'");
+    if (::mkdtemp(buffer.data()) == nullptr) {
+      throw_errno(what.empty() ? "cannot create log directory '" + pattern + "'" : "cannot create " + what);
+    }
     return buffer.data();
   }
 
@@ -372,12 +385,7 @@ class Session {
   // Without --log-dir, the workers' error files live in a private directory that goes with
   // the session.
   static std::string make_error_dir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/ddprun-errors-XXXXXX";
-    std::vector<char> buffer(pattern.begin(), pattern.end());
-    buffer.push_back('\0');
-    if (::mkdtemp(buffer.data()) == nullptr) throw_errno("cannot create a directory for the workers' error files");
-    return buffer.data();
+    return make_temp_dir("ddprun-errors-", "", "a directory for the workers' error files");
   }
 
   void remove_error_dir() {
