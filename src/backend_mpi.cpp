@@ -1,38 +1,32 @@
-// MPI process groups: the only file of ddp that includes mpi.h. Compiled
-// with MPI when CMake finds it (DDP_WITH_MPI); otherwise every entry point
-// says how to get it.
+// MPI process groups: c10d's collectives as MPI calls. Compiled with MPI
+// when CMake finds it (DDP_WITH_MPI); otherwise every entry point says how
+// to get it.
 //
-// Execution: one progress thread per process runs every MPI call in the
-// order the collectives were issued, so work returns at once and DDP's
-// buckets overlap backward as they do over Gloo. Point-to-point transfers
-// are posted non-blocking (a blocking send would wait for the peer's
-// receive, which may sit behind a send of its own) and completed by polling
-// between jobs. MPI has no timeouts: a watchdog thread ends the whole job
-// with MPI_Abort, after naming the collective, when one runs longer than the
-// process group's timeout, so mpirun tears every rank down.
+// Execution: every MPI call runs on the one progress thread of
+// mpi_runtime.h, in the order the collectives were issued, so work returns
+// at once and DDP's buckets overlap backward as they do over Gloo.
+// Point-to-point transfers are posted non-blocking (a blocking send would
+// wait for the peer's receive, which may sit behind a send of its own) and
+// completed by polling between jobs. MPI has no timeouts: the runtime's
+// watchdog ends the whole job with MPI_Abort, after naming the collective,
+// when one runs longer than the process group's timeout, so mpirun tears
+// every rank down.
 #include <ddp/error.h>
 
 #include "backends.h"
 
 #ifdef DDP_WITH_MPI
-#define OMPI_SKIP_MPICXX 1
-#include <mpi.h>
+#include "mpi_runtime.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include <atomic>
 #include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <functional>
 #include <limits>
-#include <map>
 #include <mutex>
-#include <optional>
-#include <thread>
 #endif
 
 #include <chrono>
@@ -42,231 +36,6 @@ namespace ddp::detail {
 
 #ifdef DDP_WITH_MPI
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// The job's MPI, started on the progress thread, which then makes every MPI
-// call but MPI_Abort; so MPI_THREAD_FUNNELED is all it needs.
-class MpiRuntime {
- public:
-  /// The first call initialises MPI, and ends the process if that takes
-  /// longer than `setup_timeout` (see the constructor).
-  static MpiRuntime& get(std::chrono::milliseconds setup_timeout = std::chrono::minutes(30)) {
-    // Never destroyed: ranks may still hold process groups at exit, and
-    // MPI_Finalize runs from an atexit hook instead.
-    static MpiRuntime* runtime = new MpiRuntime(setup_timeout);
-    return *runtime;
-  }
-
-  /// Runs `job` on the progress thread and waits for it (setup calls).
-  /// With a `limit`, gives up waiting after it and returns false.
-  bool run_now(std::function<void()> job,
-               std::optional<std::chrono::milliseconds> limit = std::nullopt) {
-    struct Done {
-      std::mutex mutex;
-      std::condition_variable cv;
-      bool done = false;
-      std::exception_ptr error;
-    };
-    auto state = std::make_shared<Done>();
-    enqueue([state, job = std::move(job)] {
-      try {
-        job();
-      } catch (...) {
-        state->error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->done = true;
-      state->cv.notify_all();
-    });
-    std::unique_lock<std::mutex> lock(state->mutex);
-    if (limit) {
-      if (!state->cv.wait_for(lock, *limit, [&] { return state->done; })) return false;
-    } else {
-      state->cv.wait(lock, [&] { return state->done; });
-    }
-    if (state->error) std::rethrow_exception(state->error);
-    return true;
-  }
-
-  void enqueue(std::function<void()> job) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(job));
-    cv_.notify_one();
-  }
-
-  /// A non-blocking request to complete on the progress thread; `done` runs
-  /// there once it has.
-  void add_pending(MPI_Request request, std::function<void(int)> done) {
-    pending_requests_.push_back(request);
-    pending_done_.push_back(std::move(done));
-  }
-
-  /// What the watchdog guards: every operation started and not finished,
-  /// by id, with its label, start and timeout.
-  void watch(uint64_t id, const std::string& what, std::chrono::milliseconds timeout) {
-    std::lock_guard<std::mutex> lock(watch_mutex_);
-    watched_[id] = Watched{what, Clock::now(), timeout};
-  }
-  void unwatch(uint64_t id) {
-    std::lock_guard<std::mutex> lock(watch_mutex_);
-    watched_.erase(id);
-  }
-  uint64_t next_id() { return next_id_.fetch_add(1); }
-
-  int thread_level() const { return provided_; }
-
- private:
-  explicit MpiRuntime(std::chrono::milliseconds setup_timeout) {
-    progress_ = std::thread([this] { progress_loop(); });
-    progress_.detach();
-    watchdog_ = std::thread([this] { watchdog_loop(); });
-    watchdog_.detach();
-    // MPI_Init_thread waits for every rank of the launch: one that exited or
-    // crashed before it would hold this one there forever, and nothing can
-    // interrupt it. The watchdog guards it like a collective.
-    const uint64_t init_id = next_id();
-    watch(init_id, "MPI_Init_thread (MPI's start-up, which waits for every rank of the launch)", setup_timeout);
-    // Initialise now, on the progress thread: every later call finds MPI up.
-    run_now([this] {
-      int initialized = 0;
-      MPI_Initialized(&initialized);
-      if (!initialized) {
-        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided_);
-        std::atexit([] { MpiRuntime::get().finalize(); });
-      } else {
-        MPI_Query_thread(&provided_);
-      }
-      mpi_initialized_ = true;
-    });
-    unwatch(init_id);
-    DDP_CHECK(provided_ >= MPI_THREAD_FUNNELED, "ddp: the MPI library granted thread level ", provided_,
-              " but ddp's MPI backend needs MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
-              "): rebuild or reconfigure MPI with thread support");
-  }
-
-  void finalize() {
-    // From an atexit hook on the main thread: the progress thread makes the
-    // call, as FUNNELED requires. A process leaving after an error may have
-    // a collective stuck on that thread; it exits without MPI_Finalize then
-    // (mpirun reports the non-zero exit and stops the other ranks).
-    run_now(
-        [] {
-          int finalized = 0;
-          MPI_Finalized(&finalized);
-          if (!finalized) MPI_Finalize();
-        },
-        std::chrono::seconds(5));
-  }
-
-  void progress_loop() {
-    for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        if (pending_requests_.empty()) {
-          cv_.wait(lock, [&] { return !queue_.empty(); });
-        } else {
-          cv_.wait_for(lock, std::chrono::microseconds(50), [&] { return !queue_.empty(); });
-        }
-        if (!queue_.empty()) {
-          job = std::move(queue_.front());
-          queue_.pop_front();
-        }
-      }
-      if (job) job();
-      poll_pending();
-    }
-  }
-
-  void poll_pending() {
-    if (pending_requests_.empty()) return;
-    int count = static_cast<int>(pending_requests_.size());
-    std::vector<int> indices(pending_requests_.size());
-    std::vector<MPI_Status> statuses(pending_requests_.size());
-    int completed = 0;
-    int rc = MPI_Testsome(count, pending_requests_.data(), &completed, indices.data(), statuses.data());
-    if (completed == MPI_UNDEFINED || completed == 0) {
-      if (rc == MPI_SUCCESS) return;
-    }
-    std::vector<char> finished(pending_requests_.size(), 0);
-    for (int i = 0; i < completed; ++i) {
-      finished[indices[i]] = 1;
-      pending_done_[indices[i]](rc);
-    }
-    size_t keep = 0;
-    for (size_t i = 0; i < pending_requests_.size(); ++i) {
-      if (finished[i]) continue;
-      pending_requests_[keep] = pending_requests_[i];
-      pending_done_[keep] = std::move(pending_done_[i]);
-      ++keep;
-    }
-    pending_requests_.resize(keep);
-    pending_done_.resize(keep);
-  }
-
-  void watchdog_loop() {
-    for (;;) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      std::string what;
-      std::chrono::milliseconds timeout{};
-      bool overdue = false;
-      {
-        std::lock_guard<std::mutex> lock(watch_mutex_);
-        const auto now = Clock::now();
-        for (const auto& [id, w] : watched_) {
-          if (now - w.since >= w.timeout) {
-            what = w.what;
-            timeout = w.timeout;
-            overdue = true;
-            break;  // the oldest id first: the map is ordered
-          }
-        }
-      }
-      if (!overdue) continue;
-      const double seconds = static_cast<double>(timeout.count()) / 1000.0;
-      if (!mpi_initialized_) {
-        // MPI_Abort is undefined before MPI_Init returns; this process ends
-        // alone, and its exit makes the launcher stop the others.
-        std::fprintf(stderr,
-                     "error: ddp: %s did not finish within the timeout of %.3g s: a rank of this launch probably "
-                     "exited or crashed before it started MPI (look for an earlier error or exit in the other "
-                     "ranks' output), or the launcher cannot reach every node. Nothing can interrupt MPI's "
-                     "start-up, so ddp ends this process.\n",
-                     what.c_str(), seconds);
-        std::fflush(stderr);
-        std::_Exit(1);
-      }
-      std::fprintf(stderr,
-                   "ddp: %s did not finish within the timeout of %.3g s; a peer may have died or stopped calling "
-                   "collectives. MPI cannot cancel a collective, so ddp ends the whole job (MPI_Abort) for the "
-                   "launcher to stop every rank.\n",
-                   what.c_str(), seconds);
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 1);
-      std::_Exit(1);
-    }
-  }
-
-  std::thread progress_;
-  std::thread watchdog_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  // Touched on the progress thread only.
-  std::vector<MPI_Request> pending_requests_;
-  std::vector<std::function<void(int)>> pending_done_;
-  struct Watched {
-    std::string what;
-    Clock::time_point since;
-    std::chrono::milliseconds timeout;
-  };
-  std::mutex watch_mutex_;
-  std::map<uint64_t, Watched> watched_;
-  std::atomic<uint64_t> next_id_{0};
-  std::atomic<bool> mpi_initialized_{false};
-  int provided_ = 0;
-};
 
 std::string mpi_error_text(int code) {
   char text[MPI_MAX_ERROR_STRING];
