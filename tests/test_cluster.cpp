@@ -1,11 +1,13 @@
 // The Wine example started by the launchers of real clusters: Open MPI's
-// mpirun, a single-host Slurm (slurmctld and slurmd configured and started
-// here), and two "nodes" in network namespaces joined by a veth pair. Each
-// test skips, saying why, when its tools or privileges are missing.
+// mpirun and a single-host Slurm (slurmctld and slurmd configured and
+// started here). The two-"node" tests over network namespaces are in
+// test_cluster_two_nodes.cpp. Each test skips, saying why, when its tools or
+// privileges are missing.
 
 #include <ddp/process_group.h>
 
 #include <gtest/gtest.h>
+#include <support/cluster_jobs.h>
 #include <support/launch.h>
 
 #include <unistd.h>
@@ -21,29 +23,6 @@ using namespace ddp::testing;
 
 namespace {
 
-bool have(const std::string& program) {
-  return run_process({"sh", "-c", "command -v " + program}, one_rank({}, std::chrono::seconds(10))).exit_code == 0;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// The reference: the same job under ddprun on one host.
-struct Reference {
-  std::vector<std::string> losses;
-  std::string dir;  // holds model_final.pt; removed by the test
-};
-Reference reference_run(int ranks, const std::vector<std::string>& args) {
-  auto dir = make_temp_dir("cluster_ref");
-  std::vector<std::string> full = args;
-  full.insert(full.end(), {"--checkpoint-dir", dir});
-  auto r = run_process(under_ddprun(ranks, "wine_ddp", full), one_rank({}));
-  EXPECT_EQ(r.exit_code, 0) << r.describe();
-  return Reference{loss_lines(r.out), dir};
-}
-
 TEST(Cluster, MpirunStartsRanksThatFindEachOther) {
   if (!have("mpirun")) GTEST_SKIP() << "mpirun (Debian's openmpi-bin) is not installed";
   auto dir = make_temp_dir("mpi");
@@ -52,11 +31,8 @@ TEST(Cluster, MpirunStartsRanksThatFindEachOther) {
                        one_rank({{"MASTER_PORT", std::to_string(free_port())}, {"OMP_NUM_THREADS", "1"}},
                                 std::chrono::seconds(120)));
   ASSERT_EQ(r.exit_code, 0) << r.describe();
-  auto ref = reference_run(2, {"30", "10"});
-  EXPECT_EQ(loss_lines(r.out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  expect_matches_one_host(2, {"30", "10"}, r.out, dir);
   fs::remove_all(dir);
-  fs::remove_all(ref.dir);
 }
 
 class SlurmCluster : public ::testing::Test {
@@ -132,11 +108,8 @@ TEST_F(SlurmCluster, SrunAloneStartsRanksThatFindEachOther) {
                                  {"OMP_NUM_THREADS", "1"}},
                                 std::chrono::seconds(120)));
   ASSERT_EQ(r.exit_code, 0) << r.describe();
-  auto ref = reference_run(2, {"30", "10"});
-  EXPECT_EQ(loss_lines(r.out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(out_dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  expect_matches_one_host(2, {"30", "10"}, r.out, out_dir);
   fs::remove_all(out_dir);
-  fs::remove_all(ref.dir);
 }
 
 TEST_F(SlurmCluster, TheSbatchTemplateRunsAJob) {
@@ -167,11 +140,8 @@ TEST_F(SlurmCluster, SrunWithPmixStartsMpiRanks) {
                         "mpi", "--checkpoint-dir", out_dir},
                        one_rank({{"SLURM_CONF", conf_}, {"OMP_NUM_THREADS", "1"}}, std::chrono::seconds(120)));
   ASSERT_EQ(r.exit_code, 0) << r.describe();
-  auto ref = reference_run(2, {"20", "10"});
-  EXPECT_EQ(loss_lines(r.out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(out_dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  expect_matches_one_host(2, {"20", "10"}, r.out, out_dir);
   fs::remove_all(out_dir);
-  fs::remove_all(ref.dir);
 }
 
 TEST_F(SlurmCluster, TheMpiSbatchTemplateRunsAJobOverMpi) {
@@ -184,418 +154,8 @@ TEST_F(SlurmCluster, TheMpiSbatchTemplateRunsAJobOverMpi) {
   std::string job_out = file_bytes(out_dir + "/job.out");
   ASSERT_EQ(r.exit_code, 0) << r.describe() << job_out;
   EXPECT_NE(job_out.find("2 tasks over mpi"), std::string::npos) << job_out;
-  auto ref = reference_run(2, {"20", "10"});
-  EXPECT_EQ(loss_lines(job_out), ref.losses) << job_out;
-  EXPECT_EQ(compare_state_dicts(out_dir + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
+  expect_matches_one_host(2, {"20", "10"}, job_out, out_dir);
   fs::remove_all(out_dir);
-  fs::remove_all(ref.dir);
-}
-
-// Two network namespaces, each a "node" with its own address, joined by a
-// veth pair: ddprun on each node, rank 0's store on node 0's address.
-class TwoNodes : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root";
-    std::string id = std::to_string(getpid());
-    ns_ = {"ddp_n0_" + id, "ddp_n1_" + id};
-    veth_ = {"ddpv0_" + id, "ddpv1_" + id};
-    // Test hosts on our own link: addresses nothing outside these
-    // namespaces can reach.
-    addr_ = {"10.213.77.1", "10.213.77.2"};
-    std::vector<std::vector<std::string>> steps = {
-        {"ip", "netns", "add", ns_[0]},
-        {"ip", "netns", "add", ns_[1]},
-        {"ip", "link", "add", veth_[0], "type", "veth", "peer", "name", veth_[1]},
-        {"ip", "link", "set", veth_[0], "netns", ns_[0]},
-        {"ip", "link", "set", veth_[1], "netns", ns_[1]},
-    };
-    for (int n = 0; n < 2; ++n) {
-      steps.push_back({"ip", "netns", "exec", ns_[n], "ip", "addr", "add", addr_[n] + "/24", "dev", veth_[n]});
-      steps.push_back({"ip", "netns", "exec", ns_[n], "ip", "link", "set", veth_[n], "up"});
-      steps.push_back({"ip", "netns", "exec", ns_[n], "ip", "link", "set", "lo", "up"});
-    }
-    for (const auto& step : steps) {
-      auto r = run_process(step, one_rank({}, std::chrono::seconds(20)));
-      if (r.exit_code != 0) {
-        std::string why = "cannot build the two-node network (" + step[0] + " " + step[1] + " " + step[2] +
-                          "): " + r.err;
-        TearDown();
-        GTEST_SKIP() << why;
-      }
-    }
-  }
-  void TearDown() override {
-    for (const auto& ns : ns_) run_process({"ip", "netns", "del", ns}, one_rank({}, std::chrono::seconds(20)));
-    ns_.clear();
-  }
-  std::vector<std::string> ns_, veth_, addr_;
-};
-
-TEST_F(TwoNodes, FourRanksOnTwoNodesMatchFourRanksOnOne) {
-  std::string port = "29555";  // inside node 0's own namespace, so always free
-  std::vector<std::string> dirs = {make_temp_dir("node0"), make_temp_dir("node1")};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_background(
-        {"ip", "netns", "exec", ns_[n], bin_path("ddprun"), "--nnodes", "2", "--node-rank", std::to_string(n),
-         "--nproc-per-node", "2", "--master-addr", addr_[0], "--master-port", port, bin_path("wine_ddp"), "40", "20",
-         "--checkpoint-dir", dirs[n]},
-        one_rank({{"DDP_TIMEOUT_SECONDS", "60"}})));
-  }
-  std::vector<ProcessResult> results;
-  for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
-  for (int n = 0; n < 2; ++n) ASSERT_EQ(results[n].exit_code, 0) << "node " << n << ": " << results[n].describe();
-  // Global ranks 0,1 on node 0 and 2,3 on node 1; rank 0 logs and saves.
-  EXPECT_NE(results[0].out.find("[rank0]: Epoch 39, Loss:"), std::string::npos) << results[0].out;
-  EXPECT_EQ(results[1].out.find("Epoch"), std::string::npos) << results[1].out;
-  EXPECT_TRUE(fs::exists(dirs[0] + "/model_final.pt"));
-  EXPECT_FALSE(fs::exists(dirs[1] + "/model_final.pt"));
-
-  auto ref = reference_run(4, {"40", "20"});
-  EXPECT_EQ(loss_lines(results[0].out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(dirs[0] + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
-  for (auto& d : dirs) fs::remove_all(d);
-  fs::remove_all(ref.dir);
-}
-
-// Issue 26: the environment Kubeflow's PyTorchJob operator gives each of two pods (PET_* for
-// torchrun, plus the pod-level MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK), and ddprun with no
-// flags at all, as the operator's pods start torchrun. ddprun takes the job from the PET_*
-// variables and gives each worker its own RANK and WORLD_SIZE.
-TEST_F(TwoNodes, APyTorchJobsPodEnvironmentStartsDdprunWithNoFlagsAndMatchesAStandaloneRun) {
-  const std::string port = "29556";
-  std::vector<std::string> dirs = {make_temp_dir("pod0"), make_temp_dir("pod1")};
-  std::vector<BackgroundProcess> pods;
-  for (int n = 0; n < 2; ++n) {
-    const std::string pod = std::to_string(n);
-    pods.push_back(start_background(
-        {"ip", "netns", "exec", ns_[n], bin_path("ddprun"), bin_path("wine_ddp"), "40", "20", "--checkpoint-dir",
-         dirs[n]},
-        one_rank({{"PET_NNODES", "2"}, {"PET_NPROC_PER_NODE", "1"}, {"PET_NODE_RANK", pod},
-                  {"PET_MASTER_ADDR", addr_[0]}, {"PET_MASTER_PORT", port}, {"MASTER_ADDR", addr_[0]},
-                  {"MASTER_PORT", port}, {"WORLD_SIZE", "2"}, {"RANK", pod}, {"PYTHONUNBUFFERED", "0"},
-                  {"DDP_TIMEOUT_SECONDS", "60"},
-                  // What the standalone run's two workers get from ddprun; one worker per pod gets
-                  // none, and another thread count sums in another order.
-                  {"OMP_NUM_THREADS", "1"}})));
-  }
-  std::vector<ProcessResult> results;
-  for (auto& pod : pods) results.push_back(wait_background(pod, std::chrono::seconds(120)));
-  for (int n = 0; n < 2; ++n) ASSERT_EQ(results[n].exit_code, 0) << "pod " << n << ": " << results[n].describe();
-  EXPECT_NE(results[0].out.find("[rank0]: Epoch 39, Loss:"), std::string::npos) << results[0].out;
-  EXPECT_TRUE(fs::exists(dirs[0] + "/model_final.pt"));
-
-  auto ref = reference_run(2, {"40", "20"});
-  EXPECT_EQ(loss_lines(results[0].out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(dirs[0] + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
-  for (auto& d : dirs) fs::remove_all(d);
-  fs::remove_all(ref.dir);
-}
-
-// Issue 13: the same two nodes meeting through ddprun's c10d rendezvous instead of
-// --master-addr/--node-rank. Node 0's ddprun hosts the store on node 0's address.
-class TwoNodesC10d : public TwoNodes {
- protected:
-  // Starts ddprun in node n's namespace with the c10d rendezvous on node 0's address.
-  BackgroundProcess start_agent(int n, const std::vector<std::string>& flags, const std::vector<std::string>& program,
-                                const std::vector<std::pair<std::string, std::string>>& env = {}) {
-    std::vector<std::string> argv = {"ip", "netns", "exec", ns_[n], bin_path("ddprun"), "--rdzv-backend", "c10d",
-                                     "--rdzv-endpoint", addr_[0] + ":29400", "--nproc-per-node", "2"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    argv.insert(argv.end(), program.begin(), program.end());
-    auto vars = env;
-    vars.push_back({"DDP_TIMEOUT_SECONDS", "60"});
-    BackgroundProcess process = start_background(argv, one_rank(vars));
-    if (n == 0) {
-      // Node 0 binds the store first, so it is node rank 0 (the store's host comes first).
-      wait_for_text(process.err_path, "hosting the rendezvous store", std::chrono::seconds(20));
-    }
-    return process;
-  }
-  static bool wait_for_text(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (file_bytes(path).find(text) == std::string::npos) {
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return true;
-  }
-  // A third "node", joined to node 0 by its own veth pair (10.213.78.0/24), node 0 routing
-  // between the two links. Empty on success, else why not.
-  std::string add_third_node() {
-    std::string id = std::to_string(getpid());
-    std::string ns2 = "ddp_n2_" + id, a = "ddpv2a_" + id, b = "ddpv2b_" + id;
-    ns_.push_back(ns2);  // TearDown deletes it, and the veth pair with it
-    addr_.push_back("10.213.78.2");
-    std::vector<std::vector<std::string>> steps = {
-        {"ip", "netns", "add", ns2},
-        {"ip", "link", "add", a, "type", "veth", "peer", "name", b},
-        {"ip", "link", "set", a, "netns", ns_[0]},
-        {"ip", "link", "set", b, "netns", ns2},
-        {"ip", "netns", "exec", ns_[0], "ip", "addr", "add", "10.213.78.1/24", "dev", a},
-        {"ip", "netns", "exec", ns_[0], "ip", "link", "set", a, "up"},
-        {"ip", "netns", "exec", ns_[0], "sysctl", "-qw", "net.ipv4.ip_forward=1"},
-        {"ip", "netns", "exec", ns2, "ip", "addr", "add", "10.213.78.2/24", "dev", b},
-        {"ip", "netns", "exec", ns2, "ip", "link", "set", b, "up"},
-        {"ip", "netns", "exec", ns2, "ip", "link", "set", "lo", "up"},
-        {"ip", "netns", "exec", ns2, "ip", "route", "add", "10.213.77.0/24", "via", "10.213.78.1"},
-        {"ip", "netns", "exec", ns_[1], "ip", "route", "add", "10.213.78.0/24", "via", "10.213.77.1"},
-    };
-    for (const auto& step : steps) {
-      auto r = run_process(step, one_rank({}, std::chrono::seconds(20)));
-      if (r.exit_code != 0) return "cannot build the third node (" + step.back() + "): " + r.err;
-    }
-    return "";
-  }
-  // The pid of one wine_ddp worker in node n's namespace; -1 if none.
-  int a_worker_in(int n) {
-    std::istringstream pids(pids_in(n));
-    for (int pid; pids >> pid;) {
-      std::string comm = file_bytes("/proc/" + std::to_string(pid) + "/comm");
-      if (comm.rfind("wine_ddp", 0) == 0) return pid;
-    }
-    return -1;
-  }
-  // The processes left in a namespace (`ip netns pids`).
-  std::string pids_in(int n) {
-    return run_process({"ip", "netns", "pids", ns_[n]}, one_rank({}, std::chrono::seconds(10))).out;
-  }
-  bool namespace_empty_within(int n, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!pids_in(n).empty()) {
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return true;
-  }
-};
-
-TEST_F(TwoNodesC10d, AWorkerKilledOnNodeOneRestartsBothNodesAndTheWeightsMatchAnUninterruptedRun) {
-  std::vector<std::string> dirs = {make_temp_dir("c10d_rs0"), make_temp_dir("c10d_rs1")};
-  const std::vector<std::string> args = {"60", "5", "--batch-size", "4"};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    std::vector<std::string> program = {bin_path("wine_ddp")};
-    program.insert(program.end(), args.begin(), args.end());
-    program.insert(program.end(), {"--checkpoint-dir", dirs[n]});
-    nodes.push_back(start_agent(n, {"--nnodes", "2", "--max-restarts", "1"}, program));
-  }
-  ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 11,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
-  const int victim = a_worker_in(1);
-  ASSERT_GT(victim, 0) << pids_in(1);
-  const auto killed_at = std::chrono::steady_clock::now();
-  ASSERT_EQ(kill(victim, SIGKILL), 0);
-  EXPECT_TRUE(wait_for_text(nodes[0].err_path, "rendezvous round 1", std::chrono::seconds(30)));
-  std::printf("[ measured ] two namespaces: both nodes started attempt 1 %.2f s after a worker of node 1 was "
-              "SIGKILLed\n",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count());
-  std::vector<ProcessResult> results;
-  for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
-  for (int n = 0; n < 2; ++n) {
-    ASSERT_EQ(results[n].exit_code, 0) << "node " << n << ": " << results[n].describe();
-    EXPECT_NE(results[n].err.find("restart 1 of 1 after rank"), std::string::npos) << results[n].describe();
-    EXPECT_NE(results[n].err.find("on node 1 (" ), std::string::npos) << results[n].describe();
-  }
-  EXPECT_NE(results[0].out.find("Resuming after epoch"), std::string::npos) << results[0].describe();
-  auto ref = reference_run(4, args);
-  EXPECT_EQ(compare_state_dicts(dirs[0] + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
-  for (auto& d : dirs) fs::remove_all(d);
-  fs::remove_all(ref.dir);
-}
-
-TEST_F(TwoNodesC10d, AThirdNodeJoiningARunningTwoToThreeNodeJobEntersTheNextAttempt) {
-  std::string why = add_third_node();
-  if (!why.empty()) GTEST_SKIP() << why;
-  std::vector<std::string> dirs = {make_temp_dir("c10d_j0"), make_temp_dir("c10d_j1"), make_temp_dir("c10d_j2")};
-  const std::vector<std::string> flags = {"--nnodes", "2:3", "--rdzv-conf", "last_call_timeout=1"};
-  std::vector<BackgroundProcess> nodes;
-  auto program = [&](int n) {
-    return std::vector<std::string>{bin_path("wine_ddp"), "80", "5", "--batch-size", "4", "--checkpoint-dir", dirs[n]};
-  };
-  for (int n = 0; n < 2; ++n) nodes.push_back(start_agent(n, flags, program(n)));
-  ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 6,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
-  nodes.push_back(start_agent(2, flags, program(2)));
-  std::vector<ProcessResult> results;
-  for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
-  for (int n = 0; n < 3; ++n) ASSERT_EQ(results[n].exit_code, 0) << "node " << n << ": " << results[n].describe();
-  EXPECT_NE(results[0].err.find("node rank 0 of 2, ranks 0..1 of world size 4"), std::string::npos)
-      << results[0].describe();
-  EXPECT_NE(results[0].err.find("is waiting to join"), std::string::npos) << results[0].describe();
-  EXPECT_NE(results[0].err.find("node rank 0 of 3, ranks 0..1 of world size 6"), std::string::npos)
-      << results[0].describe();
-  EXPECT_NE(results[2].err.find("node rank 2 of 3, ranks 4..5 of world size 6"), std::string::npos)
-      << results[2].describe();
-  EXPECT_NE(results[0].out.find("Resuming after epoch"), std::string::npos) << results[0].describe();
-  EXPECT_NE(results[0].out.find("[rank0]: Epoch 79, Loss:"), std::string::npos) << results[0].describe();
-  for (auto& d : dirs) fs::remove_all(d);
-}
-
-TEST_F(TwoNodesC10d, FourRanksOnTwoNodesWithoutNodeRanksMatchFourRanksOnOne) {
-  std::vector<std::string> dirs = {make_temp_dir("c10d_node0"), make_temp_dir("c10d_node1")};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_agent(n, {"--nnodes", "2"}, {bin_path("wine_ddp"), "40", "20", "--checkpoint-dir", dirs[n]}));
-  }
-  std::vector<ProcessResult> results;
-  for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
-  for (int n = 0; n < 2; ++n) ASSERT_EQ(results[n].exit_code, 0) << "node " << n << ": " << results[n].describe();
-  EXPECT_NE(results[0].err.find("node rank 0 of 2, ranks 0..1 of world size 4, master " + addr_[0]), std::string::npos)
-      << results[0].describe();
-  EXPECT_NE(results[1].err.find("node rank 1 of 2, ranks 2..3 of world size 4, master " + addr_[0]), std::string::npos)
-      << results[1].describe();
-  EXPECT_NE(results[0].out.find("[rank0]: Epoch 39, Loss:"), std::string::npos) << results[0].out;
-  EXPECT_EQ(results[1].out.find("Epoch"), std::string::npos) << results[1].out;
-
-  auto ref = reference_run(4, {"40", "20"});
-  EXPECT_EQ(loss_lines(results[0].out), ref.losses);
-  EXPECT_EQ(compare_state_dicts(dirs[0] + "/model_final.pt", ref.dir + "/model_final.pt"), "identical");
-  for (auto& d : dirs) fs::remove_all(d);
-  fs::remove_all(ref.dir);
-}
-
-TEST_F(TwoNodesC10d, ASigkilledAgentOfATwoNodeJobEndsItOnBothNodesNamingTheNode) {
-  std::vector<std::string> dirs = {make_temp_dir("c10d_kill0"), make_temp_dir("c10d_kill1")};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_agent(n, {"--nnodes", "2:2"},
-                                {bin_path("wine_ddp"), "100000", "1000", "--batch-size", "4", "--checkpoint-dir",
-                                 dirs[n]}));
-  }
-  ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 2,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
-  const auto killed_at = std::chrono::steady_clock::now();
-  ASSERT_EQ(kill(nodes[1].pid, SIGKILL), 0);  // `ip netns exec` became ddprun
-  ProcessResult node0 = wait_background(nodes[0], std::chrono::seconds(60));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-  ProcessResult node1 = wait_background(nodes[1], std::chrono::seconds(10));
-  EXPECT_NE(node0.exit_code, 0) << node0.describe();
-  EXPECT_EQ(node1.term_signal, SIGKILL) << node1.describe();
-  EXPECT_NE(node0.err.find("node 1 ("), std::string::npos) << node0.describe();
-  EXPECT_NE(node0.err.find(addr_[1] + ") lost"), std::string::npos) << node0.describe();
-  EXPECT_LT(seconds, 15.0) << node0.describe();
-  std::printf("[ measured ] two namespaces, --nnodes 2:2: node 0 exited %.2f s after node 1's ddprun was SIGKILLed\n",
-              seconds);
-  EXPECT_TRUE(namespace_empty_within(0, std::chrono::seconds(5))) << pids_in(0);
-  EXPECT_TRUE(namespace_empty_within(1, std::chrono::seconds(5))) << pids_in(1);
-  for (auto& d : dirs) fs::remove_all(d);
-}
-
-TEST_F(TwoNodesC10d, ACutCableIsFoundWithinTheBoundOnBothSides) {
-  std::vector<std::string> dirs = {make_temp_dir("c10d_cut0"), make_temp_dir("c10d_cut1")};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_agent(n, {"--nnodes", "2"},
-                                {bin_path("wine_ddp"), "100000", "1000", "--batch-size", "4", "--checkpoint-dir",
-                                 dirs[n]}));
-  }
-  ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 2,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
-  const auto cut_at = std::chrono::steady_clock::now();
-  // No RST, no ICMP: packets just stop, as when a switch port dies.
-  auto r = run_process({"ip", "netns", "exec", ns_[1], "ip", "link", "set", veth_[1], "down"},
-                       one_rank({}, std::chrono::seconds(10)));
-  ASSERT_EQ(r.exit_code, 0) << r.describe();
-  std::vector<ProcessResult> results;
-  std::vector<double> seconds;
-  for (auto& node : nodes) {
-    results.push_back(wait_background(node, std::chrono::seconds(60)));
-    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at).count());
-  }
-  EXPECT_EQ(results[0].exit_code, 1) << results[0].describe();
-  EXPECT_EQ(results[1].exit_code, 1) << results[1].describe();
-  EXPECT_NE(results[0].err.find(addr_[1] + ") lost"), std::string::npos) << results[0].describe();
-  EXPECT_NE(results[1].err.find("lost the rendezvous store at " + addr_[0] + ":29400"), std::string::npos)
-      << results[1].describe();
-  EXPECT_LT(seconds[0], 15.0) << results[0].describe();
-  EXPECT_LT(seconds[1], 15.0) << results[1].describe();
-  std::printf("[ measured ] two namespaces, cable cut: node 0 exited after %.2f s, node 1 after %.2f s\n", seconds[0],
-              seconds[1]);
-  EXPECT_TRUE(namespace_empty_within(0, std::chrono::seconds(5))) << pids_in(0);
-  EXPECT_TRUE(namespace_empty_within(1, std::chrono::seconds(5))) << pids_in(1);
-  for (auto& d : dirs) fs::remove_all(d);
-}
-
-TEST_F(TwoNodesC10d, AnElasticJobLosingANodeResumesFromTheSnapshotOnTheOtherAndCompletes) {
-  std::vector<std::string> dirs = {make_temp_dir("c10d_el0"), make_temp_dir("c10d_el1")};
-  std::vector<BackgroundProcess> nodes;
-  for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_agent(n, {"--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=20"},
-                                {bin_path("wine_ddp"), "60", "5", "--batch-size", "4", "--checkpoint-dir", dirs[n]}));
-  }
-  ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 11,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
-  const auto killed_at = std::chrono::steady_clock::now();
-  ASSERT_EQ(kill(nodes[1].pid, SIGKILL), 0);
-  ASSERT_TRUE(wait_for_text(nodes[0].err_path, "rendezvous round 1", std::chrono::seconds(30)))
-      << file_bytes(nodes[0].err_path);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
-  ProcessResult node0 = wait_background(nodes[0], std::chrono::seconds(120));
-  wait_background(nodes[1], std::chrono::seconds(10));
-  ASSERT_EQ(node0.exit_code, 0) << node0.describe();
-  EXPECT_NE(node0.err.find(addr_[1] + ") lost"), std::string::npos) << node0.describe();
-  EXPECT_NE(node0.err.find("continuing with 1 node(s)"), std::string::npos) << node0.describe();
-  EXPECT_NE(node0.err.find("node rank 0 of 1, ranks 0..1 of world size 2"), std::string::npos) << node0.describe();
-  EXPECT_NE(node0.out.find("Resuming after epoch"), std::string::npos) << node0.describe();
-  EXPECT_NE(node0.out.find("[rank0]: Epoch 59, Loss:"), std::string::npos) << node0.describe();
-  EXPECT_TRUE(fs::exists(dirs[0] + "/model_final.pt"));
-  std::printf("[ measured ] two namespaces, --nnodes 1:2: node 0 re-formed alone %.2f s after node 1's ddprun was "
-              "SIGKILLed\n",
-              seconds);
-  EXPECT_TRUE(namespace_empty_within(1, std::chrono::seconds(5))) << pids_in(1);
-  for (auto& d : dirs) fs::remove_all(d);
-}
-
-}  // namespace
-
-namespace {
-
-// Issue 12 item 2: a master whose packets are dropped. One network namespace holds a veth
-// pair; the master's address has a static neighbour entry with a MAC address nobody owns, so
-// every SYN vanishes without an answer (no RST, no ICMP). The reachability check's connect
-// used to wait for the kernel's SYN retries (about 130 s) while the message said "within 5 s".
-class BlackHoledMaster : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "creating a network namespace needs root";
-    std::string id = std::to_string(getpid());
-    ns_ = "ddp_bh_" + id;
-    std::vector<std::vector<std::string>> steps = {
-        {"ip", "netns", "add", ns_},
-        {"ip", "netns", "exec", ns_, "ip", "link", "set", "lo", "up"},
-        {"ip", "netns", "exec", ns_, "ip", "link", "add", "bhA", "type", "veth", "peer", "name", "bhB"},
-        {"ip", "netns", "exec", ns_, "ip", "addr", "add", "10.213.79.1/24", "dev", "bhA"},
-        {"ip", "netns", "exec", ns_, "ip", "link", "set", "bhA", "up"},
-        {"ip", "netns", "exec", ns_, "ip", "link", "set", "bhB", "up"},
-        {"ip", "netns", "exec", ns_, "ip", "neigh", "add", "10.213.79.2", "lladdr", "02:00:00:00:00:99", "dev",
-         "bhA", "nud", "permanent"},
-    };
-    for (const auto& step : steps) {
-      auto r = run_process(step, one_rank({}, std::chrono::seconds(20)));
-      if (r.exit_code != 0) {
-        std::string why = "cannot build the black-hole network ('ip netns' not permitted here?): " + r.err;
-        TearDown();
-        GTEST_SKIP() << why;
-      }
-    }
-  }
-  void TearDown() override {
-    if (!ns_.empty()) run_process({"ip", "netns", "del", ns_}, one_rank({}, std::chrono::seconds(20)));
-    ns_.clear();
-  }
-  std::string ns_;
-};
-
-TEST_F(BlackHoledMaster, ARankFailsWithinTheTimeoutNotAfterTheKernelsRetries) {
-  auto r = run_process({"ip", "netns", "exec", ns_, bin_path("ddp_worker"), "ready"},
-                       one_rank({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.213.79.2"},
-                                 {"MASTER_PORT", "29555"}, {"DDP_TIMEOUT_SECONDS", "5"}},
-                                std::chrono::seconds(200)));
-  EXPECT_FALSE(r.timed_out) << r.describe();
-  EXPECT_NE(r.exit_code, 0) << r.describe();
-  EXPECT_NE(r.err.find("cannot reach the master at 10.213.79.2:29555 within 5 s: no answer to the connection "
-                       "request"),
-            std::string::npos)
-      << r.describe();
-  EXPECT_LT(r.seconds, 5 + 4.0) << r.describe();  // 1 s margin, plus starting the worker
-  std::printf("[ measured ] black-holed master, DDP_TIMEOUT_SECONDS=5: rank 1 failed after %.2f s\n", r.seconds);
 }
 
 }  // namespace

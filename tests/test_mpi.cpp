@@ -5,13 +5,18 @@
 //
 // Tests whose ranks run code from this file re-execute this binary under
 // mpirun with DDP_MPI_TEST_CHILD set to the test's name (on_mpi_ranks), so
-// the assertion and each rank's code stay together.
+// the assertion and each rank's code stay together. The training stack's
+// scenarios are the very ones the Gloo tests run (support/ddp_scenarios.h).
 
 #include <ddp/ddp.h>
 
 #include <gtest/gtest.h>
+#include <support/ddp_models.h>
+#include <support/ddp_scenarios.h>
 #include <support/launch.h>
+#include <support/ranks.h>
 #include <support/subprocess.h>
+#include <support/two_node_network.h>
 
 #include <csignal>
 #include <filesystem>
@@ -27,6 +32,8 @@ namespace fs = std::filesystem;
 using namespace ddp::testing;
 
 namespace {
+
+using Group = std::shared_ptr<ddp::ProcessGroup>;
 
 constexpr const char* kChildVariable = "DDP_MPI_TEST_CHILD";
 
@@ -49,29 +56,21 @@ std::vector<std::string> mpirun(int ranks, std::vector<std::string> program,
   return argv;
 }
 
-std::string self_executable() {
-  char buffer[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
-  return n > 0 ? std::string(buffer, static_cast<size_t>(n)) : std::string();
-}
-
-std::string current_test() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string(info->test_suite_name()) + "." + info->name();
-}
+using ddp::testing::detail::current_test_name;
+using ddp::testing::detail::self_executable;
 
 // In a child of on_mpi_ranks: runs `body` over an mpi group and ends the
 // process (0 when no assertion failed). In the test process: starts `ranks`
 // children under mpirun and returns what mpirun did.
-ProcessResult on_mpi_ranks(int ranks, const std::function<void(ddp::ProcessGroup&)>& body,
+ProcessResult on_mpi_ranks(int ranks, const RankBody& body,
                            std::chrono::seconds timeout = std::chrono::seconds(120),
                            std::vector<std::pair<std::string, std::string>> env = {}) {
-  const std::string test = current_test();
+  const std::string test = current_test_name();
   if (const char* child = std::getenv(kChildVariable); child && test == child) {
     int code = 0;
     try {
       auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
-      body(*group);
+      body(group);
       group->barrier();
       std::printf("MPI BODY DONE on rank %d of %d\n", group->rank(), group->size());
     } catch (const std::exception& e) {
@@ -97,7 +96,8 @@ std::vector<at::ScalarType> all_dtypes() {
   return {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kHalf, at::kBFloat16};
 }
 
-void check_every_collective(ddp::ProcessGroup& group) {
+void check_every_collective(const Group& ranks_group) {
+  ddp::ProcessGroup& group = *ranks_group;
   const int n = group.size();
   const int r = group.rank();
   for (auto dtype : all_dtypes()) {
@@ -185,12 +185,12 @@ TEST(Mpi, EveryCollectiveAndDtypeAtThreeRanks) {
 
 TEST(Mpi, LocalRankComesFromTheSharedMemorySplitAndMatchesTheEnvironment) {
   SKIP_WITHOUT_MPI();
-  auto r = on_mpi_ranks(3, [](ddp::ProcessGroup& group) {
+  auto r = on_mpi_ranks(3, [](const Group& group) {
     auto from_env = ddp::world_from_env();
-    EXPECT_EQ(group.world().local_rank, from_env.local_rank);
-    EXPECT_EQ(group.world().local_world_size, from_env.local_world_size);
-    EXPECT_EQ(group.world().local_world_size, 3);  // one host
-    EXPECT_EQ(group.backend(), ddp::BackendKind::kMpi);
+    EXPECT_EQ(group->world().local_rank, from_env.local_rank);
+    EXPECT_EQ(group->world().local_world_size, from_env.local_world_size);
+    EXPECT_EQ(group->world().local_world_size, 3);  // one host
+    EXPECT_EQ(group->backend(), ddp::BackendKind::kMpi);
   });
   expect_bodies_ran(r, 3);
 }
@@ -232,31 +232,31 @@ TEST(Mpi, WineOverMpiEndsWithGloosWeights) {
   fs::remove_all(dir);
 }
 
-// DDP's options, ZeRO, Join and the non-finite check over mpi: the workers
-// of the Gloo tests, with the backend chosen by DDP_BACKEND.
+// DDP's options, no_sync(), unused parameters, a compression hook, Join,
+// the non-finite check and ZeRO over mpi: the Gloo tests' own scenarios.
 TEST(Mpi, TheTrainingStackWorksOverMpi) {
   SKIP_WITHOUT_MPI();
-  struct Case {
-    std::vector<std::string> args;
-    std::string expect;
-  };
-  const std::vector<Case> cases = {
-      {{"equivalence", "--steps", "6", "--batch", "4", "--bucket-cap-mb", "0.0003"}, "REPLICAS identical"},
-      {{"equivalence", "--steps", "6", "--batch", "4", "--no-overlap"}, "REPLICAS identical"},
-      {{"no_sync"}, ""},
-      {{"find_unused"}, ""},
-      {{"hook_gradients", "--hook", "fp16", "--tolerance", "2e-3"}, ""},
-      {{"join"}, "JOIN identical=1"},
-      {{"nonfinite", "--policy", "skip"}, ""},
-      {{"zero", "--optimizer", "adam"}, "same_weights=1 replicas=1"},
-  };
-  for (const auto& c : cases) {
-    std::vector<std::string> program = {bin_path("ddp_worker")};
-    program.insert(program.end(), c.args.begin(), c.args.end());
-    auto r = run_process(mpirun(2, program, {{"DDP_BACKEND", "mpi"}, {"DDP_TIMEOUT_SECONDS", "30"}}), one_rank({}));
-    EXPECT_EQ(r.exit_code, 0) << c.args[0] << ": " << r.describe();
-    if (!c.expect.empty()) EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args[0] << ": " << r.out;
-  }
+  auto r = on_mpi_ranks(
+      2,
+      [](const Group& group) {
+        Equivalence small_buckets;
+        small_buckets.steps = 6;
+        small_buckets.engine.bucket_cap_mb = 0.0003;
+        small_buckets.buckets = 3;
+        expect_equivalence(group, small_buckets, "a bucket per layer");
+        Equivalence after_backward;
+        after_backward.steps = 6;
+        after_backward.engine.overlap = false;
+        expect_equivalence(group, after_backward, "all-reduce after backward");
+        expect_no_sync_matches_one_batch(group, 3, Engine{});
+        expect_unused_parameters_per_rank_handled(group, /*bucket_view=*/false);
+        EXPECT_LE(hook_error(group, "fp16"), 2e-3);
+        expect_join_matches_one_process(group);
+        EXPECT_EQ(train_with_a_nan(group, ddp::parse_nonfinite_policy("skip")), 1);
+        expect_zero_matches_full_optimizer(group, "adam");
+      },
+      std::chrono::seconds(240), {{"DDP_TIMEOUT_SECONDS", "30"}});
+  expect_bodies_ran(r, 2);
 }
 
 TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
@@ -277,7 +277,11 @@ TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
 
 TEST(Mpi, MismatchedReplicasAreReportedOverMpi) {
   SKIP_WITHOUT_MPI();
-  auto r = run_process(mpirun(2, {bin_path("ddp_worker"), "mismatch"}, {{"DDP_BACKEND", "mpi"}}), one_rank({}));
+  auto r = on_mpi_ranks(2, [](const Group& group) {
+    Mlp model(group->rank() == 1 ? 5 : 4);
+    ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+    ADD_FAILURE() << "no error";
+  });
   EXPECT_NE(r.exit_code, 0) << r.describe();
   EXPECT_NE((r.out + r.err).find("parameter 'fc3.weight' has shape [4, 32] on rank 0 but [5, 32] on rank 1"),
             std::string::npos)
@@ -289,12 +293,12 @@ TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
   const auto start = std::chrono::steady_clock::now();
   auto r = on_mpi_ranks(
       2,
-      [](ddp::ProcessGroup& group) {
+      [](const Group& group) {
         at::Tensor t = at::ones({4});
-        group.all_reduce(t);
+        group->all_reduce(t);
         // Rank 1 stops calling collectives; rank 0 waits in the next one.
-        if (group.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
-        group.all_reduce(t);
+        if (group->rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+        group->all_reduce(t);
       },
       std::chrono::seconds(60), {{"DDP_TIMEOUT_SECONDS", "3"}});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -309,7 +313,7 @@ TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
 // it forever: the watchdog ends rank 0 within the timeout, naming why.
 TEST(Mpi, ARankThatExitsBeforeMpiStartsEndsTheOthersWithinTheTimeout) {
   SKIP_WITHOUT_MPI();
-  const std::string test = current_test();
+  const std::string test = current_test_name();
   if (const char* child = std::getenv(kChildVariable); child && test == child) {
     try {
       ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
@@ -342,11 +346,11 @@ TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
   const auto start = std::chrono::steady_clock::now();
   auto r = on_mpi_ranks(
       2,
-      [](ddp::ProcessGroup& group) {
+      [](const Group& group) {
         at::Tensor t = at::ones({4});
-        group.all_reduce(t);
-        if (group.rank() == 1) ::kill(::getpid(), SIGKILL);
-        for (int i = 0; i < 1000; ++i) group.all_reduce(t);
+        group->all_reduce(t);
+        if (group->rank() == 1) ::kill(::getpid(), SIGKILL);
+        for (int i = 0; i < 1000; ++i) group->all_reduce(t);
       },
       std::chrono::seconds(60));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -355,7 +359,7 @@ TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
   EXPECT_LT(seconds, 10.0) << r.describe();
   // No rank of that job is left: no process carries its marker.
   int survivors = 0;
-  const std::string wanted = std::string(kChildVariable) + "=" + current_test();
+  const std::string wanted = std::string(kChildVariable) + "=" + current_test_name();
   for (const auto& entry : fs::directory_iterator("/proc")) {
     std::ifstream environ(entry.path() / "environ", std::ios::binary);
     std::string all((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
@@ -374,33 +378,11 @@ TEST(Mpi, FourRanksOnTwoNamespaceNodesMatchFourOnOneNode) {
   if (run_process({"sh", "-c", "command -v unshare && command -v ip"}).exit_code != 0) {
     GTEST_SKIP() << "needs unshare and ip (util-linux, iproute2)";
   }
-  const std::string id = std::to_string(::getpid());
-  const std::vector<std::string> ns = {"ddpmpi0_" + id, "ddpmpi1_" + id};
-  const std::vector<std::string> veth = {"ddpm0_" + id, "ddpm1_" + id};
   // Test hosts on a link of our own that nothing outside can reach.
-  const std::vector<std::string> addr = {"10.213.79.1", "10.213.79.2"};
-  struct Cleanup {
-    std::vector<std::string> ns;
-    ~Cleanup() {
-      for (const auto& n : ns) run_process({"ip", "netns", "del", n});
-    }
-  } cleanup{ns};
-  std::vector<std::vector<std::string>> steps = {
-      {"ip", "netns", "add", ns[0]},
-      {"ip", "netns", "add", ns[1]},
-      {"ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1]},
-      {"ip", "link", "set", veth[0], "netns", ns[0]},
-      {"ip", "link", "set", veth[1], "netns", ns[1]},
-  };
-  for (int n = 0; n < 2; ++n) {
-    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "addr", "add", addr[n] + "/24", "dev", veth[n]});
-    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "link", "set", veth[n], "up"});
-    steps.push_back({"ip", "netns", "exec", ns[n], "ip", "link", "set", "lo", "up"});
-  }
-  for (const auto& step : steps) {
-    auto r = run_process(step);
-    if (r.exit_code != 0) GTEST_SKIP() << "cannot build the two-node network: " << r.err;
-  }
+  TwoNodeNetwork network("ddpm", "10.213.79");
+  if (const std::string why = network.build(); !why.empty()) GTEST_SKIP() << why;
+  const std::vector<std::string>& ns = network.ns;
+  const std::vector<std::string>& addr = network.addr;
   const std::string dir = make_temp_dir("ddp_mpi_two_nodes");
   const std::string agent = dir + "/enter_node.sh";
   {
@@ -418,7 +400,7 @@ TEST(Mpi, FourRanksOnTwoNamespaceNodesMatchFourOnOneNode) {
   fs::permissions(agent, fs::perms::owner_all);
   fs::create_directories(dir + "/two_nodes");
   fs::create_directories(dir + "/one_node");
-  const std::string subnet = "10.213.79.0/24";
+  const std::string& subnet = network.subnet;
   std::string mpirun_command = "hostname node0; mpirun --allow-run-as-root --oversubscribe -np 4 --host " + addr[0] +
                                ":2," + addr[1] + ":2 --mca plm_rsh_agent " + agent + " --mca btl_tcp_if_include " +
                                subnet + " --mca oob_tcp_if_include " + subnet + " -x DDP_TIMEOUT_SECONDS=60 " +

@@ -3,6 +3,7 @@
 // Join for ranks with fewer batches.
 #include <support/launch.h>
 #include <support/ddp_models.h>
+#include <support/ddp_scenarios.h>
 #include <support/ranks.h>
 #include <support/torch_errors.h>
 
@@ -70,34 +71,6 @@ TEST(NoHangs, APeerThatStopsAnsweringTimesOutWithTheOperationNamed) {
   EXPECT_EQ(ranks[1].term_signal, SIGKILL) << describe_ranks(ranks);
 }
 
-// Rank 1's loss turns NaN at step 2; all ranks act together. Returns how
-// many steps were skipped.
-int train_with_a_nan(const Group& group, ddp::NonFinitePolicy policy) {
-  torch::manual_seed(2);
-  Mlp model;
-  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
-  torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-2));
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(5 + group->rank());
-  int skipped = 0;
-  for (int step = 0; step < 5; ++step) {
-    at::Tensor x = at::randn({4, 10}, generator);
-    at::Tensor y = at::randint(0, 4, {4}, generator, at::kLong);
-    optimizer.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(x), y);
-    if (step == 2 && group->rank() == 1) loss = loss * std::nan("");
-    if (!ddp::check_loss_is_finite(loss, *group, policy, "step " + std::to_string(step))) {
-      ++skipped;
-      continue;
-    }
-    loss.backward();
-    optimizer.step();
-  }
-  at::Tensor weights = flatten_parameters(*model);
-  EXPECT_TRUE(at::isfinite(weights).all().item<bool>());
-  expect_replicas_identical(group, weights);
-  return skipped;
-}
-
 TEST(NoHangs, NonFiniteLossIsSkippedOnEveryRankTogether) {
   expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
     EXPECT_EQ(train_with_a_nan(group, ddp::parse_nonfinite_policy("skip")), 1);
@@ -109,54 +82,6 @@ TEST(NoHangs, NonFiniteLossAbortsEveryRank) {
     const std::string error = error_of([&] { train_with_a_nan(group, ddp::parse_nonfinite_policy("abort")); });
     EXPECT_NE(error.find("ddp: the loss is not finite on rank(s) 1 at step 2"), std::string::npos) << error;
   }));
-}
-
-// Rank r has 3 + 2r batches; Join keeps the ranks together and the result
-// equals one process averaging whatever gradients each step had.
-void expect_join_matches_one_process(const Group& group) {
-  const int world = group->size();
-  torch::manual_seed(4);
-  Mlp model;
-  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
-  at::Tensor initial = flatten_parameters(*model).clone();
-  torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-2));
-  auto batch_of = [](int rank, int k) {
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + k);
-    return std::make_pair(at::randn({4, 10}, generator), at::randint(0, 4, {4}, generator, at::kLong));
-  };
-  auto batches_of = [](int rank) { return 3 + 2 * rank; };
-  auto join = ddp_model.join();
-  for (int k = 0; k < batches_of(group->rank()); ++k) {
-    join.step();
-    auto [x, y] = batch_of(group->rank(), k);
-    optimizer.zero_grad();
-    torch::nn::functional::cross_entropy(ddp_model.forward(x), y).backward();
-    optimizer.step();
-  }
-  join.finish();
-  EXPECT_EQ(join.steps(), batches_of(group->rank()));
-  EXPECT_EQ(join.shadowed_steps(), batches_of(world - 1) - batches_of(group->rank()));
-  at::Tensor mine = flatten_parameters(*model);
-  expect_replicas_identical(group, mine);
-  if (group->rank() == 0) {
-    // Step k: the sum of the losses of the ranks that still had batch k,
-    // divided by the world size (absent ranks contribute zero gradients).
-    Mlp reference;
-    load_flat_parameters(*reference, initial);
-    torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
-    for (int k = 0; k < batches_of(world - 1); ++k) {
-      reference_optimizer.zero_grad();
-      at::Tensor total = at::zeros({});
-      for (int r = 0; r < world; ++r) {
-        if (k >= batches_of(r)) continue;
-        auto [x, y] = batch_of(r, k);
-        total = total + torch::nn::functional::cross_entropy(reference->forward(x), y);
-      }
-      (total / world).backward();
-      reference_optimizer.step();
-    }
-    EXPECT_LE((flatten_parameters(*reference) - mine).abs().max().item<double>(), 1e-6);
-  }
 }
 
 RanksOptions join_options() {

@@ -1,7 +1,11 @@
 # Tests that need torch. Included from tests/CMakeLists.txt.
 
+# The workers' command lines (Debian's libcli11-dev, header-only).
+find_package(CLI11 2.1 CONFIG REQUIRED)
+
+# The tiny ddp job for tests in which a launcher must exec a program.
 add_executable(ddp_worker workers/ddp_worker.cpp)
-target_link_libraries(ddp_worker PRIVATE ddp::ddp)
+target_link_libraries(ddp_worker PRIVATE ddp::ddp CLI11::CLI11)
 ddp_reuse_precompiled_header(ddp_worker)
 
 # Pure functions and single-process behaviour.
@@ -37,7 +41,7 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 
 # Real cluster launchers: mpirun, a single-host Slurm, two network-namespace
 # nodes. Each test skips with its reason where its tools are missing.
-add_executable(ddp_cluster_tests test_cluster.cpp)
+add_executable(ddp_cluster_tests test_cluster.cpp test_cluster_two_nodes.cpp)
 target_link_libraries(ddp_cluster_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_cluster_tests)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
@@ -46,7 +50,7 @@ gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
 
 # One strategy's training for the launcher tests (mpirun, ddprun on the GPU).
 add_executable(fsdp_worker workers/fsdp_worker.cpp)
-target_link_libraries(fsdp_worker PRIVATE ddp::ddp)
+target_link_libraries(fsdp_worker PRIVATE ddp::ddp CLI11::CLI11)
 ddp_reuse_precompiled_header(fsdp_worker)
 
 # ---------------------------------------------------------------------------
@@ -54,7 +58,7 @@ ddp_reuse_precompiled_header(fsdp_worker)
 # CPU), their multi-process scenarios over gloo, the GPT benchmarks at a tiny
 # size, and the tests that need CUDA (label "gpu"; each skips without it).
 add_executable(gpu_worker workers/gpu_worker.cpp)
-target_link_libraries(gpu_worker PRIVATE ddp::ddp)
+target_link_libraries(gpu_worker PRIVATE ddp::ddp CLI11::CLI11)
 ddp_reuse_precompiled_header(gpu_worker)
 
 target_sources(ddp_unit_tests PRIVATE test_device.cpp test_grad_scaler.cpp)
@@ -109,7 +113,7 @@ gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT
 add_executable(ddp_mpi_tests test_mpi.cpp)
 target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_mpi_tests)
-add_dependencies(ddp_mpi_tests ddp_worker fsdp_worker wine_ddp ddprun)
+add_dependencies(ddp_mpi_tests fsdp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST)
 

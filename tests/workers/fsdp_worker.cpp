@@ -7,41 +7,40 @@
 //
 // --device cuda [--backend gloo --share-devices yes] trains on the GPU.
 
-#include "worker_flags.h"
-
 #include "../support/fsdp_trainers.h"
 
 #include <ddp/device.h>
 #include <ddp/error_file.h>
+
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <iostream>
 #include <string>
 
 int main(int argc, char** argv) {
-  using worker::flag;
+  ddp::testing::TrainSpec spec;
+  std::string out, device = "cpu", share_devices = "no", backend = "auto";
+  CLI::App app{"Trains one strategy of support/fsdp_trainers.h and writes the full state dict."};
+  app.add_option("--strategy", spec.strategy, "ddp, zero1, fsdp-full, fsdp-grad-op, ...")->capture_default_str();
+  app.add_option("--out", out, "where rank 0 writes the state dict (none if empty)");
+  app.add_option("--device", device, "cpu or cuda")->capture_default_str();
+  app.add_option("--share-devices", share_devices, "yes: several ranks may share one GPU")->capture_default_str();
+  app.add_option("--backend", backend, "auto, gloo, nccl or mpi")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   try {
-    ddp::testing::TrainSpec spec;
-    spec.strategy = flag(argc, argv, "--strategy", "ddp");
-    const std::string out = flag(argc, argv, "--out");
-    auto device_options = ddp::DeviceOptions()
-                              .kind(ddp::parse_device_kind(flag(argc, argv, "--device", "cpu")))
-                              .share_devices(flag(argc, argv, "--share-devices", "no") == "yes");
+    auto device_options =
+        ddp::DeviceOptions().kind(ddp::parse_device_kind(device)).share_devices(share_devices == "yes");
     spec.device = ddp::init_device(ddp::world_from_env(), device_options);
-    auto group = ddp::init_process_group(ddp::ProcessGroupOptions().device(spec.device).backend(
-        ddp::parse_backend(flag(argc, argv, "--backend", "auto"))));
+    auto group = ddp::init_process_group(
+        ddp::ProcessGroupOptions().device(spec.device).backend(ddp::parse_backend(backend)));
     auto result = ddp::testing::train(group, spec);
     if (group->rank() == 0 && !out.empty()) ddp::save_state_dict(result.state, out);
     group->barrier();
     std::printf("rank %d: fsdp_worker %s done\n", group->rank(), spec.strategy.c_str());
-  } catch (const c10::Error& e) {
-    ddp::record_error(e);  // for the launcher's root cause (TORCHELASTIC_ERROR_FILE)
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
-    return 1;
   } catch (const std::exception& e) {
-    ddp::record_error(e);
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    // Recorded for the launcher's root cause (TORCHELASTIC_ERROR_FILE).
+    return ddp::report_failure(e);
   }
   return 0;
 }

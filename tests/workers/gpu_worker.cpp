@@ -7,13 +7,14 @@
 //
 // Each prints a marker line and exits 0 only on success.
 
-#include "worker_flags.h"
-
 #include <ddp/autocast.h>
 #include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/grad_scaler.h>
+#include <ddp/error_file.h>
 #include <ddp/process_group.h>
+
+#include <CLI/CLI.hpp>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
@@ -40,22 +41,29 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-using worker::flag;
-using worker::has_flag;
+// Every scenario's flags; each reads the ones it has.
+struct Flags {
+  std::string device = "cpu";
+  std::string backend = "auto";
+  bool share_devices = false;
+  std::string hook = "allreduce";
+  double tolerance = 1e-5;
+  int inf_rank = 1;
+  int64_t inf_step = 2;
+};
 
 struct Setup {
   c10::Device device{c10::kCPU};
   std::shared_ptr<ddp::ProcessGroup> group;
 };
 
-Setup setup(int argc, char** argv) {
+Setup setup(const Flags& flags) {
   Setup s;
-  auto options = ddp::DeviceOptions()
-                     .kind(ddp::parse_device_kind(flag(argc, argv, "--device", "cpu")))
-                     .share_devices(has_flag(argc, argv, "--share-devices"));
+  auto options =
+      ddp::DeviceOptions().kind(ddp::parse_device_kind(flags.device)).share_devices(flags.share_devices);
   s.device = ddp::init_device(ddp::world_from_env(), options);
-  s.group = ddp::init_process_group(ddp::ProcessGroupOptions().device(s.device).backend(
-      ddp::parse_backend(flag(argc, argv, "--backend", "auto"))));
+  s.group = ddp::init_process_group(
+      ddp::ProcessGroupOptions().device(s.device).backend(ddp::parse_backend(flags.backend)));
   return s;
 }
 
@@ -67,12 +75,12 @@ at::Tensor flat_parameters(torch::nn::Module& module) {
 
 // N ranks with batch b each against rank 0 training alone on the N batches
 // side by side, with SGD (so the comparison does not amplify rounding).
-int equivalence(int argc, char** argv) {
-  Setup s = setup(argc, argv);
+int equivalence(const Flags& flags) {
+  Setup s = setup(flags);
   const int world = s.group->size();
   const int64_t steps = 5, batch = 8;
-  double tolerance = std::stod(flag(argc, argv, "--tolerance", "1e-5"));
-  std::string hook = flag(argc, argv, "--hook", "allreduce");
+  const double tolerance = flags.tolerance;
+  const std::string& hook = flags.hook;
   auto options = ddp::DDPOptions().bucket_cap_mb(0.001).first_bucket_cap_mb(0.001);  // several buckets
   if (hook == "fp16") options.comm_hook(ddp::fp16_compress_hook());
   if (hook == "bf16") options.comm_hook(ddp::bf16_compress_hook());
@@ -132,10 +140,10 @@ int equivalence(int argc, char** argv) {
 // One rank's local gradients overflow at one step (after DDP's average, so
 // only the GradScaler's own all-reduce can tell the others): every rank
 // must skip that step, back off the same, and keep identical weights.
-int grad_scaler(int argc, char** argv) {
-  Setup s = setup(argc, argv);
-  const int inf_rank = std::stoi(flag(argc, argv, "--inf-rank", "1"));
-  const int64_t inf_step = std::stoll(flag(argc, argv, "--inf-step", "2"));
+int grad_scaler(const Flags& flags) {
+  Setup s = setup(flags);
+  const int inf_rank = flags.inf_rank;
+  const int64_t inf_step = flags.inf_step;
   const int64_t steps = 5;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(11 + s.group->rank());
   at::Tensor x = at::randn({16, 10}, generator).to(s.device);
@@ -202,13 +210,23 @@ int grad_scaler(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Flags flags;
+  CLI::App app{"GPU-path scenarios for ddprun; each prints a marker line and exits 0 only on success."};
+  app.require_subcommand(1);
+  auto* equivalence_command = app.add_subcommand("equivalence", "N ranks against rank 0 alone on the N batches");
+  auto* scaler_command = app.add_subcommand("grad_scaler", "one rank's gradients overflow at one step");
+  for (CLI::App* command : {equivalence_command, scaler_command}) {
+    command->add_option("--device", flags.device, "cpu or cuda")->capture_default_str();
+    command->add_option("--backend", flags.backend, "auto, gloo or nccl")->capture_default_str();
+    command->add_flag("--share-devices", flags.share_devices, "several ranks may share one GPU");
+  }
+  equivalence_command->add_option("--hook", flags.hook, "allreduce, fp16 or bf16")->capture_default_str();
+  equivalence_command->add_option("--tolerance", flags.tolerance, "largest weight difference")->capture_default_str();
+  scaler_command->add_option("--inf-rank", flags.inf_rank, "the rank whose gradient overflows")->capture_default_str();
+  scaler_command->add_option("--inf-step", flags.inf_step, "the step it overflows at")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   try {
-    std::string scenario = argc > 1 ? argv[1] : "";
-    if (scenario == "equivalence") return equivalence(argc, argv);
-    if (scenario == "grad_scaler") return grad_scaler(argc, argv);
-    std::cerr << "usage: gpu_worker equivalence|grad_scaler [--device cpu|cuda] [--backend auto|gloo|nccl] "
-                 "[--share-devices] [--hook allreduce|fp16|bf16] [--tolerance X] [--inf-rank R] [--inf-step S]\n";
-    return 2;
+    return equivalence_command->parsed() ? equivalence(flags) : grad_scaler(flags);
   } catch (const std::exception& e) {
     // ddp's errors carry their cause and fix; no C++ backtrace is printed.
     return ddp::report_failure(e);
