@@ -16,7 +16,7 @@
 #include "bench_models.h"
 #include "bench_stats.h"
 
-#include <ddp/detail/bucket_assignment.h>
+#include "../src/bucket_assignment.h"  // internal: the bucket rule alone
 #include <ddp/collective_trace.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>

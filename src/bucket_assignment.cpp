@@ -1,4 +1,4 @@
-#include <ddp/detail/bucket_assignment.h>
+#include "bucket_assignment.h"
 
 #include <ddp/error.h>
 

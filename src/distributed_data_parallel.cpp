@@ -3,14 +3,6 @@
 #include <ddp/error.h>
 
 #include <ATen/Functions.h>
-#include <c10/core/GradMode.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/jit/api/module.h>
-#include <torch/nn/modules/embedding.h>
-
-#include <cstring>
-#include <map>
-#include <sstream>
 
 namespace ddp {
 namespace detail {
@@ -49,7 +41,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<ModuleTensors> module,
     names.push_back(name);
   }
   reducer_ = std::make_unique<GradientReducer>(std::move(params), std::move(names), group_,
-                                               options_.reducer_options());
+                                               options_.reducer());
   // Also in a world of one, so the mistake shows before the job scales out.
   if (options_.broadcast_buffers() && has_buffers_) {
     reducer_->warn_on_backward_without_forward(

@@ -2,13 +2,13 @@
 // loadable at any world size and by Python) and sharded (one file per rank),
 // for the module and for the optimizer built over its shards.
 
-#include <ddp/error.h>
 #include <ddp/fully_sharded_data_parallel.h>
 
-#include <ddp/detail/optimizer_state.h>
+#include <ddp/error.h>
 #include <ddp/snapshot.h>
 
 #include "fsdp_unit.h"
+#include "optimizer_state.h"
 
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>

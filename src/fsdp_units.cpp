@@ -1,4 +1,4 @@
-#include <ddp/detail/fsdp_units.h>
+#include "fsdp_units.h"
 
 #include <ddp/error.h>
 

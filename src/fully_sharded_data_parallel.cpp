@@ -13,13 +13,14 @@
 // unit's are all there they are flattened, reduce-scattered, and this rank's
 // part lands in shard.grad().
 
-#include <ddp/error.h>
 #include <ddp/fully_sharded_data_parallel.h>
 
-#include <ddp/detail/fsdp_units.h>
 #include <ddp/distributed_data_parallel.h>
+#include <ddp/error.h>
 
 #include "fsdp_unit.h"
+#include "fsdp_units.h"
+#include "gradient_sync.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/StorageImpl.h>
@@ -118,6 +119,10 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Pr
   sync_->set_groups(std::move(groups));
   reset_peak_memory();
 }
+
+void FsdpState::set_requires_gradient_sync(bool sync) { sync_->set_require_sync(sync); }
+
+bool FsdpState::requires_gradient_sync() const { return sync_->require_sync(); }
 
 FsdpState::~FsdpState() {
   sync_.reset();  // the hooks go first

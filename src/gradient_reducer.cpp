@@ -2,11 +2,13 @@
 
 #include <ddp/error.h>
 
-#include <ddp/detail/bucket_assignment.h>
+#include "bucket_assignment.h"
+#include "gradient_sync.h"
 
 #include <ATen/Functions.h>
 
 #include <cstdio>
+
 #include <numeric>
 
 namespace ddp {
@@ -62,6 +64,12 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std
 }
 
 GradientReducer::~GradientReducer() = default;
+
+void GradientReducer::set_require_sync(bool require_sync) { sync_->set_require_sync(require_sync); }
+
+bool GradientReducer::require_sync() const { return sync_->require_sync(); }
+
+const std::vector<std::vector<size_t>>& GradientReducer::bucket_assignment() const { return sync_->groups(); }
 
 void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
   buckets_.clear();
@@ -201,27 +209,14 @@ void GradientReducer::on_round_end(bool /*synchronised*/) {
 }
 
 void GradientReducer::shadow_backward() {
-  if (group_->size() == 1) return;
-  // The same collectives as a backward pass, in the same order, over
-  // scratch buffers: with gradient_as_bucket_view the buckets hold this
-  // rank's own gradients, which shadowing must leave alone.
-  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> reduced;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    GradBucket view(b, at::zeros_like(buckets_[b].flat), b + 1 == buckets_.size());
-    CollectiveTag tag(collective_tag(b) + " (joined)");
-    reduced.push_back(comm_hook_->run(*group_, view));
-  }
-  if (options_.find_unused_parameters()) {
-    at::Tensor used_anywhere = at::zeros({static_cast<int64_t>(params_.size())}, group_->control_options().dtype(at::kInt));
-    group_->all_reduce(used_anywhere);
-  }
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    reduced[b]->wait();
-    DDP_CHECK(!reduced[b]->hasError(), "ddp: shadowing gradient bucket ", b, " failed on rank ",
-                group_->rank(), ": ", reduced[b]->tryRetrieveErrorMessage());
-  }
-  ++reduced_steps_;
-  maybe_rebuild_buckets();
+  if (group_->size() > 1) sync_->shadow_round();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> GradientReducer::launch_shadow_group(size_t b) {
+  // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
+  // hold this rank's own gradients, which shadowing must leave alone.
+  GradBucket view(b, at::zeros_like(buckets_[b].flat), b + 1 == buckets_.size());
+  return comm_hook_->run(*group_, view);
 }
 
 void GradientReducer::maybe_rebuild_buckets() {

@@ -1,4 +1,4 @@
-#include <ddp/detail/gradient_sync.h>
+#include "gradient_sync.h"
 
 #include <ddp/collective_trace.h>
 #include <ddp/error.h>
@@ -10,7 +10,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <numeric>
 #include <sstream>
 #include <unordered_set>
 
@@ -20,6 +19,11 @@ c10::intrusive_ptr<c10::ivalue::Future> completed_future(const at::Tensor& value
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
   future->markCompleted(value);
   return future;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> SyncPolicy::launch_shadow_group(size_t /*group*/) {
+  DDP_CHECK(false, "ddp: this wrapper does not support Join (a rank without data mirroring the others)");
+  return {};
 }
 
 GradientSync::GradientSync(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -95,6 +99,25 @@ void GradientSync::find_unreachable(const std::vector<at::Tensor>& outputs) {
 void GradientSync::begin_round() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!round_active_) start_round();
+}
+
+void GradientSync::shadow_round() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DDP_CHECK(!round_active_, "ddp: Join cannot mirror the other ranks' step during this rank's own backward pass");
+  // The launch order of a synchronised pass, as the other ranks' engines
+  // issue it, so every collective meets its counterpart.
+  const std::vector<size_t> order = policy_.on_round_start(/*synchronised=*/true);
+  DDP_CHECK(order.size() == groups_.size(), "ddp: the launch order must name every gradient group once");
+  for (size_t group : order) {
+    CollectiveTag tag(policy_.collective_tag(group));
+    reductions_[group] = policy_.launch_shadow_group(group);
+  }
+  policy_.before_waiting(std::vector<char>(params_.size(), 0));
+  for (size_t group : order) {
+    wait_for(group);
+    reductions_[group].reset();
+  }
+  policy_.on_round_end(/*synchronised=*/true);
 }
 
 void GradientSync::check_previous_round_finished() {

@@ -1,9 +1,9 @@
 // The optimizer state in Python's layout: pure re-layouts (see
-// include/ddp/detail/optimizer_state.h), and the conversion from and to a
+// src/optimizer_state.h), and the conversion from and to a
 // torch::optim::Optimizer (ddp::optimizer_state_dict and
 // ddp::load_optimizer_state_dict, declared in include/ddp/snapshot.h).
 
-#include <ddp/detail/optimizer_state.h>
+#include "optimizer_state.h"
 
 #include <ddp/error.h>
 #include <ddp/snapshot.h>

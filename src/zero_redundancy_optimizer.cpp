@@ -4,8 +4,9 @@
 
 #include <ddp/checkpoint.h>
 #include <ddp/detail/module_sync.h>
-#include <ddp/detail/optimizer_state.h>
 #include <ddp/snapshot.h>
+
+#include "optimizer_state.h"
 
 #include <ATen/Functions.h>
 #include <ATen/core/Dict.h>

@@ -1,4 +1,4 @@
-#include <ddp/detail/bucket_assignment.h>
+#include "bucket_assignment.h"
 #include <ddp/zero_redundancy_optimizer.h>
 
 #include <c10/util/Exception.h>

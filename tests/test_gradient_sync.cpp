@@ -3,7 +3,7 @@
 // rules and its guards, whatever order each rank's gradients arrive in.
 #include "support/ranks.h"
 
-#include <ddp/detail/gradient_sync.h>
+#include "gradient_sync.h"
 #include <ddp/error.h>
 #include <ddp/process_group.h>
 

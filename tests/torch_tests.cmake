@@ -22,6 +22,9 @@ add_executable(ddp_unit_tests
   test_gloo_headers.cpp
   test_libtorch_integration.cpp)
 target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+# The pure rules (bucket assignment, FSDP's unit grouping, optimizer-state
+# re-layouts) are internal headers in src/.
+target_include_directories(ddp_unit_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 ddp_reuse_precompiled_header(ddp_unit_tests)
 target_compile_definitions(ddp_unit_tests PRIVATE
   DDP_LIBRARY_PATH="$<TARGET_FILE:ddp>"
@@ -95,6 +98,8 @@ add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradie
   test_process_group.cpp test_rendezvous_faults.cpp test_distributed_data_parallel.cpp test_no_hangs.cpp
   test_zero_redundancy_optimizer.cpp)
 target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+# The gradient engine's tests reach its internal header in src/.
+target_include_directories(ddp_integration_rank_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 ddp_reuse_precompiled_header(ddp_integration_rank_tests)
 # ddprun's own tests here launch the tiny worker.
 add_dependencies(ddp_integration_rank_tests ddp_worker ddprun)

@@ -40,44 +40,43 @@
 
 namespace ddp {
 
+// A DDPOptions setter and getter that forward to its ReducerOptions, so that
+// each option is declared (and documented) once, in ReducerOptions.
+#define DDP_REDUCER_ARG(T, name)                             \
+  DDPOptions& name(const T& value) {                         \
+    reducer_.name(value);                                    \
+    return *this;                                            \
+  }                                                          \
+  const T& name() const noexcept { return reducer_.name(); } \
+  T& name() noexcept { return reducer_.name(); }
+
 /// Options for DistributedDataParallel; the defaults are PyTorch's.
 ///
 ///   ddp::DDPOptions().bucket_cap_mb(50).find_unused_parameters(true)
+///
+/// How gradients are bucketed and reduced is a ReducerOptions (see
+/// gradient_reducer.h for what each option does); DDPOptions sets its fields
+/// directly, as above, or takes a whole one with reducer(...).
 struct DDPOptions {
-  /// Cap of every gradient bucket after the first, in MiB.
-  TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  /// Cap of the first bucket, in MiB.
-  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// The gradient reducer's options.
+  TORCH_ARG(ReducerOptions, reducer) = {};
   /// Copy rank 0's buffers (BatchNorm statistics, say) to every rank before
   /// each forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
-  /// Allow parameters that take no part in some forward passes.
-  TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Make each .grad a view into its communication bucket (less memory, no
-  /// copies).
-  TORCH_ARG(bool, gradient_as_bucket_view) = false;
-  /// Regroup buckets once, after the first iteration, in the order gradients
-  /// became ready.
-  TORCH_ARG(bool, rebuild_buckets) = true;
-  /// Reduce buckets while backward runs; off only to measure the benefit.
-  TORCH_ARG(bool, overlap_with_backward) = true;
-  /// How buckets are reduced: allreduce_hook() (null), fp16_compress_hook(),
-  /// bf16_compress_hook() or your own CommHook.
-  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
 
  public:
-  /// The engine's share of these options.
-  ReducerOptions reducer_options() const {
-    return ReducerOptions()
-        .bucket_cap_mb(bucket_cap_mb_)
-        .first_bucket_cap_mb(first_bucket_cap_mb_)
-        .find_unused_parameters(find_unused_parameters_)
-        .gradient_as_bucket_view(gradient_as_bucket_view_)
-        .rebuild_buckets(rebuild_buckets_)
-        .overlap_with_backward(overlap_with_backward_)
-        .comm_hook(comm_hook_);
-  }
+  DDP_REDUCER_ARG(double, bucket_cap_mb)
+  DDP_REDUCER_ARG(double, first_bucket_cap_mb)
+  DDP_REDUCER_ARG(bool, find_unused_parameters)
+  DDP_REDUCER_ARG(bool, gradient_as_bucket_view)
+  DDP_REDUCER_ARG(bool, rebuild_buckets)
+  DDP_REDUCER_ARG(bool, overlap_with_backward)
+  /// allreduce_hook() (null), fp16_compress_hook(), bf16_compress_hook() or
+  /// your own CommHook.
+  DDP_REDUCER_ARG(std::shared_ptr<CommHook>, comm_hook)
 };
+
+#undef DDP_REDUCER_ARG
 
 /// While alive, backward passes only accumulate gradients locally; the next
 /// backward outside it all-reduces the accumulated sum (gradient
@@ -104,6 +103,13 @@ class NoSyncGuard {
 };
 
 namespace detail {
+
+// What stays here is what DistributedDataParallel<ModuleType> and
+// FullyShardedDataParallel<ModuleType> instantiate in the user's code: how
+// each kind of module is reached (ModuleAdapter, as_module_ptr), whether a
+// type is a module at all (the static_assert's message must name the type at
+// compile time), and the tensors of a forward's result, whose type is the
+// module's own. The rest is in the library (src/).
 
 // The tensors of a forward's result, for finding unused parameters early.
 // Results of other types yield none; unused parameters are then found at
@@ -218,9 +224,6 @@ class DataParallelCore {
   std::unique_ptr<GradientReducer> reducer_;
 };
 
-}  // namespace detail
-
-namespace detail {
 /// Rank 0 loads `path` into `module`; then its values go to every rank.
 void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group, const std::string& path);
 }  // namespace detail

@@ -2,14 +2,14 @@
 
 // DDP's gradient averaging: every parameter's gradient is averaged across
 // ranks during backward. Parameters are grouped into buckets
-// (detail/bucket_assignment.h); as each gradient becomes final it is copied into its
+// (src/bucket_assignment.h); as each gradient becomes final it is copied into its
 // bucket, and a full bucket is handed to the communication hook (by default
 // an async all-reduce) at once, in bucket order, while backward goes on
 // computing earlier layers. When backward ends, the engine waits for every
 // bucket and the averages go back into .grad.
 
 #include <ddp/comm_hooks.h>
-#include <ddp/detail/gradient_sync.h>
+#include <ddp/detail/sync_policy.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +21,9 @@
 #include <vector>
 
 namespace ddp {
+namespace detail {
+class GradientSync;  // the engine, internal to the library
+}
 
 /// How gradients are bucketed and reduced. DDPOptions forwards these.
 struct ReducerOptions {
@@ -50,7 +53,7 @@ struct ReducerOptions {
 /// to parameters that are not one module's.
 ///
 /// The hooks, the launch order, the end of backward and the guards belong to
-/// the engine shared with FSDP (detail/gradient_sync.h); the reducer is the
+/// the engine shared with FSDP (src/gradient_sync.h); the reducer is the
 /// bucket policy: which gradients share a bucket, how a gradient enters its
 /// bucket, and how a reduced bucket goes back into .grad.
 class GradientReducer : private detail::SyncPolicy {
@@ -78,16 +81,16 @@ class GradientReducer : private detail::SyncPolicy {
   void warn_on_backward_without_forward(std::string warning);
 
   /// For a rank that ran out of data (Join): takes part in the other ranks'
-  /// gradient all-reduces with zeros, in the same order, without touching
-  /// this rank's gradients.
+  /// gradient all-reduces with zeros, in the same order (the engine's launch
+  /// order), without touching this rank's gradients.
   void shadow_backward();
 
   /// Off: backward only accumulates local gradients (DDP's no_sync()).
-  void set_require_sync(bool require_sync) { sync_->set_require_sync(require_sync); }
-  bool require_sync() const { return sync_->require_sync(); }
+  void set_require_sync(bool require_sync);
+  bool require_sync() const;
 
   /// Parameter indices of each bucket, in launch order.
-  const std::vector<std::vector<size_t>>& bucket_assignment() const { return sync_->groups(); }
+  const std::vector<std::vector<size_t>>& bucket_assignment() const;
   /// Number of backward passes whose gradients were averaged.
   int64_t reduced_steps() const { return reduced_steps_; }
   /// Whether the buckets were regrouped after the first iteration.
@@ -105,6 +108,7 @@ class GradientReducer : private detail::SyncPolicy {
   std::vector<size_t> on_round_start(bool synchronised) override;
   void on_parameter_ready(size_t param, bool has_gradient) override;
   c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t bucket) override;
+  c10::intrusive_ptr<c10::ivalue::Future> launch_shadow_group(size_t bucket) override;
   void before_waiting(const std::vector<char>& used_locally) override;
   void finish_group(size_t bucket, const at::Tensor& result) override;
   void on_round_end(bool synchronised) override;

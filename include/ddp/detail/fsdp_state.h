@@ -8,10 +8,9 @@
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
-#include <ddp/detail/gradient_sync.h>
+#include <ddp/detail/sync_policy.h>
 #include <ddp/process_group.h>
 
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -28,11 +27,12 @@ class Optimizer;
 
 namespace ddp::detail {
 
-struct FlatLayout;  // <ddp/detail/optimizer_state.h>
+struct FlatLayout;    // src/optimizer_state.h
+class GradientSync;  // src/gradient_sync.h
 
 /// FullyShardedDataParallel, independent of the module type: units, their
 /// gathering and freeing, and state dicts. As the gradient engine's policy
-/// (detail/gradient_sync.h), a unit is a group: when its gradients are
+/// (detail/sync_policy.h), a unit is a group: when its gradients are
 /// final it is flattened and reduce-scattered into the shard.
 class FsdpState : private SyncPolicy {
  public:
@@ -67,8 +67,8 @@ class FsdpState : private SyncPolicy {
 
   void gather_all();
   void free_all();
-  void set_requires_gradient_sync(bool sync) { sync_->set_require_sync(sync); }
-  bool requires_gradient_sync() const { return sync_->require_sync(); }
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
 
  private:
   struct Unit;
@@ -77,7 +77,6 @@ class FsdpState : private SyncPolicy {
   void start_gather(Unit& unit);
   void finish_gather(Unit& unit);
   void release(Unit& unit);
-  void prefetch_after(size_t unit, bool forward);
   void register_pre_backward(size_t unit, const std::vector<at::Tensor>& outputs);
   void pre_backward(size_t unit);
   void reset_backward_state();
@@ -128,6 +127,5 @@ class FsdpState : private SyncPolicy {
   int64_t peak_parameter_bytes_ = 0;
   std::unique_ptr<GradientSync> sync_;  // last: its hooks call the members above
 };
-
 
 }  // namespace ddp::detail

@@ -1,6 +1,6 @@
 #pragma once
 
-// Internal, not API: how the children of a torch::nn::Sequential root are
+// Internal to the library, not installed: how the children of a torch::nn::Sequential root are
 // grouped into FSDP units (FSDPOptions::min_num_params and ::units). A pure
 // function of the children's names and sizes, unit-tested like the bucket
 // assignment; FsdpState applies it to the module.

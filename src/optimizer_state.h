@@ -1,6 +1,6 @@
 #pragma once
 
-// Internal, not API: may change in any release. The optimizer state in the
+// Internal to the library, not installed. The optimizer state in the
 // layout of Python's optimizer.state_dict(),
 //
 //   {"state":        {index: {"step": t, "exp_avg": t, ...}, ...},

@@ -1,8 +1,9 @@
 #pragma once
 
-// Internal, not API: the one gradient-synchronisation engine under
-// GradientReducer (DDP's buckets) and detail::FsdpState (FSDP's units). It
-// may change in any release; only those two headers include it.
+// Internal to the library, not installed: the one gradient-synchronisation
+// engine under GradientReducer (DDP's buckets) and detail::FsdpState (FSDP's
+// units). The public headers see only its policy interface
+// (<ddp/detail/sync_policy.h>).
 //
 // The engine owns what both need to agree on across ranks:
 //  * one hook on every parameter's gradient accumulator;
@@ -21,6 +22,7 @@
 // flattens a unit's gradients when the unit is complete and
 // reduce-scatters them into the shard.
 
+#include <ddp/detail/sync_policy.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -37,39 +39,6 @@ struct Node;
 }
 
 namespace ddp::detail {
-
-/// What DDP and FSDP decide; the engine calls these, on the autograd thread.
-class SyncPolicy {
- public:
-  virtual ~SyncPolicy() = default;
-  /// A backward pass starts (synchronised: false inside no_sync()). Returns
-  /// the order its groups launch in, every group once, the same on every
-  /// rank.
-  virtual std::vector<size_t> on_round_start(bool synchronised) = 0;
-  /// Synchronised passes only: parameter `param` is final for this pass
-  /// (has_gradient false: it got none and counts as zeros).
-  virtual void on_parameter_ready(size_t param, bool has_gradient) = 0;
-  /// Every parameter of `group` is final and every group before it has been
-  /// launched: start its reduction. The future's value is the reduced
-  /// tensor (a tensor or a list whose first element is it).
-  virtual c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t group) = 0;
-  /// no_sync() passes, when the engine tracks them: every parameter of
-  /// `group` is final. No collective may start.
-  virtual void on_group_complete_without_sync(size_t /*group*/) {}
-  /// Every group has been launched and none waited for: a collective that
-  /// every rank runs here (DDP's unused-parameter flags) overlaps them.
-  /// used_locally[p]: whether p got a gradient on this rank since the last
-  /// synchronised pass.
-  virtual void before_waiting(const std::vector<char>& /*used_locally*/) {}
-  /// `group`'s reduction finished with `result`.
-  virtual void finish_group(size_t group, const at::Tensor& result) = 0;
-  /// The pass is over: after every finish_group, or after a no_sync() pass.
-  virtual void on_round_end(bool /*synchronised*/) {}
-  /// For errors: "gradient bucket 2/3".
-  virtual std::string group_label(size_t group) const = 0;
-  /// For the collective trace: "ddp bucket 2/3".
-  virtual std::string collective_tag(size_t group) const = 0;
-};
 
 struct SyncOptions {
   /// For messages: " through FullyShardedDataParallel", or empty for DDP.
@@ -119,6 +88,12 @@ class GradientSync {
   /// exception inside it) or one of its reductions failed, since this rank's
   /// collectives may then be out of step with the other ranks'.
   void check_previous_round_finished();
+
+  /// Join: a rank that ran out of data issues the collectives of one
+  /// synchronised backward pass of the others, in the same launch order,
+  /// over zeros (the policy's launch_shadow_group and before_waiting), and
+  /// waits for them. This rank's gradients are left alone.
+  void shadow_round();
 
   /// Off: backward passes only accumulate locally (no_sync()).
   void set_require_sync(bool require_sync) { require_sync_ = require_sync; }

@@ -1,6 +1,6 @@
 #pragma once
 
-// Internal, not API: which gradients travel together in one all-reduce
+// Internal to the library, not installed: which gradients travel together in one all-reduce
 // (DDP's buckets, the gradient engine's groups). Pure functions: no tensors
 // are touched, so the rules are unit-tested directly.
 
