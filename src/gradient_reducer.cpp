@@ -6,8 +6,7 @@
 #include "gradient_sync.h"
 
 #include <ATen/Functions.h>
-
-#include <cstdio>
+#include <c10/util/Exception.h>
 
 #include <numeric>
 
@@ -123,7 +122,9 @@ void GradientReducer::prepare_for_forward() {
 std::vector<size_t> GradientReducer::on_round_start(bool /*synchronised: always, DDP does not track no_sync()*/) {
   if (!forward_seen_ && !missing_forward_warning_.empty() && !warned_missing_forward_) {
     warned_missing_forward_ = true;
-    std::fprintf(stderr, "%s\n", missing_forward_warning_.c_str());
+    // Once per reducer, not TORCH_WARN_ONCE's once per process: each wrapped
+    // model that is bypassed says so.
+    TORCH_WARN(missing_forward_warning_);
   }
   forward_seen_ = false;
   used_anywhere_.reset();
