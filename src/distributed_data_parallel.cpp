@@ -19,8 +19,8 @@ void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
   }
 }
 
-DataParallelCore::DataParallelCore(std::shared_ptr<ModuleTensors> module,
-                                   std::shared_ptr<ProcessGroup> group, DDPOptions options)
+DdpRuntime::DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<ProcessGroup> group,
+                       DDPOptions options)
     : module_(std::move(module)), group_(std::move(group)), options_(options) {
   DDP_CHECK(module_, "ddp: DistributedDataParallel got a null module");
   DDP_CHECK(group_, "ddp: DistributedDataParallel got a null process group");
@@ -40,7 +40,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<ModuleTensors> module,
     params.push_back(p);
     names.push_back(name);
   }
-  reducer_ = std::make_unique<GradientReducer>(std::move(params), std::move(names), group_,
+  reducer_ = std::make_unique<BucketReducer>(std::move(params), std::move(names), group_,
                                                options_.reducer());
   // Also in a world of one, so the mistake shows before the job scales out.
   if (options_.broadcast_buffers() && has_buffers_) {
@@ -71,18 +71,18 @@ void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group
   broadcast_module_state(module, group, /*parameters=*/true, /*buffers=*/true, 0);
 }
 
-void DataParallelCore::before_forward() {
+void DdpRuntime::before_forward() {
   reducer_->prepare_for_forward();
   if (options_.broadcast_buffers() && has_buffers_) {
     broadcast_module_state(*module_, *group_, /*parameters=*/false, /*buffers=*/true);
   }
 }
 
-void DataParallelCore::after_forward(const std::vector<at::Tensor>& outputs) {
+void DdpRuntime::after_forward(const std::vector<at::Tensor>& outputs) {
   reducer_->prepare_for_backward(outputs);
 }
 
-void DataParallelCore::shadow_step() {
+void DdpRuntime::shadow_step() {
   before_forward();
   reducer_->shadow_backward();
 }
@@ -108,7 +108,7 @@ void Join::finish() {
       group_.all_reduce(active);
     }
     if (active.item<int>() == 0) break;
-    core_.shadow_step();
+    runtime_.shadow_step();
     ++shadowed_;
   }
   // The rank that trained longest holds the weights every step touched;
@@ -118,7 +118,7 @@ void Join::finish() {
   at::Tensor source = at::full({1}, steps_ == longest.item<int64_t>() ? group_.rank() : -1,
                                group_.control_options().dtype(at::kLong));
   group_.all_reduce(source, c10d::ReduceOp::MAX);
-  detail::broadcast_module_state(core_.tensors(), group_, /*parameters=*/true, /*buffers=*/true,
+  detail::broadcast_module_state(runtime_.tensors(), group_, /*parameters=*/true, /*buffers=*/true,
                                  static_cast<int>(source.item<int64_t>()));
 }
 }  // namespace ddp

@@ -21,7 +21,7 @@ namespace detail {
 
 // --- state dicts -----------------------------------------------------------
 
-StateDict FsdpState::full_state_dict(bool rank0_only) {
+StateDict FsdpRuntime::full_state_dict(bool rank0_only) {
   const bool keep = !rank0_only || group_->rank() == 0;
   std::map<std::string, at::Tensor> gathered;
   at::NoGradGuard no_grad;
@@ -57,7 +57,7 @@ StateDict FsdpState::full_state_dict(bool rank0_only) {
   return state;
 }
 
-void FsdpState::load_full_state_dict(const StateDict& state) {
+void FsdpRuntime::load_full_state_dict(const StateDict& state) {
   // load_state_dict's checks (every entry present with its shape, none
   // extra) run against stand-ins: each unit's parameters as views of a new
   // flat tensor, and copies of the buffers and frozen parameters. Only when
@@ -106,7 +106,7 @@ void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vecto
 
 // Where the unit's parameters lie in its flat tensor, for the optimizer
 // state's re-layout.
-FlatLayout FsdpState::layout_of(const Unit& unit) const {
+FlatLayout FsdpRuntime::layout_of(const Unit& unit) const {
   FlatLayout layout;
   layout.names = unit.param_names;
   layout.offsets = unit.offsets;
@@ -115,19 +115,19 @@ FlatLayout FsdpState::layout_of(const Unit& unit) const {
   return layout;
 }
 
-std::pair<int64_t, int64_t> FsdpState::shard_range(const Unit& unit) const {
+std::pair<int64_t, int64_t> FsdpRuntime::shard_range(const Unit& unit) const {
   if (!sharded()) return {0, unit.padded};
   return {group_->rank() * unit.shard_numel, unit.shard_numel};
 }
 
-std::map<std::string, int64_t> FsdpState::parameter_indices() const {
+std::map<std::string, int64_t> FsdpRuntime::parameter_indices() const {
   std::map<std::string, int64_t> index_of;
   int64_t count = 0;
   for (const auto& item : root_->named_parameters(true)) index_of[item.key()] = count++;
   return index_of;
 }
 
-c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
+c10::IValue FsdpRuntime::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
   check_optimizer_layout(optimizer, shards());
   const bool keep = !rank0_only || group_->rank() == 0;
   auto local = parse_optimizer_state(optimizer_state_dict(optimizer), "FullyShardedDataParallel");
@@ -164,7 +164,7 @@ c10::IValue FsdpState::full_optim_state_dict(torch::optim::Optimizer& optimizer,
   return one_group_state(state, single_param_group(local, static_cast<int64_t>(units_.size()), "FSDP"), count);
 }
 
-void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
+void FsdpRuntime::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& full) {
   check_optimizer_layout(optimizer, shards());
   const std::string who = "FullyShardedDataParallel::load_full_optim_state_dict";
   auto parts = parse_optimizer_state(full, who);
@@ -189,7 +189,7 @@ void FsdpState::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, c
   load_optimizer_state_dict(optimizer, one_group_state(state, group, static_cast<int64_t>(units_.size())));
 }
 
-c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
+c10::IValue FsdpRuntime::sharded_state_dict(torch::optim::Optimizer* optimizer) {
   auto result = new_generic_dict();
   result.insert("format", std::string("ddp.fsdp.sharded/1"));
   result.insert("world_size", static_cast<int64_t>(group_->size()));
@@ -217,7 +217,7 @@ c10::IValue FsdpState::sharded_state_dict(torch::optim::Optimizer* optimizer) {
   return result;
 }
 
-void FsdpState::load_sharded_state_dict(const c10::IValue& value, torch::optim::Optimizer* optimizer) {
+void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim::Optimizer* optimizer) {
   DDP_CHECK(value.isGenericDict() && value.toGenericDict().contains("format") &&
                   value.toGenericDict().at("format").isString() &&
                   value.toGenericDict().at("format").toStringRef() == "ddp.fsdp.sharded/1",

@@ -1,6 +1,6 @@
 // One FSDP step: the forward gathers each unit as it runs and arranges its
 // gather for backward, and in backward FSDP is the gradient engine's policy
-// (src/gradient_sync.h): a unit is a group, launched in reverse forward
+// (src/gradient_sync_engine.h): a unit is a group, launched in reverse forward
 // order, flattened, reduce-scattered into the shard and freed. How units are
 // formed, gathered and freed is in fully_sharded_data_parallel.cpp.
 
@@ -9,7 +9,7 @@
 #include <ddp/error.h>
 
 #include "fsdp_unit.h"
-#include "gradient_sync.h"
+#include "gradient_sync_engine.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
@@ -21,7 +21,7 @@ namespace ddp::detail {
 
 // --- forward ---------------------------------------------------------------
 
-void FsdpState::reset_backward_state() {
+void FsdpRuntime::reset_backward_state() {
   for (auto& unit : units_) {
     unit->pre_backward_ran = false;
     unit->reduced = false;
@@ -31,11 +31,11 @@ void FsdpState::reset_backward_state() {
   }
 }
 
-void FsdpState::begin_forward() {
+void FsdpRuntime::begin_forward() {
   // A backward pass that failed part-way (some reduce-scatters may have
   // started on this rank only) is an error, raised by the engine.
-  if (sync_->round_active()) reset_backward_state();
-  sync_->check_previous_round_finished();
+  if (engine_->round_active()) reset_backward_state();
+  engine_->check_previous_round_finished();
   // Whatever an earlier forward left gathered (one whose backward never ran)
   // is released, so every forward starts from the current shards.
   free_all();
@@ -50,7 +50,7 @@ void FsdpState::begin_forward() {
   }
 }
 
-void FsdpState::unit_before_forward(size_t index) {
+void FsdpRuntime::unit_before_forward(size_t index) {
   Unit& unit = *units_[index];
   size_t position = forward_order_.size();
   forward_order_.push_back(index);
@@ -61,14 +61,14 @@ void FsdpState::unit_before_forward(size_t index) {
   }
 }
 
-void FsdpState::unit_after_forward(size_t index, const std::vector<at::Tensor>& outputs) {
+void FsdpRuntime::unit_after_forward(size_t index, const std::vector<at::Tensor>& outputs) {
   Unit& unit = *units_[index];
   const bool backward_follows = at::GradMode::is_enabled();
   if (!backward_follows || unit.reshard_after_forward) release(unit);
   if (backward_follows) register_pre_backward(index, outputs);
 }
 
-void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
+void FsdpRuntime::end_forward(const std::vector<at::Tensor>& outputs) {
   const bool backward_follows = at::GradMode::is_enabled() &&
                                 std::any_of(outputs.begin(), outputs.end(),
                                             [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
@@ -78,7 +78,7 @@ void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
   }
   // Parameters the forward's graph cannot reach count as zeros from the
   // start of backward, so their units launch mid-backward.
-  sync_->find_unreachable(outputs);
+  engine_->find_unreachable(outputs);
   // The first hook to fire in backward, before any unit's, starts the
   // engine's pass (and so fixes the launch order).
   for (const auto& out : outputs) {
@@ -87,12 +87,12 @@ void FsdpState::end_forward(const std::vector<at::Tensor>& outputs) {
       // A second backward through the same graph (retain_graph) needs the
       // root unit again: the first one freed it.
       if (units_.back()->is_root) finish_gather(*units_.back());
-      sync_->begin_round();
+      engine_->begin_round();
     });
   }
 }
 
-at::Tensor FsdpState::run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor x) {
+at::Tensor FsdpRuntime::run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor x) {
   for (size_t g = 0; g < sequential_groups_.size(); ++g) {
     size_t unit = sequential_unit_of_group_[g];
     if (unit != SIZE_MAX) unit_before_forward(unit);
@@ -104,14 +104,14 @@ at::Tensor FsdpState::run_sequential(torch::nn::SequentialImpl& sequential, at::
 
 // --- backward --------------------------------------------------------------
 
-void FsdpState::register_pre_backward(size_t index, const std::vector<at::Tensor>& outputs) {
+void FsdpRuntime::register_pre_backward(size_t index, const std::vector<at::Tensor>& outputs) {
   for (const auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
     out.register_hook([this, index](const at::Tensor&) { pre_backward(index); });
   }
 }
 
-void FsdpState::pre_backward(size_t index) {
+void FsdpRuntime::pre_backward(size_t index) {
   Unit& unit = *units_[index];
   if (unit.pre_backward_ran || unit.reduced) return;
   unit.pre_backward_ran = true;
@@ -126,7 +126,7 @@ void FsdpState::pre_backward(size_t index) {
 // root unit last: the same on every rank, since all ranks run the same units
 // in the same order. The engine launches a unit only once it and every unit
 // before it in this order have all their gradients.
-std::vector<size_t> FsdpState::on_round_start(bool /*synchronised*/) {
+std::vector<size_t> FsdpRuntime::on_round_start(bool /*synchronised*/) {
   std::vector<size_t> order;
   std::vector<char> placed(units_.size(), 0);
   for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
@@ -146,7 +146,7 @@ std::vector<size_t> FsdpState::on_round_start(bool /*synchronised*/) {
 // The unit's gradients as one flat tensor in its reduce dtype, zeros for a
 // parameter without one (unused in this forward, as DDP would send). The
 // full gradients are not kept: only the shard's part will be.
-at::Tensor FsdpState::flatten_gradients(Unit& unit) {
+at::Tensor FsdpRuntime::flatten_gradients(Unit& unit) {
   at::NoGradGuard no_grad;
   at::Tensor flat = at::empty({unit.padded}, unit.full.options().dtype(unit.reduce_dtype));
   if (unit.padded > unit.numel) flat.narrow(0, unit.numel, unit.padded - unit.numel).zero_();
@@ -163,7 +163,7 @@ at::Tensor FsdpState::flatten_gradients(Unit& unit) {
   return flat;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> FsdpState::launch_group(size_t index) {
+c10::intrusive_ptr<c10::ivalue::Future> FsdpRuntime::launch_group(size_t index) {
   Unit& unit = *units_[index];
   at::NoGradGuard no_grad;
   const int64_t world = group_->size();
@@ -191,7 +191,7 @@ c10::intrusive_ptr<c10::ivalue::Future> FsdpState::launch_group(size_t index) {
   return reduced;
 }
 
-void FsdpState::on_group_complete_without_sync(size_t index) {
+void FsdpRuntime::on_group_complete_without_sync(size_t index) {
   // Accumulating without synchronisation: no collective; the full gradient
   // is kept (as PyTorch's FSDP does) until a synchronised backward.
   Unit& unit = *units_[index];
@@ -203,7 +203,7 @@ void FsdpState::on_group_complete_without_sync(size_t index) {
   release(unit);
 }
 
-void FsdpState::finish_group(size_t index, const at::Tensor& result) {
+void FsdpRuntime::finish_group(size_t index, const at::Tensor& result) {
   Unit& unit = *units_[index];
   at::NoGradGuard no_grad;
   DDP_CHECK(result.numel() == unit.shard.numel(), "ddp: the communication hook returned ", result.numel(),
@@ -226,16 +226,16 @@ void FsdpState::finish_group(size_t index, const at::Tensor& result) {
   unit.gradient_shard.reset();
 }
 
-void FsdpState::on_round_end(bool /*synchronised*/) {
+void FsdpRuntime::on_round_end(bool /*synchronised*/) {
   // Ready for another backward through the same graph (retain_graph).
   reset_backward_state();
 }
 
-std::string FsdpState::group_label(size_t index) const {
+std::string FsdpRuntime::group_label(size_t index) const {
   return "the gradients of FSDP unit '" + units_[index]->name + "'";
 }
 
-std::string FsdpState::collective_tag(size_t index) const {
+std::string FsdpRuntime::collective_tag(size_t index) const {
   return "fsdp unit '" + units_[index]->name + (sharded() ? "' reduce-scatter" : "' all-reduce");
 }
 

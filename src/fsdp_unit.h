@@ -1,8 +1,9 @@
 #pragma once
 
-// Internal to src/: one FSDP unit's tensors and per-pass state, shared by
-// fully_sharded_data_parallel.cpp (units, gathering, gradients) and
-// fsdp_state_dict.cpp (state dicts).
+// Internal to src/: one FSDP unit's tensors and per-pass state (a unit as
+// FsdpRuntime holds it; how units are chosen is fsdp_unit_grouping.h),
+// shared by fully_sharded_data_parallel.cpp (forming, gathering, freeing),
+// fsdp_step.cpp (forward and backward) and fsdp_state_dict.cpp (state dicts).
 
 #include <ddp/comm_hooks.h>
 #include <ddp/fully_sharded_data_parallel.h>
@@ -16,7 +17,7 @@
 
 namespace ddp::detail {
 
-struct FsdpState::Unit {
+struct FsdpRuntime::Unit {
   std::string name;
   std::vector<std::string> param_names;  // dotted names in the root module
   std::vector<at::Tensor> params;        // the module's own leaf tensors

@@ -23,8 +23,8 @@
 #include <ddp/error.h>
 
 #include "fsdp_unit.h"
-#include "fsdp_units.h"
-#include "gradient_sync.h"
+#include "fsdp_unit_grouping.h"
+#include "gradient_sync_engine.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/StorageImpl.h>
@@ -77,8 +77,8 @@ bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbyte
 
 }  // namespace
 
-FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
-                     FSDPOptions options)
+FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
+                         FSDPOptions options)
     : root_(std::move(root)), group_(std::move(group)), options_(std::move(options)) {
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
@@ -112,24 +112,25 @@ FsdpState::FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<Pr
       names.push_back(unit->param_names[j]);
     }
   }
-  SyncOptions sync;
+  EngineOptions sync;
   sync.owner = " through FullyShardedDataParallel";
   sync.collectives = sharded() ? "reduce-scatters" : "all-reduces";
   // As in PyTorch's FSDP, a parameter without a gradient contributes zeros.
   sync.allow_unused = true;
   sync.rounds_start_on_first_gradient = false;
   sync.track_rounds_without_sync = true;
-  sync_ = std::make_unique<GradientSync>(std::move(params), std::move(names), group_, static_cast<SyncPolicy&>(*this), sync);
-  sync_->set_groups(std::move(groups));
+  engine_ = std::make_unique<GradientSyncEngine>(std::move(params), std::move(names), group_,
+                                                 static_cast<ReductionPolicy&>(*this), sync);
+  engine_->set_groups(std::move(groups));
   reset_peak_memory();
 }
 
-void FsdpState::set_requires_gradient_sync(bool sync) { sync_->set_require_sync(sync); }
+void FsdpRuntime::set_requires_gradient_sync(bool sync) { engine_->set_require_sync(sync); }
 
-bool FsdpState::requires_gradient_sync() const { return sync_->require_sync(); }
+bool FsdpRuntime::requires_gradient_sync() const { return engine_->require_sync(); }
 
-FsdpState::~FsdpState() {
-  sync_.reset();  // the hooks go first
+FsdpRuntime::~FsdpRuntime() {
+  engine_.reset();  // the hooks go first
   // The module outlives us: leave it with real, full parameters in their own
   // dtype. That is a collective, skipped while an error unwinds (a peer may
   // be dead).
@@ -163,9 +164,9 @@ FsdpState::~FsdpState() {
   }
 }
 
-bool FsdpState::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
+bool FsdpRuntime::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
 
-void FsdpState::build_units() {
+void FsdpRuntime::build_units() {
   std::set<const at::TensorImpl*> claimed;
   std::map<const at::TensorImpl*, std::string> name_of;
   for (const auto& item : root_->named_parameters(true)) {
@@ -254,7 +255,7 @@ void FsdpState::build_units() {
   }
 }
 
-void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
+void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
   auto unit = std::make_unique<Unit>();
   unit->name = std::move(name);
   const at::Tensor& first = params.front().second;
@@ -314,25 +315,25 @@ void FsdpState::add_unit(std::string name, std::vector<std::pair<std::string, at
   release(*units_.back());
 }
 
-std::vector<at::Tensor> FsdpState::shards() const {
+std::vector<at::Tensor> FsdpRuntime::shards() const {
   std::vector<at::Tensor> shards;
   for (const auto& unit : units_) shards.push_back(unit->shard);
   return shards;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> FsdpState::replicated() const {
+std::vector<std::pair<std::string, at::Tensor>> FsdpRuntime::replicated() const {
   auto tensors = frozen_;
   for (const auto& item : root_->named_buffers(true)) tensors.emplace_back(item.key(), item.value());
   return tensors;
 }
 
-std::vector<std::string> FsdpState::unit_names() const {
+std::vector<std::string> FsdpRuntime::unit_names() const {
   std::vector<std::string> names;
   for (const auto& unit : units_) names.push_back(unit->name);
   return names;
 }
 
-int64_t FsdpState::held_parameter_bytes() const {
+int64_t FsdpRuntime::held_parameter_bytes() const {
   int64_t bytes = 0;
   for (const auto& unit : units_) {
     if (!shard_is_full()) bytes += static_cast<int64_t>(unit->shard.nbytes());
@@ -342,7 +343,7 @@ int64_t FsdpState::held_parameter_bytes() const {
   return bytes;
 }
 
-ShardedMemory FsdpState::memory() const {
+ShardedMemory FsdpRuntime::memory() const {
   ShardedMemory memory;
   memory.parameter_bytes = held_parameter_bytes();
   for (const auto& unit : units_) {
@@ -353,22 +354,22 @@ ShardedMemory FsdpState::memory() const {
   return memory;
 }
 
-void FsdpState::refresh_frozen_parameters() {
+void FsdpRuntime::refresh_frozen_parameters() {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < frozen_.size(); ++i) {
     if (!frozen_params_[i].is_same(frozen_[i].second)) frozen_params_[i].detach().copy_(frozen_[i].second);
   }
 }
 
-void FsdpState::reset_peak_memory() { peak_parameter_bytes_ = held_parameter_bytes(); }
+void FsdpRuntime::reset_peak_memory() { peak_parameter_bytes_ = held_parameter_bytes(); }
 
-void FsdpState::note_parameter_memory() {
+void FsdpRuntime::note_parameter_memory() {
   peak_parameter_bytes_ = std::max(peak_parameter_bytes_, held_parameter_bytes());
 }
 
 // --- gathering and freeing -------------------------------------------------
 
-void FsdpState::start_gather(Unit& unit) {
+void FsdpRuntime::start_gather(Unit& unit) {
   if (unit.gathered || unit.pending_gather) return;
   allocate_storage(unit.full);
   note_parameter_memory();
@@ -386,7 +387,7 @@ void FsdpState::start_gather(Unit& unit) {
   unit.pending_gather = group_->all_gather_into_async(unit.full, unit.gather_input);
 }
 
-void FsdpState::finish_gather(Unit& unit) {
+void FsdpRuntime::finish_gather(Unit& unit) {
   if (unit.gathered) return;
   if (!unit.pending_gather) start_gather(unit);
   if (unit.pending_gather) {
@@ -398,28 +399,28 @@ void FsdpState::finish_gather(Unit& unit) {
   unit.gathered = true;
 }
 
-void FsdpState::release(Unit& unit) {
+void FsdpRuntime::release(Unit& unit) {
   if (shard_is_full()) return;
   if (unit.pending_gather) finish_gather(unit);
   release_storage(unit.full);
   unit.gathered = false;
 }
 
-void FsdpState::gather_all() {
+void FsdpRuntime::gather_all() {
   for (auto& unit : units_) start_gather(*unit);
   for (auto& unit : units_) finish_gather(*unit);
 }
 
-void FsdpState::free_all() {
+void FsdpRuntime::free_all() {
   for (auto& unit : units_) release(*unit);
 }
 
-void FsdpUnitModule::before_forward() { state_->unit_before_forward(unit_); }
+void FsdpUnitModule::before_forward() { runtime_->unit_before_forward(unit_); }
 
-std::optional<at::ScalarType> FsdpUnitModule::input_dtype() const { return state_->input_dtype(); }
+std::optional<at::ScalarType> FsdpUnitModule::input_dtype() const { return runtime_->input_dtype(); }
 
 void FsdpUnitModule::after_forward(const std::vector<at::Tensor>& outputs) {
-  state_->unit_after_forward(unit_, outputs);
+  runtime_->unit_after_forward(unit_, outputs);
 }
 
 void FsdpUnitModule::adopt(const std::shared_ptr<torch::nn::Module>& inner) {

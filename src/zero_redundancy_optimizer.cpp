@@ -3,7 +3,7 @@
 #include <ddp/error.h>
 
 #include <ddp/checkpoint.h>
-#include <ddp/detail/module_sync.h>
+#include <ddp/detail/replica_broadcast.h>
 #include <ddp/snapshot.h>
 
 #include "optimizer_state.h"

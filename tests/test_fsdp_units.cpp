@@ -1,6 +1,6 @@
 // How a Sequential root's children become FSDP units: the pure rule,
 // without modules or processes.
-#include "fsdp_units.h"
+#include "fsdp_unit_grouping.h"
 
 #include <ddp/error.h>
 

@@ -1,9 +1,9 @@
-// The gradient engine under DDP and FSDP (detail/gradient_sync.h), driven by
+// The gradient engine under DDP and FSDP (detail/gradient_sync_engine.h), driven by
 // a recording policy on real ranks: its launch order, its end-of-backward
 // rules and its guards, whatever order each rank's gradients arrive in.
 #include "support/ranks.h"
 
-#include "gradient_sync.h"
+#include "gradient_sync_engine.h"
 #include <ddp/error.h>
 #include <ddp/process_group.h>
 
@@ -24,7 +24,7 @@ using ddp::testing::run_on_ranks;
 // Three one-element parameters, one group each. Each launch all-reduces the
 // group's number, so the sum shows whether every rank launched the same group
 // at that point.
-class RecordingPolicy : public ddp::detail::SyncPolicy {
+class RecordingPolicy : public ddp::detail::ReductionPolicy {
  public:
   explicit RecordingPolicy(std::shared_ptr<ddp::ProcessGroup> group) : group_(std::move(group)) {}
 
@@ -32,7 +32,7 @@ class RecordingPolicy : public ddp::detail::SyncPolicy {
     events.push_back(synchronised ? "start" : "start unsynced");
     return order;
   }
-  void on_parameter_ready(size_t param, bool has_gradient) override {
+  void on_gradient_ready(size_t param, bool has_gradient) override {
     events.push_back("ready " + std::to_string(param) + (has_gradient ? "" : " zero"));
   }
   c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t g) override {
@@ -72,20 +72,20 @@ class RecordingPolicy : public ddp::detail::SyncPolicy {
 };
 
 struct Fixture {
-  explicit Fixture(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::detail::SyncOptions options)
+  explicit Fixture(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::detail::EngineOptions options)
       : policy(group) {
     for (int i = 0; i < 3; ++i) params.push_back(at::ones({1}).requires_grad_(true));
-    sync = std::make_unique<ddp::detail::GradientSync>(params, std::vector<std::string>{"a", "b", "c"}, group, policy,
-                                                       options);
+    sync = std::make_unique<ddp::detail::GradientSyncEngine>(params, std::vector<std::string>{"a", "b", "c"}, group,
+                                                             policy, options);
     sync->set_groups({{0}, {1}, {2}});
   }
   RecordingPolicy policy;
   std::vector<at::Tensor> params;
-  std::unique_ptr<ddp::detail::GradientSync> sync;
+  std::unique_ptr<ddp::detail::GradientSyncEngine> sync;
 };
 
-ddp::detail::SyncOptions allowing_unused() {
-  ddp::detail::SyncOptions options;
+ddp::detail::EngineOptions allowing_unused() {
+  ddp::detail::EngineOptions options;
   options.allow_unused = true;
   return options;
 }
@@ -145,7 +145,7 @@ TEST(GradientSync, UnreachableParametersAreReadyWhenBackwardStarts) {
 // them, completes its collectives instead of waiting out the timeout.
 TEST(GradientSync, AnUnusedParameterIsAnErrorAfterEveryGroupHasLaunched) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    Fixture f(group, ddp::detail::SyncOptions());
+    Fixture f(group, ddp::detail::EngineOptions());
     at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
     if (group->rank() == 0) {
       (a + b + c).sum().backward();
@@ -167,7 +167,7 @@ TEST(GradientSync, AnUnusedParameterIsAnErrorAfterEveryGroupHasLaunched) {
 // check says so (with the owner's name), once, and the engine works again.
 TEST(GradientSync, AnInterruptedBackwardIsAnErrorAtTheNextForward) {
   auto ranks = run_on_ranks(1, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    ddp::detail::SyncOptions options;
+    ddp::detail::EngineOptions options;
     options.owner = " through TheWrapper";
     options.collectives = "reduce-scatters";
     Fixture f(group, options);
@@ -196,7 +196,7 @@ TEST(GradientSync, AnInterruptedBackwardIsAnErrorAtTheNextForward) {
 TEST(GradientSync, NoSyncPassesStartNoCollectiveAndTheirGradientsCountLater) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     for (bool tracked : {true, false}) {
-      ddp::detail::SyncOptions options;
+      ddp::detail::EngineOptions options;
       options.allow_unused = true;
       options.track_rounds_without_sync = tracked;
       Fixture f(group, options);
@@ -231,7 +231,7 @@ TEST(GradientSync, NoSyncPassesStartNoCollectiveAndTheirGradientsCountLater) {
 // refusing the next forward once: some gradients were reduced and some not.
 TEST(GradientSync, AFailedReductionIsAnErrorAtTheNextForward) {
   auto ranks = run_on_ranks(1, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
-    Fixture f(group, ddp::detail::SyncOptions());
+    Fixture f(group, ddp::detail::EngineOptions());
     f.policy.failing_group = 1;
     at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
     std::string message = error_of([&] { (a + b + c).sum().backward(); });

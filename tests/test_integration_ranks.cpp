@@ -80,7 +80,7 @@ TEST(BufferSyncRanks, ModelCallBroadcastsRankZerosBuffersFirst) {
 TEST(SparseGradientsRanks, ASparseGradientAtBackwardNamesTheParameter) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     at::Tensor table = at::randn({10, 3}).requires_grad_();
-    ddp::GradientReducer reducer({table}, {"table"}, group);
+    ddp::BucketReducer reducer({table}, {"table"}, group);
     at::Tensor rows = at::embedding(table, at::tensor({1, 4}, at::kLong), -1, false, /*sparse=*/true);
     try {
       rows.sum().backward();

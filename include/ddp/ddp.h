@@ -23,7 +23,7 @@
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/grad_scaler.h>
 #include <ddp/launch_env.h>
-#include <ddp/gradient_reducer.h>
+#include <ddp/bucket_reducer.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 #include <ddp/progress.h>

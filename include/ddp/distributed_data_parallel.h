@@ -18,11 +18,11 @@
 // torch::nn::AnyModule, or a TorchScript torch::jit::Module from
 // torch::jit::load (forward takes and returns IValues, as the module's own).
 
-#include <ddp/gradient_reducer.h>
+#include <ddp/bucket_reducer.h>
 #include <ddp/process_group.h>
 
 #include <ddp/checkpoint.h>
-#include <ddp/detail/module_sync.h>
+#include <ddp/detail/replica_broadcast.h>
 
 #include <ATen/core/ivalue.h>
 #include <torch/arg.h>
@@ -55,10 +55,10 @@ namespace ddp {
 ///   ddp::DDPOptions().bucket_cap_mb(50).find_unused_parameters(true)
 ///
 /// How gradients are bucketed and reduced is a ReducerOptions (see
-/// gradient_reducer.h for what each option does); DDPOptions sets its fields
+/// bucket_reducer.h for what each option does); DDPOptions sets its fields
 /// directly, as above, or takes a whole one with reducer(...).
 struct DDPOptions {
-  /// The gradient reducer's options.
+  /// The bucket reducer's options.
   TORCH_ARG(ReducerOptions, reducer) = {};
   /// Copy rank 0's buffers (BatchNorm statistics, say) to every rank before
   /// each forward.
@@ -84,7 +84,7 @@ struct DDPOptions {
 class NoSyncGuard {
  public:
   /// Turns synchronisation off on `reducer` until the guard is destroyed.
-  explicit NoSyncGuard(GradientReducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
+  explicit NoSyncGuard(BucketReducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
     reducer_->set_require_sync(false);
   }
   NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_), previous_(other.previous_) {
@@ -98,7 +98,7 @@ class NoSyncGuard {
   }
 
  private:
-  GradientReducer* reducer_;
+  BucketReducer* reducer_;
   bool previous_;
 };
 
@@ -200,20 +200,22 @@ struct ModuleAdapter {
   }
 };
 
-/// The part of DistributedDataParallel that does not depend on the module's
-/// type.
-class DataParallelCore {
+/// DistributedDataParallel's runtime, the part that does not depend on the
+/// module's type: at construction the replica check and rank 0's broadcast,
+/// before each forward the buffer broadcast, the bucket reducer, and Join's
+/// shadow step. DistributedDataParallel<ModuleType> holds it by value and
+/// calls it inline, so it is declared here.
+class DdpRuntime {
  public:
-  DataParallelCore(std::shared_ptr<ModuleTensors> module, std::shared_ptr<ProcessGroup> group,
-                   DDPOptions options);
+  DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<ProcessGroup> group, DDPOptions options);
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
   /// One training step of the others, mirrored by a rank without data.
   void shadow_step();
   const ModuleTensors& tensors() const { return *module_; }
   bool wants_outputs() const { return options_.find_unused_parameters(); }
-  GradientReducer& reducer() { return *reducer_; }
-  const GradientReducer& reducer() const { return *reducer_; }
+  BucketReducer& reducer() { return *reducer_; }
+  const BucketReducer& reducer() const { return *reducer_; }
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
  private:
@@ -221,7 +223,7 @@ class DataParallelCore {
   std::shared_ptr<ProcessGroup> group_;
   DDPOptions options_;
   bool has_buffers_ = false;
-  std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<BucketReducer> reducer_;
 };
 
 /// Rank 0 loads `path` into `module`; then its values go to every rank.
@@ -247,7 +249,7 @@ void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group
 /// and every step of the others must be a synchronised one (no no_sync()).
 class Join {
  public:
-  Join(detail::DataParallelCore& core, ProcessGroup& group) : core_(core), group_(group) {}
+  Join(detail::DdpRuntime& runtime, ProcessGroup& group) : runtime_(runtime), group_(group) {}
   /// Call once per training step, before the forward. Returns the number of
   /// ranks still training.
   int step();
@@ -257,7 +259,7 @@ class Join {
   int64_t shadowed_steps() const { return shadowed_; }
 
  private:
-  detail::DataParallelCore& core_;
+  detail::DdpRuntime& runtime_;
   ProcessGroup& group_;
   int64_t steps_ = 0;
   int64_t shadowed_ = 0;
@@ -280,7 +282,7 @@ class DistributedDataParallel {
   /// and buffers to all ranks, and attaches the gradient engine. Collective.
   DistributedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group,
                           DDPOptions options = {})
-      : module_(std::move(module)), core_(Adapter::tensors(module_), std::move(group), options) {}
+      : module_(std::move(module)), runtime_(Adapter::tensors(module_), std::move(group), options) {}
 
   /// Runs the wrapped module's forward after synchronising buffers. Call
   /// this (or operator()), not model->forward(x): that bypasses the
@@ -302,12 +304,12 @@ class DistributedDataParallel {
   /// is not the module's own forward(), e.g. a method of your module.
   template <typename Fn>
   decltype(auto) forward_with(Fn&& run) {
-    core_.before_forward();
+    runtime_.before_forward();
     decltype(auto) result = run();
-    if (core_.wants_outputs()) {
+    if (runtime_.wants_outputs()) {
       std::vector<at::Tensor> outputs;
       detail::collect_tensors(result, outputs);
-      core_.after_forward(outputs);
+      runtime_.after_forward(outputs);
     }
     return result;
   }
@@ -321,29 +323,29 @@ class DistributedDataParallel {
   /// The trainable parameters, for the optimizer, whatever the module kind.
   std::vector<at::Tensor> parameters() const {
     std::vector<at::Tensor> params;
-    for (auto& [name, p] : core_.tensors().named_parameters()) {
+    for (auto& [name, p] : runtime_.tensors().named_parameters()) {
       if (p.requires_grad()) params.push_back(p);
     }
     return params;
   }
   /// Parameters and buffers in Python's state_dict() order.
-  StateDict state_dict() const { return core_.tensors().state_dict(); }
+  StateDict state_dict() const { return runtime_.tensors().state_dict(); }
 
   /// Skip gradient synchronisation inside a scope:
   ///
   ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
   ///   loss_of(micro_batch_2).backward();  // all-reduces the sum of both
-  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(core_.reducer()); }
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(runtime_.reducer()); }
 
   /// Uneven data across ranks: see Join.
-  Join join() { return Join(core_, *core_.group()); }
+  Join join() { return Join(runtime_, *runtime_.group()); }
 
-  const GradientReducer& reducer() const { return core_.reducer(); }
-  const std::shared_ptr<ProcessGroup>& process_group() const { return core_.group(); }
+  const BucketReducer& reducer() const { return runtime_.reducer(); }
+  const std::shared_ptr<ProcessGroup>& process_group() const { return runtime_.group(); }
 
  private:
   ModuleType module_;
-  detail::DataParallelCore core_;
+  detail::DdpRuntime runtime_;
 };
 
 /// Saves a wrapped model's state dict to `path` from rank 0 only (every

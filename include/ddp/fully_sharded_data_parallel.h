@@ -143,7 +143,7 @@ struct ShardedMemory {
 
 namespace detail {
 
-class FsdpState;
+class FsdpRuntime;
 
 /// The part of an fsdp_unit wrapper that is not a template: the unit it
 /// stands for, once a FullyShardedDataParallel has claimed it.
@@ -158,11 +158,11 @@ class FsdpUnitModule : public torch::nn::Module {
   /// the same model also runs alone or under DistributedDataParallel.
   /// What floating-point inputs are cast to (FSDPOptions::param_dtype).
   std::optional<at::ScalarType> input_dtype() const;
-  void attach(FsdpState* state, size_t unit) {
-    state_ = state;
+  void attach(FsdpRuntime* runtime, size_t unit) {
+    runtime_ = runtime;
     unit_ = unit;
   }
-  bool attached() const { return state_ != nullptr; }
+  bool attached() const { return runtime_ != nullptr; }
 
  protected:
   /// Registers the wrapped module's parameters, buffers and children under
@@ -171,7 +171,7 @@ class FsdpUnitModule : public torch::nn::Module {
   void adopt(const std::shared_ptr<torch::nn::Module>& inner);
 
  private:
-  FsdpState* state_ = nullptr;
+  FsdpRuntime* runtime_ = nullptr;
   size_t unit_ = 0;
 };
 
@@ -239,8 +239,9 @@ std::vector<at::Tensor> forward_outputs(const T& result) {
 }  // namespace detail
 }  // namespace ddp
 
-// detail::FsdpState, the engine: internal, not API.
-#include <ddp/detail/fsdp_state.h>
+// detail::FsdpRuntime, FSDP's runtime: internal, not API, declared in a header
+// because FullyShardedDataParallel's templates call it inline.
+#include <ddp/detail/fsdp_runtime.h>
 
 namespace ddp {
 
@@ -281,38 +282,39 @@ std::shared_ptr<FsdpUnitImpl<ModuleType>> fsdp_unit(ModuleType module) {
 /// Releases full parameters gathered by summon_full_params() when destroyed.
 class FullParamsGuard {
  public:
-  explicit FullParamsGuard(detail::FsdpState& state) : state_(&state) { state_->gather_all(); }
-  FullParamsGuard(FullParamsGuard&& other) noexcept : state_(other.state_) { other.state_ = nullptr; }
+  explicit FullParamsGuard(detail::FsdpRuntime& runtime) : runtime_(&runtime) { runtime_->gather_all(); }
+  FullParamsGuard(FullParamsGuard&& other) noexcept : runtime_(other.runtime_) { other.runtime_ = nullptr; }
   FullParamsGuard(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(FullParamsGuard&&) = delete;
   ~FullParamsGuard() {
-    if (state_) state_->free_all();
+    if (runtime_) runtime_->free_all();
   }
 
  private:
-  detail::FsdpState* state_;
+  detail::FsdpRuntime* runtime_;
 };
 
 /// Turns gradient synchronisation back on when destroyed (see
 /// FullyShardedDataParallel::no_sync()).
 class FsdpNoSyncGuard {
  public:
-  explicit FsdpNoSyncGuard(detail::FsdpState& state) : state_(&state), previous_(state.requires_gradient_sync()) {
-    state_->set_requires_gradient_sync(false);
+  explicit FsdpNoSyncGuard(detail::FsdpRuntime& runtime)
+      : runtime_(&runtime), previous_(runtime.requires_gradient_sync()) {
+    runtime_->set_requires_gradient_sync(false);
   }
-  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : state_(other.state_), previous_(other.previous_) {
-    other.state_ = nullptr;
+  FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : runtime_(other.runtime_), previous_(other.previous_) {
+    other.runtime_ = nullptr;
   }
   FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
   FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
   FsdpNoSyncGuard& operator=(FsdpNoSyncGuard&&) = delete;
   ~FsdpNoSyncGuard() {
-    if (state_) state_->set_requires_gradient_sync(previous_);
+    if (runtime_) runtime_->set_requires_gradient_sync(previous_);
   }
 
  private:
-  detail::FsdpState* state_;
+  detail::FsdpRuntime* runtime_;
   bool previous_;
 };
 
@@ -326,17 +328,17 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
       : module_(std::move(module)),
         group_(group),
-        state_(std::make_unique<detail::FsdpState>(detail::as_module_ptr(module_), std::move(group), options)) {}
+        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(group), options)) {}
 
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
   template <typename... Args>
   auto forward(Args&&... args) {
-    state_->begin_forward();
-    const auto dtype = state_->input_dtype();
+    runtime_->begin_forward();
+    const auto dtype = runtime_->input_dtype();
     auto result = run(detail::cast_input(std::forward<Args>(args), dtype)...);
-    state_->end_forward(detail::forward_outputs(result));
-    if (auto output = state_->output_dtype()) detail::cast_output(result, *output);
+    runtime_->end_forward(detail::forward_outputs(result));
+    if (auto output = runtime_->output_dtype()) detail::cast_output(result, *output);
     return result;
   }
   template <typename... Args>
@@ -347,7 +349,7 @@ class FullyShardedDataParallel {
   /// This rank's shards, one flat tensor per unit: what the optimizer must
   /// be built over (an elementwise optimizer such as SGD, Adam or AdamW then
   /// steps exactly as it would on the full parameters).
-  std::vector<at::Tensor> parameters() const { return state_->shards(); }
+  std::vector<at::Tensor> parameters() const { return runtime_->shards(); }
 
   /// The wrapped module. Its parameters hold data only while gathered (in
   /// forward, backward, or inside summon_full_params()).
@@ -356,34 +358,34 @@ class FullyShardedDataParallel {
 
   /// Gathers every unit's full parameters until the guard is destroyed, for
   /// evaluation or inspection. Collective.
-  [[nodiscard]] FullParamsGuard summon_full_params() { return FullParamsGuard(*state_); }
+  [[nodiscard]] FullParamsGuard summon_full_params() { return FullParamsGuard(*runtime_); }
 
   /// The unwrapped model's state dict (same keys, full tensors), on rank 0
   /// only unless rank0_only is false; other ranks get an empty one.
   /// Collective.
-  StateDict full_state_dict(bool rank0_only = true) { return state_->full_state_dict(rank0_only); }
+  StateDict full_state_dict(bool rank0_only = true) { return runtime_->full_state_dict(rank0_only); }
   /// Loads a full state dict (from any world size, or from an unwrapped
   /// model) on every rank; each keeps its shard.
-  void load_full_state_dict(const StateDict& state) { state_->load_full_state_dict(state); }
+  void load_full_state_dict(const StateDict& state) { runtime_->load_full_state_dict(state); }
 
   /// `optimizer`'s state (built over parameters()) in the layout of Python's
   /// optimizer.state_dict() for the unwrapped model: one entry per original
   /// parameter. Loadable at any world size and by any strategy. Collective.
   c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only = true) {
-    return state_->full_optim_state_dict(optimizer, rank0_only);
+    return runtime_->full_optim_state_dict(optimizer, rank0_only);
   }
   /// Loads what full_optim_state_dict returned (every rank needs it all).
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
-    state_->load_full_optim_state_dict(optimizer, state);
+    runtime_->load_full_optim_state_dict(optimizer, state);
   }
 
   /// This rank's shards, buffers and (if given) optimizer state: to be saved
   /// per rank and loaded back into the same world size and units.
   c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer = nullptr) {
-    return state_->sharded_state_dict(optimizer);
+    return runtime_->sharded_state_dict(optimizer);
   }
   void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer = nullptr) {
-    state_->load_sharded_state_dict(state, optimizer);
+    runtime_->load_sharded_state_dict(state, optimizer);
   }
 
   /// Gradient accumulation without communication, as DDP's no_sync():
@@ -394,30 +396,30 @@ class FullyShardedDataParallel {
   /// Backward passes inside the scope start no reduce-scatter: each unit's
   /// full (unsharded) gradient is summed locally, which holds a full
   /// gradient per unit until the next synchronised backward.
-  [[nodiscard]] FsdpNoSyncGuard no_sync() { return FsdpNoSyncGuard(*state_); }
+  [[nodiscard]] FsdpNoSyncGuard no_sync() { return FsdpNoSyncGuard(*runtime_); }
   /// The same without a scope: false skips synchronisation until it is set
   /// back to true (PyTorch FSDP2's set_requires_gradient_sync).
-  void set_requires_gradient_sync(bool sync) { state_->set_requires_gradient_sync(sync); }
+  void set_requires_gradient_sync(bool sync) { runtime_->set_requires_gradient_sync(sync); }
 
   /// The units, by name ("" is the root unit).
-  std::vector<std::string> unit_names() const { return state_->unit_names(); }
-  ShardedMemory memory() const { return state_->memory(); }
+  std::vector<std::string> unit_names() const { return runtime_->unit_names(); }
+  ShardedMemory memory() const { return runtime_->memory(); }
   /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
-  void reset_peak_memory() { state_->reset_peak_memory(); }
+  void reset_peak_memory() { runtime_->reset_peak_memory(); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
 
  private:
   template <typename... Args>
   auto run(Args&&... args) {
     if constexpr (std::is_same_v<ModuleType, torch::nn::Sequential> && sizeof...(Args) == 1) {
-      if (state_->runs_sequential()) return state_->run_sequential(*module_, std::forward<Args>(args)...);
+      if (runtime_->runs_sequential()) return runtime_->run_sequential(*module_, std::forward<Args>(args)...);
     }
     return module_->forward(std::forward<Args>(args)...);
   }
 
   ModuleType module_;
   std::shared_ptr<ProcessGroup> group_;
-  std::unique_ptr<detail::FsdpState> state_;
+  std::unique_ptr<detail::FsdpRuntime> runtime_;
 };
 
 /// Writes `state` (a sharded_state_dict) to DIR/shard_<rank>_of_<world>.pt

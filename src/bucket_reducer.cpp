@@ -1,9 +1,9 @@
-#include <ddp/gradient_reducer.h>
+#include <ddp/bucket_reducer.h>
 
 #include <ddp/error.h>
 
 #include "bucket_assignment.h"
-#include "gradient_sync.h"
+#include "gradient_sync_engine.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
@@ -35,10 +35,10 @@ std::vector<detail::BucketTensorInfo> infos_of(const std::vector<at::Tensor>& pa
 
 }  // namespace
 
-GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                                 std::shared_ptr<ProcessGroup> group, ReducerOptions options)
+BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                             std::shared_ptr<ProcessGroup> group, ReducerOptions options)
     : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)), options_(options) {
-  DDP_CHECK(params_.size() == names_.size(), "ddp: GradientReducer needs one name per parameter");
+  DDP_CHECK(params_.size() == names_.size(), "ddp: BucketReducer needs one name per parameter");
   DDP_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
               "ddp: bucket caps must be positive, got bucket_cap_mb=", options_.bucket_cap_mb(),
               " first_bucket_cap_mb=", options_.first_bucket_cap_mb());
@@ -51,26 +51,27 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> params, std::vector<std
   }
   comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
   world_size_ = at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble);
-  detail::SyncOptions sync;
+  detail::EngineOptions sync;
   sync.collectives = "all-reduces";
   sync.allow_unused = options_.find_unused_parameters();
   sync.overlap = options_.overlap_with_backward();
   // One process has nothing to average: no hooks, no cost.
   sync.install_hooks = group_->size() > 1;
-  sync_ = std::make_unique<detail::GradientSync>(params_, names_, group_, static_cast<detail::SyncPolicy&>(*this), sync);
+  engine_ = std::make_unique<detail::GradientSyncEngine>(params_, names_, group_,
+                                                         static_cast<detail::ReductionPolicy&>(*this), sync);
   build_buckets(detail::compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
                                           mib_to_bytes(options_.bucket_cap_mb())));
 }
 
-GradientReducer::~GradientReducer() = default;
+BucketReducer::~BucketReducer() = default;
 
-void GradientReducer::set_require_sync(bool require_sync) { sync_->set_require_sync(require_sync); }
+void BucketReducer::set_require_sync(bool require_sync) { engine_->set_require_sync(require_sync); }
 
-bool GradientReducer::require_sync() const { return sync_->require_sync(); }
+bool BucketReducer::require_sync() const { return engine_->require_sync(); }
 
-const std::vector<std::vector<size_t>>& GradientReducer::bucket_assignment() const { return sync_->groups(); }
+const std::vector<std::vector<size_t>>& BucketReducer::bucket_assignment() const { return engine_->groups(); }
 
-void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
+void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
   buckets_.clear();
   bucket_of_param_.assign(params_.size(), 0);
   position_in_bucket_.assign(params_.size(), 0);
@@ -87,7 +88,7 @@ void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assi
     bucket.flat = at::zeros({total}, params_[assignment[b].front()].options().requires_grad(false));
     buckets_.push_back(std::move(bucket));
   }
-  sync_->set_groups(assignment);
+  engine_->set_groups(assignment);
   if (options_.gradient_as_bucket_view()) {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -99,27 +100,27 @@ void GradientReducer::build_buckets(const std::vector<std::vector<size_t>>& assi
   }
 }
 
-at::Tensor GradientReducer::slot_of(size_t param_index) {
+at::Tensor BucketReducer::slot_of(size_t param_index) {
   const Bucket& bucket = buckets_[bucket_of_param_[param_index]];
   const at::Tensor& param = params_[param_index];
   return bucket.flat.narrow(0, bucket.offsets[position_in_bucket_[param_index]], param.numel())
       .view(param.sizes());
 }
 
-void GradientReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
-  if (options_.find_unused_parameters()) sync_->find_unreachable(outputs);
+void BucketReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  if (options_.find_unused_parameters()) engine_->find_unreachable(outputs);
 }
 
-void GradientReducer::warn_on_backward_without_forward(std::string warning) {
+void BucketReducer::warn_on_backward_without_forward(std::string warning) {
   missing_forward_warning_ = std::move(warning);
 }
 
-void GradientReducer::prepare_for_forward() {
+void BucketReducer::prepare_for_forward() {
   forward_seen_ = true;
-  sync_->check_previous_round_finished();
+  engine_->check_previous_round_finished();
 }
 
-std::vector<size_t> GradientReducer::on_round_start(bool /*synchronised: always, DDP does not track no_sync()*/) {
+std::vector<size_t> BucketReducer::on_round_start(bool /*synchronised: always, DDP does not track no_sync()*/) {
   if (!forward_seen_ && !missing_forward_warning_.empty() && !warned_missing_forward_) {
     warned_missing_forward_ = true;
     // Once per reducer, not TORCH_WARN_ONCE's once per process: each wrapped
@@ -135,7 +136,7 @@ std::vector<size_t> GradientReducer::on_round_start(bool /*synchronised: always,
   return order;
 }
 
-void GradientReducer::on_parameter_ready(size_t param_index, bool has_gradient) {
+void BucketReducer::on_gradient_ready(size_t param_index, bool has_gradient) {
   if (reduced_steps_ == 0) ready_order_.push_back(param_index);
   at::Tensor slot = slot_of(param_index);
   at::Tensor& param = params_[param_index];
@@ -160,20 +161,20 @@ void GradientReducer::on_parameter_ready(size_t param_index, bool has_gradient) 
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> GradientReducer::launch_group(size_t b) {
+c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
   GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size());
   return comm_hook_->run(*group_, view);
 }
 
-std::string GradientReducer::group_label(size_t b) const {
+std::string BucketReducer::group_label(size_t b) const {
   return "gradient bucket " + std::to_string(b + 1) + "/" + std::to_string(buckets_.size());
 }
 
-std::string GradientReducer::collective_tag(size_t b) const {
+std::string BucketReducer::collective_tag(size_t b) const {
   return "ddp bucket " + std::to_string(b + 1) + "/" + std::to_string(buckets_.size());
 }
 
-void GradientReducer::before_waiting(const std::vector<char>& used_locally) {
+void BucketReducer::before_waiting(const std::vector<char>& used_locally) {
   if (!options_.find_unused_parameters()) return;
   // Which parameters got a gradient on any rank: one used nowhere keeps its
   // .grad untouched, as in PyTorch.
@@ -186,10 +187,10 @@ void GradientReducer::before_waiting(const std::vector<char>& used_locally) {
   used_anywhere_ = sent.cpu();
 }
 
-void GradientReducer::finish_group(size_t b, const at::Tensor& result) {
+void BucketReducer::finish_group(size_t b, const at::Tensor& result) {
   Bucket& bucket = buckets_[b];
   if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.view_as(bucket.flat));
-  for (size_t i : sync_->groups()[b]) {
+  for (size_t i : engine_->groups()[b]) {
     if (used_anywhere_.defined() && used_anywhere_.data_ptr<int32_t>()[i] == 0) continue;
     at::Tensor slot = slot_of(i);
     at::Tensor& param = params_[i];
@@ -203,24 +204,24 @@ void GradientReducer::finish_group(size_t b, const at::Tensor& result) {
   }
 }
 
-void GradientReducer::on_round_end(bool /*synchronised*/) {
+void BucketReducer::on_round_end(bool /*synchronised*/) {
   used_anywhere_.reset();
   ++reduced_steps_;
   maybe_rebuild_buckets();
 }
 
-void GradientReducer::shadow_backward() {
-  if (group_->size() > 1) sync_->shadow_round();
+void BucketReducer::shadow_backward() {
+  if (group_->size() > 1) engine_->shadow_round();
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> GradientReducer::launch_shadow_group(size_t b) {
+c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_shadow_group(size_t b) {
   // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
   // hold this rank's own gradients, which shadowing must leave alone.
   GradBucket view(b, at::zeros_like(buckets_[b].flat), b + 1 == buckets_.size());
   return comm_hook_->run(*group_, view);
 }
 
-void GradientReducer::maybe_rebuild_buckets() {
+void BucketReducer::maybe_rebuild_buckets() {
   if (buckets_rebuilt_ || !options_.rebuild_buckets()) return;
   buckets_rebuilt_ = true;
   // Rank 0's observed order, completed with any parameter it never saw, so
@@ -246,7 +247,7 @@ void GradientReducer::maybe_rebuild_buckets() {
                                            mib_to_bytes(options_.bucket_cap_mb()));
   ready_order_.clear();
   ready_order_.shrink_to_fit();
-  if (rebuilt != sync_->groups()) build_buckets(rebuilt);
+  if (rebuilt != engine_->groups()) build_buckets(rebuilt);
 }
 
 }  // namespace ddp

@@ -1,9 +1,9 @@
 #pragma once
 
 // Internal to the library, not installed: the one gradient-synchronisation
-// engine under GradientReducer (DDP's buckets) and detail::FsdpState (FSDP's
+// engine under BucketReducer (DDP's buckets) and detail::FsdpRuntime (FSDP's
 // units). The public headers see only its policy interface
-// (<ddp/detail/sync_policy.h>).
+// (<ddp/detail/reduction_policy.h>).
 //
 // The engine owns what both need to agree on across ranks:
 //  * one hook on every parameter's gradient accumulator;
@@ -22,7 +22,7 @@
 // flattens a unit's gradients when the unit is complete and
 // reduce-scatters them into the shard.
 
-#include <ddp/detail/sync_policy.h>
+#include <ddp/detail/reduction_policy.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -40,7 +40,7 @@ struct Node;
 
 namespace ddp::detail {
 
-struct SyncOptions {
+struct EngineOptions {
   /// For messages: " through FullyShardedDataParallel", or empty for DDP.
   std::string owner;
   /// For messages: "all-reduces", "reduce-scatters".
@@ -62,14 +62,14 @@ struct SyncOptions {
   bool install_hooks = true;
 };
 
-class GradientSync {
+class GradientSyncEngine {
  public:
   /// `params` and their `names` (for errors). Groups: set_groups().
-  GradientSync(std::vector<at::Tensor> params, std::vector<std::string> names, std::shared_ptr<ProcessGroup> group,
-               SyncPolicy& policy, SyncOptions options);
-  ~GradientSync();
-  GradientSync(const GradientSync&) = delete;
-  GradientSync& operator=(const GradientSync&) = delete;
+  GradientSyncEngine(std::vector<at::Tensor> params, std::vector<std::string> names,
+                     std::shared_ptr<ProcessGroup> group, ReductionPolicy& policy, EngineOptions options);
+  ~GradientSyncEngine();
+  GradientSyncEngine(const GradientSyncEngine&) = delete;
+  GradientSyncEngine& operator=(const GradientSyncEngine&) = delete;
 
   /// Parameter indices of each group; every parameter in exactly one. Not
   /// during a backward pass.
@@ -105,7 +105,7 @@ class GradientSync {
  private:
   void on_gradient_ready(size_t param);
   void start_round();
-  void mark_ready(size_t param, bool has_gradient);
+  void record_ready(size_t param, bool has_gradient);
   void launch_complete_groups_in_order();
   void finish_round();
   void wait_for(size_t position);
@@ -113,8 +113,8 @@ class GradientSync {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::shared_ptr<ProcessGroup> group_;
-  SyncPolicy& policy_;
-  SyncOptions options_;
+  ReductionPolicy& policy_;
+  EngineOptions options_;
   std::vector<std::vector<size_t>> groups_;
   std::vector<size_t> group_of_param_;
   // The accumulators are owned weakly by their parameters; holding them

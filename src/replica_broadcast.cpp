@@ -1,7 +1,7 @@
-// Replica verification and broadcast of module state (see
-// include/ddp/detail/module_sync.h).
+// The replica check and the broadcast of module state (see
+// include/ddp/detail/replica_broadcast.h).
 
-#include <ddp/detail/module_sync.h>
+#include <ddp/detail/replica_broadcast.h>
 
 #include <ddp/error.h>
 

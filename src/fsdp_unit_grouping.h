@@ -3,7 +3,7 @@
 // Internal to the library, not installed: how the children of a torch::nn::Sequential root are
 // grouped into FSDP units (FSDPOptions::min_num_params and ::units). A pure
 // function of the children's names and sizes, unit-tested like the bucket
-// assignment; FsdpState applies it to the module.
+// assignment; FsdpRuntime applies it to the module.
 
 #include <cstdint>
 #include <string>

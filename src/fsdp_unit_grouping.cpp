@@ -1,4 +1,4 @@
-#include "fsdp_units.h"
+#include "fsdp_unit_grouping.h"
 
 #include <ddp/error.h>
 

@@ -1,10 +1,14 @@
 #pragma once
 
-// Internal, not API: may change in any release. Replica verification and
-// broadcast of module state, shared by DistributedDataParallel (construction,
-// buffer sync before each forward, Join, load), FullyShardedDataParallel
-// (sync_module_states) and ZeroRedundancyOptimizer (the owners' shards after
-// each step). <ddp/distributed_data_parallel.h> includes it.
+// Internal, not API: may change in any release. ModuleTensors (the
+// parameters and buffers of any kind of module), the check that every rank
+// holds the same model (verify_replicas_match) and the copy of one rank's
+// parameters and buffers to all (broadcast_module_state), shared by
+// DistributedDataParallel (construction, buffer sync before each forward,
+// Join, load), FullyShardedDataParallel (sync_module_states) and
+// ZeroRedundancyOptimizer (the owners' shards after each step).
+// <ddp/distributed_data_parallel.h> includes it because its templates reach
+// each kind of module through ModuleTensors.
 
 #include <ddp/checkpoint.h>
 #include <ddp/process_group.h>

@@ -1,10 +1,11 @@
 #pragma once
 
 // Internal, not API: the interface between the gradient engine
-// (src/gradient_sync.h, not installed) and its two policies, DDP's buckets
-// (GradientReducer) and FSDP's units (detail::FsdpState). It is installed
-// only because those two public classes implement it; it may change in any
-// release.
+// (src/gradient_sync_engine.h, not installed), which schedules groups of
+// gradients, and its two reduction policies, which decide what a group is
+// and how it is reduced: DDP's buckets (BucketReducer) and FSDP's units
+// (detail::FsdpRuntime). Installed only because those two classes implement
+// it; it may change in any release.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -16,16 +17,16 @@
 namespace ddp::detail {
 
 /// What DDP and FSDP decide; the engine calls these, on the autograd thread.
-class SyncPolicy {
+class ReductionPolicy {
  public:
-  virtual ~SyncPolicy() = default;
+  virtual ~ReductionPolicy() = default;
   /// A backward pass starts (synchronised: false inside no_sync()). Returns
   /// the order its groups launch in, every group once, the same on every
   /// rank.
   virtual std::vector<size_t> on_round_start(bool synchronised) = 0;
   /// Synchronised passes only: parameter `param` is final for this pass
   /// (has_gradient false: it got none and counts as zeros).
-  virtual void on_parameter_ready(size_t param, bool has_gradient) = 0;
+  virtual void on_gradient_ready(size_t param, bool has_gradient) = 0;
   /// Every parameter of `group` is final and every group before it has been
   /// launched: start its reduction. The future's value is the reduced
   /// tensor (a tensor or a list whose first element is it).
@@ -42,7 +43,7 @@ class SyncPolicy {
   virtual void finish_group(size_t group, const at::Tensor& result) = 0;
   /// The pass is over: after every finish_group, or after a no_sync() pass.
   virtual void on_round_end(bool /*synchronised*/) {}
-  /// Join's shadow pass (GradientSync::shadow_round): start `group`'s
+  /// Join's shadow pass (GradientSyncEngine::shadow_round): start `group`'s
   /// reduction as launch_group would, over zeros, leaving this rank's
   /// gradients alone. Policies that do not support Join keep the default,
   /// which refuses.

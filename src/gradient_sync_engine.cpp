@@ -1,4 +1,4 @@
-#include "gradient_sync.h"
+#include "gradient_sync_engine.h"
 
 #include <ddp/collective_trace.h>
 #include <ddp/error.h>
@@ -21,13 +21,14 @@ c10::intrusive_ptr<c10::ivalue::Future> completed_future(const at::Tensor& value
   return future;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> SyncPolicy::launch_shadow_group(size_t /*group*/) {
+c10::intrusive_ptr<c10::ivalue::Future> ReductionPolicy::launch_shadow_group(size_t /*group*/) {
   DDP_CHECK(false, "ddp: this wrapper does not support Join (a rank without data mirroring the others)");
   return {};
 }
 
-GradientSync::GradientSync(std::vector<at::Tensor> params, std::vector<std::string> names,
-                           std::shared_ptr<ProcessGroup> group, SyncPolicy& policy, SyncOptions options)
+GradientSyncEngine::GradientSyncEngine(std::vector<at::Tensor> params, std::vector<std::string> names,
+                                       std::shared_ptr<ProcessGroup> group, ReductionPolicy& policy,
+                                       EngineOptions options)
     : params_(std::move(params)),
       names_(std::move(names)),
       group_(std::move(group)),
@@ -48,11 +49,11 @@ GradientSync::GradientSync(std::vector<at::Tensor> params, std::vector<std::stri
   }
 }
 
-GradientSync::~GradientSync() {
+GradientSyncEngine::~GradientSyncEngine() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
-void GradientSync::set_groups(std::vector<std::vector<size_t>> groups) {
+void GradientSyncEngine::set_groups(std::vector<std::vector<size_t>> groups) {
   DDP_CHECK(!round_active_, "ddp: gradient groups cannot change during a backward pass");
   group_of_param_.assign(params_.size(), SIZE_MAX);
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -69,7 +70,7 @@ void GradientSync::set_groups(std::vector<std::vector<size_t>> groups) {
   reductions_.assign(groups_.size(), {});
 }
 
-void GradientSync::find_unreachable(const std::vector<at::Tensor>& outputs) {
+void GradientSyncEngine::find_unreachable(const std::vector<at::Tensor>& outputs) {
   unreachable_.clear();
   if (accumulators_.empty()) return;
   // Every gradient accumulator reachable from the outputs will fire; the
@@ -96,12 +97,12 @@ void GradientSync::find_unreachable(const std::vector<at::Tensor>& outputs) {
   }
 }
 
-void GradientSync::begin_round() {
+void GradientSyncEngine::begin_round() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!round_active_) start_round();
 }
 
-void GradientSync::shadow_round() {
+void GradientSyncEngine::shadow_round() {
   std::lock_guard<std::mutex> lock(mutex_);
   DDP_CHECK(!round_active_, "ddp: Join cannot mirror the other ranks' step during this rank's own backward pass");
   // The launch order of a synchronised pass, as the other ranks' engines
@@ -120,7 +121,7 @@ void GradientSync::shadow_round() {
   policy_.on_round_end(/*synchronised=*/true);
 }
 
-void GradientSync::check_previous_round_finished() {
+void GradientSyncEngine::check_previous_round_finished() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!round_active_ && !round_failed_) return;
   // The autograd engine never ran finish_round (backward threw part-way), or
@@ -134,7 +135,7 @@ void GradientSync::check_previous_round_finished() {
             "from the newest snapshot or checkpoint).");
 }
 
-void GradientSync::on_gradient_ready(size_t param) {
+void GradientSyncEngine::on_gradient_ready(size_t param) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!round_active_) {
     if (!options_.rounds_start_on_first_gradient) return;  // a backward that did not start from our forward
@@ -146,10 +147,10 @@ void GradientSync::on_gradient_ready(size_t param) {
     }
     start_round();
   }
-  mark_ready(param, /*has_gradient=*/true);
+  record_ready(param, /*has_gradient=*/true);
 }
 
-void GradientSync::start_round() {
+void GradientSyncEngine::start_round() {
   round_active_ = true;
   round_synchronised_ = require_sync_;
   std::fill(ready_.begin(), ready_.end(), 0);
@@ -166,10 +167,10 @@ void GradientSync::start_round() {
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_round(); });
   auto unreachable = std::move(unreachable_);
   unreachable_.clear();
-  for (size_t p : unreachable) mark_ready(p, /*has_gradient=*/false);
+  for (size_t p : unreachable) record_ready(p, /*has_gradient=*/false);
 }
 
-void GradientSync::mark_ready(size_t param, bool has_gradient) {
+void GradientSyncEngine::record_ready(size_t param, bool has_gradient) {
   DDP_CHECK(!(ready_[param] && counted_unused_[param]), "ddp: parameter '", names_[param],
             "' got a gradient, but the forward's outputs cannot reach it, so it was counted as unused (zeros) when ",
             "backward started. Compute the loss from the forward's result only, or return every tensor the loss ",
@@ -185,11 +186,11 @@ void GradientSync::mark_ready(size_t param, bool has_gradient) {
     return;
   }
   used_locally_[param] = has_gradient || used_since_sync_[param] ? 1 : 0;
-  policy_.on_parameter_ready(param, has_gradient);
+  policy_.on_gradient_ready(param, has_gradient);
   if (--pending_[group] == 0 && options_.overlap) launch_complete_groups_in_order();
 }
 
-void GradientSync::launch_complete_groups_in_order() {
+void GradientSyncEngine::launch_complete_groups_in_order() {
   // Every rank must issue the same collectives in the same order, so a
   // complete group waits for the groups before it even if it completed first.
   while (next_to_launch_ < launch_order_.size() && pending_[launch_order_[next_to_launch_]] == 0) {
@@ -200,7 +201,7 @@ void GradientSync::launch_complete_groups_in_order() {
   }
 }
 
-void GradientSync::wait_for(size_t group) {
+void GradientSyncEngine::wait_for(size_t group) {
   auto& reduction = reductions_[group];
   reduction->wait();
   if (reduction->hasError()) {
@@ -211,20 +212,20 @@ void GradientSync::wait_for(size_t group) {
   }
 }
 
-void GradientSync::finish_round() {
+void GradientSyncEngine::finish_round() {
   round_active_ = false;
   std::vector<size_t> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) missing.push_back(i);
   }
   if (!round_synchronised_) {
-    for (size_t p : missing) mark_ready(p, /*has_gradient=*/false);
+    for (size_t p : missing) record_ready(p, /*has_gradient=*/false);
     policy_.on_round_end(/*synchronised=*/false);
     return;
   }
   // Every group is launched before any error, so the other ranks'
   // collectives complete instead of waiting for this rank until the timeout.
-  for (size_t p : missing) mark_ready(p, /*has_gradient=*/false);
+  for (size_t p : missing) record_ready(p, /*has_gradient=*/false);
   launch_complete_groups_in_order();
   if (!missing.empty() && !options_.allow_unused) {
     for (size_t g : launch_order_) reductions_[g]->wait();

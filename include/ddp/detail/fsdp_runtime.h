@@ -1,6 +1,7 @@
 #pragma once
 
-// Internal, not API: FullyShardedDataParallel's engine, which may change in
+// Internal, not API: FullyShardedDataParallel's runtime (its units, their
+// gathers, frees and reduce-scatters, its state dicts), which may change in
 // any release. Only <ddp/fully_sharded_data_parallel.h> includes this file,
 // after declaring FSDPOptions, ShardedMemory and detail::FsdpUnitModule,
 // because FullyShardedDataParallel's templates call it inline. Use
@@ -8,7 +9,7 @@
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
-#include <ddp/detail/sync_policy.h>
+#include <ddp/detail/reduction_policy.h>
 #include <ddp/process_group.h>
 
 #include <torch/nn/module.h>
@@ -27,19 +28,19 @@ class Optimizer;
 
 namespace ddp::detail {
 
-struct FlatLayout;    // src/optimizer_state.h
-class GradientSync;  // src/gradient_sync.h
+struct FlatLayout;          // src/optimizer_state.h
+class GradientSyncEngine;  // src/gradient_sync_engine.h
 
 /// FullyShardedDataParallel, independent of the module type: units, their
-/// gathering and freeing, and state dicts. As the gradient engine's policy
-/// (detail/sync_policy.h), a unit is a group: when its gradients are
+/// gathering and freeing, and state dicts. As the gradient engine's reduction
+/// policy (detail/reduction_policy.h), a unit is a group: when its gradients are
 /// final it is flattened and reduce-scattered into the shard.
-class FsdpState : private SyncPolicy {
+class FsdpRuntime : private ReductionPolicy {
  public:
-  FsdpState(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
-  ~FsdpState() override;
-  FsdpState(const FsdpState&) = delete;
-  FsdpState& operator=(const FsdpState&) = delete;
+  FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
+  ~FsdpRuntime() override;
+  FsdpRuntime(const FsdpRuntime&) = delete;
+  FsdpRuntime& operator=(const FsdpRuntime&) = delete;
 
   void begin_forward();
   void end_forward(const std::vector<at::Tensor>& outputs);
@@ -87,9 +88,9 @@ class FsdpState : private SyncPolicy {
   /// frozen_ after a load.
   void refresh_frozen_parameters();
 
-  // SyncPolicy: the gradient engine calls these during backward.
+  // ReductionPolicy: the gradient engine calls these during backward.
   std::vector<size_t> on_round_start(bool synchronised) override;
-  void on_parameter_ready(size_t /*param*/, bool /*has_gradient*/) override {}
+  void on_gradient_ready(size_t /*param*/, bool /*has_gradient*/) override {}
   c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t unit) override;
   void on_group_complete_without_sync(size_t unit) override;
   void finish_group(size_t unit, const at::Tensor& result) override;
@@ -125,7 +126,7 @@ class FsdpState : private SyncPolicy {
   std::vector<size_t> launch_position_;     // per unit: its place in this backward pass's launch order
   bool mixed_ = false;  // FSDPOptions::param_dtype is set
   int64_t peak_parameter_bytes_ = 0;
-  std::unique_ptr<GradientSync> sync_;  // last: its hooks call the members above
+  std::unique_ptr<GradientSyncEngine> engine_;  // last: its hooks call the members above
 };
 
 }  // namespace ddp::detail
