@@ -1,4 +1,5 @@
-// Parsing of ddprun's command line (torchrun's flag names).
+// Parsing of ddprun's command line (torchrun's flag names): the grammar is command_line.cpp's,
+// on CLI11; what each flag's value may be is flag_values.cpp's; the --help text usage_text.cpp's.
 #pragma once
 
 #include <stdexcept>
