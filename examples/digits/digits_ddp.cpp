@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   digits::Args args;
   try {
     args = digits::parse_args(argc, argv);
-  } catch (const digits::UsageError& e) {
+  } catch (const examples::UsageError& e) {
     std::cerr << "error: " << e.what() << "\n";
     digits::print_usage(argv[0]);
     return 2;

@@ -7,6 +7,7 @@
 // Rank 0 writes trained.pt (the TorchScript module, for torch.jit.load) and
 // trained_state.pt (its state dict, for torch.load and load_state_dict).
 
+#include "../common/command_line.h"
 #include "../wine/wine_data.h"
 #include "../wine/wine_dataset.h"
 
@@ -18,8 +19,8 @@
 #include <torch/optim/adam.h>
 #include <torch/script.h>
 
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -32,47 +33,32 @@ struct Args {
   int64_t batch_size = 32;
 };
 
-void usage(const char* program) {
-  std::cerr << "usage: " << program << " SCRIPTED.pt [options]\n"
-            << "  SCRIPTED.pt       a module saved by torch.jit.script(...).save()\n"
-            << "  --out PREFIX      write PREFIX.pt and PREFIX_state.pt (default trained)\n"
-            << "  --epochs N        epochs to train (default 3)\n"
-            << "  --batch-size N    samples per batch on each rank (default 32)\n";
+void add_flags(CLI::App& app, Args& args) {
+  app.add_option("SCRIPTED.pt", args.scripted, "a module saved by torch.jit.script(...).save()")->required();
+  app.add_option("--out", args.out, "write PREFIX.pt and PREFIX_state.pt")->type_name("PREFIX");
+  app.add_option("--epochs", args.epochs, "epochs to train")
+      ->type_name("N")
+      ->transform(examples::positive_integer("--epochs"));
+  app.add_option("--batch-size", args.batch_size, "samples per batch on each rank")
+      ->type_name("N")
+      ->transform(examples::positive_integer("--batch-size"));
 }
 
-Args parse(int argc, char** argv) {
-  Args args;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    auto value = [&] {
-      DDP_CHECK(i + 1 < argc, arg, " needs a value");
-      return std::string(argv[++i]);
-    };
-    if (arg == "-h" || arg == "--help") {
-      usage(argv[0]);
-      std::exit(0);
-    } else if (arg == "--out") {
-      args.out = value();
-    } else if (arg == "--epochs") {
-      args.epochs = std::stoll(value());
-    } else if (arg == "--batch-size") {
-      args.batch_size = std::stoll(value());
-    } else if (args.scripted.empty() && arg[0] != '-') {
-      args.scripted = arg;
-    } else {
-      DDP_CHECK(false, "unknown argument '", arg, "'");
-    }
-  }
-  DDP_CHECK(!args.scripted.empty(), "the scripted model's path is required");
-  DDP_CHECK(args.epochs > 0 && args.batch_size > 0, "--epochs and --batch-size must be positive");
-  return args;
-}
+const char* const kDescription = "Trains a TorchScript module with DistributedDataParallel on the Wine data.";
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  Args args;
+  examples::CommandLine command_line(kDescription, argv[0]);
+  add_flags(command_line, args);
   try {
-    const Args args = parse(argc, argv);
+    command_line.read(argc, argv);
+  } catch (const examples::UsageError& e) {
+    std::cerr << "error: " << e.what() << "\n" << command_line.help();
+    return 2;
+  }
+  try {
     auto group = ddp::init_process_group();
     // Parameters are the jit::Module's own tensors; DDP checks every rank
     // loaded the same model and copies rank 0's weights to all.

@@ -30,8 +30,8 @@ int main(int argc, char** argv) {
   wine::Args args;
   try {
     args = wine::parse_args(argc, argv);
-    if (args.strategy_given) throw wine::UsageError("--strategy is wine_sharded's; wine_ddp is DDP only");
-  } catch (const wine::UsageError& e) {
+    if (args.strategy_given) throw examples::UsageError("--strategy is wine_sharded's; wine_ddp is DDP only");
+  } catch (const examples::UsageError& e) {
     std::cerr << "error: " << e.what() << "\n";
     wine::print_usage(argv[0]);
     return 2;

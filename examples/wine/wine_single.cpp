@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   wine::Args args;
   try {
     args = wine::parse_args(argc, argv);
-  } catch (const wine::UsageError& e) {
+  } catch (const examples::UsageError& e) {
     std::cerr << "error: " << e.what() << "\n";
     wine::print_usage(argv[0]);
     return 2;
