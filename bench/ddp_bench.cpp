@@ -21,6 +21,8 @@
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
+#include <CLI/CLI.hpp>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
@@ -30,38 +32,39 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdint>
 #include <iostream>
-#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
 struct Config {
   std::string model = "mlp2m";
-  std::string mode = "ddp";  // ddp | bucket-view | no-overlap | no-rebuild | local | allreduce
+  std::string mode = "ddp";
   int64_t steps = 20;
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
   std::string backend = "gloo";
 };
 
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string k = argv[i], v = argv[i + 1];
-    if (k == "--model") c.model = v;
-    else if (k == "--mode") c.mode = v;
-    else if (k == "--steps") c.steps = std::stoll(v);
-    else if (k == "--warmup") c.warmup = std::stoll(v);
-    else if (k == "--batch") c.batch = std::stoll(v);
-    else if (k == "--backend") c.backend = v;
-    else throw std::invalid_argument("unknown flag " + k);
-  }
-  return c;
+// The flags, bound to `c`, each with its default on --help.
+void add_flags(CLI::App& app, Config& c) {
+  app.option_defaults()->always_capture_default();
+  app.add_option("--model", c.model, "the model")->check(CLI::IsMember({"wine", "mlp2m", "transformer"}));
+  app.add_option("--mode", c.mode, "what is timed (see the top of bench/ddp_bench.cpp)")
+      ->check(CLI::IsMember({"ddp", "bucket-view", "no-overlap", "no-rebuild", "local", "manual", "allreduce",
+                             "collective", "trace-cost"}));
+  app.add_option("--steps", c.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", c.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--batch", c.batch, "samples per rank; 0: the model's default (wine 32, mlp2m 64, transformer 8)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--backend", c.backend, "gloo, nccl or mpi (ranks started by mpirun)");
 }
 
-using bench::json_list;
 using bench::median;
+using bench::significant;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start) {
@@ -93,7 +96,7 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
 
   std::shared_ptr<ddp::ProcessGroup> group;
   std::vector<double> times;
-  std::string extra;
+  auto extra = nlohmann::ordered_json::object();  // the mode's own keys, after the common ones
   if (c.mode == "local") {
     times = time_steps(c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); });
   } else {
@@ -153,10 +156,10 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
         if (s >= c.warmup) raw.push_back(raw_ms), bucketed.push_back(bucketed_ms);
       }
       times = bucketed;
-      std::ostringstream e;
-      e << ",\"raw_allreduce_ms_median\":" << median(raw) << ",\"bucketed_ms_median\":" << median(bucketed)
-        << ",\"buckets\":" << buckets.size() << ",\"raw_ms\":" << json_list(raw);
-      extra = e.str();
+      extra["raw_allreduce_ms_median"] = significant(median(raw));
+      extra["bucketed_ms_median"] = significant(median(bucketed));
+      extra["buckets"] = buckets.size();
+      extra["raw_ms"] = significant(raw);
     } else {
       auto options = ddp::DDPOptions()
                          .overlap_with_backward(c.mode != "no-overlap")
@@ -165,22 +168,25 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
       times = time_steps(c, ddp_model->parameters(),
                          [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); });
-      std::ostringstream e;
-      e << ",\"buckets\":" << ddp_model.reducer().bucket_assignment().size();
-      extra = e.str();
+      extra["buckets"] = ddp_model.reducer().bucket_assignment().size();
     }
   }
   int world = group ? group->size() : 1;
   if (!group || group->rank() == 0) {
     double med = median(times);
-    std::printf(
-        "{\"impl\":\"cpp\",\"model\":\"%s\",\"mode\":\"%s\",\"world\":%d,\"batch_per_rank\":%lld,"
-        "\"parameters\":%lld,\"tensors\":%lld,\"threads\":%d,\"step_ms_median\":%.4f,"
-        "\"samples_per_s\":%.2f,\"step_ms\":%s%s}\n",
-        c.model.c_str(), c.mode.c_str(), world, static_cast<long long>(batch), static_cast<long long>(numel),
-        static_cast<long long>(tensors), at::get_num_threads(), med, 1000.0 * world * batch / med,
-        json_list(times).c_str(), extra.c_str());
-    std::fflush(stdout);
+    nlohmann::ordered_json line = {{"impl", "cpp"},
+                                   {"model", c.model},
+                                   {"mode", c.mode},
+                                   {"world", world},
+                                   {"batch_per_rank", batch},
+                                   {"parameters", numel},
+                                   {"tensors", tensors},
+                                   {"threads", at::get_num_threads()},
+                                   {"step_ms_median", bench::rounded(med, 4)},
+                                   {"samples_per_s", bench::rounded(1000.0 * world * batch / med, 2)},
+                                   {"step_ms", significant(times)}};
+    line.update(extra);
+    bench::print_json_line(line);
   }
   if (group) group->barrier();
   return 0;
@@ -195,9 +201,8 @@ int collectives(const Config& c) {
     int64_t bytes;
     int iterations;
   };
-  std::ostringstream sizes;
-  std::ostringstream medians;
-  bool first = true;
+  std::vector<int64_t> sizes;
+  std::vector<double> medians;
   for (Size size : {Size{4 << 10, 1000}, Size{1 << 20, 100}, Size{8 << 20, 30}, Size{40 << 20, 10}}) {
     at::Tensor t = at::ones({size.bytes / 4});
     std::vector<double> times;
@@ -211,13 +216,15 @@ int collectives(const Config& c) {
     // The slowest rank's median decides the step.
     at::Tensor m = at::full({1}, median(times), at::kDouble);
     group->all_reduce(m, c10d::ReduceOp::MAX);
-    sizes << (first ? "" : ",") << size.bytes;
-    medians << (first ? "" : ",") << m.item<double>();
-    first = false;
+    sizes.push_back(size.bytes);
+    medians.push_back(m.item<double>());
   }
   if (group->rank() == 0) {
-    std::printf("{\"impl\":\"cpp\",\"mode\":\"collective\",\"backend\":\"%s\",\"bytes\":[%s],\"median_ms\":[%s]}\n",
-                c.backend.c_str(), sizes.str().c_str(), medians.str().c_str());
+    bench::print_json_line({{"impl", "cpp"},
+                            {"mode", "collective"},
+                            {"backend", c.backend},
+                            {"bytes", sizes},
+                            {"median_ms", significant(medians)}});
   }
   group->barrier();
   return 0;
@@ -250,13 +257,17 @@ int trace_cost() {
     const double bare_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
     per_call.push_back((total_us - bare_us) / n);
   }
-  std::printf("{\"impl\":\"cpp\",\"mode\":\"trace-cost\",\"us_per_collective\":%.4f}\n", median(per_call));
+  bench::print_json_line(
+      {{"impl", "cpp"}, {"mode", "trace-cost"}, {"us_per_collective", bench::rounded(median(per_call), 4)}});
   return 0;
 }
 
 int main(int argc, char** argv) {
+  Config c;
+  CLI::App app("Step time of ddp's DistributedDataParallel; prints one JSON line (rank 0).", "ddp_bench");
+  add_flags(app, c);
+  CLI11_PARSE(app, argc, argv);
   try {
-    Config c = parse(argc, argv);
     if (c.mode == "trace-cost") return trace_cost();
     at::set_num_threads(1);  // one intra-op thread per rank, as on the Python side
     if (c.mode == "collective") return collectives(c);
@@ -281,7 +292,7 @@ int main(int argc, char** argv) {
         return torch::nn::functional::cross_entropy(forward(tokens).view({-1, vocab}), targets);
       });
     }
-    throw std::invalid_argument("unknown model " + c.model + " (wine, mlp2m, transformer)");
+    throw std::logic_error("--model " + c.model + " passed its check but has no code");
   } catch (const c10::Error& e) {
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;

@@ -19,6 +19,8 @@
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
+#include <CLI/CLI.hpp>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -37,10 +39,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -60,68 +60,36 @@ struct Config {
   double lr = 3e-4, peak_tflops = 989.5;
 };
 
-void print_usage(const char* program) {
-  Config d;
-  std::cerr << "usage: " << program << " [options]\n"
-            << "  --mode ddp|local        DistributedDataParallel, or the bare model (default " << d.mode << ")\n"
-            << "  --device auto|cpu|cuda  auto: cuda:<local rank> when CUDA is available (default " << d.device << ")\n"
-            << "  --backend auto|gloo|nccl  auto: nccl on CUDA, gloo on CPU (default " << d.backend << ")\n"
-            << "  --share-devices         let ranks share GPUs (rank r on GPU r % count; gloo only)\n"
-            << "  --amp auto|bf16|off     bf16 autocast; auto: on for CUDA, off for CPU (default " << d.amp << ")\n"
-            << "  --layers N              decoder blocks (default " << d.layers << ")\n"
-            << "  --d-model N             width (default " << d.d_model << ")\n"
-            << "  --heads N               attention heads (default " << d.heads << ")\n"
-            << "  --vocab N               vocabulary (default " << d.vocab << ", GPT-2's)\n"
-            << "  --seq N                 context length (default " << d.seq << ")\n"
-            << "  --batch N               sequences per rank per step (default " << d.batch << ")\n"
-            << "  --untied                own LM head instead of sharing the token embedding\n"
-            << "  --steps N               timed steps (default " << d.steps << ")\n"
-            << "  --warmup N              untimed steps first (default " << d.warmup << ")\n"
-            << "  --lr X                  AdamW learning rate (default " << d.lr << ")\n"
-            << "  --seed N                init and data seed (default " << d.seed << ")\n"
-            << "  --threads N             CPU intra-op threads; 0: torch's default (default 0)\n"
-            << "  --peak-tflops X         per-GPU peak for MFU (default " << d.peak_tflops
-            << ", H200 dense bf16)\n"
-            << "  -h, --help              show this help\n";
+// The flags, bound to `c`, each with its default on --help.
+void add_flags(CLI::App& app, Config& c) {
+  app.option_defaults()->always_capture_default();
+  app.add_option("--mode", c.mode, "ddp (DistributedDataParallel) or local (the bare model)")
+      ->check(CLI::IsMember({"ddp", "local"}));
+  // ddp::parse_device_kind and ddp::parse_backend check these two.
+  app.add_option("--device", c.device, "auto (cuda:<local rank> when CUDA is available), cpu or cuda");
+  app.add_option("--backend", c.backend, "auto (nccl on CUDA, gloo on CPU), gloo or nccl");
+  app.add_flag("--share-devices", c.share_devices, "let ranks share GPUs (rank r on GPU r % count; gloo only)");
+  app.add_option("--amp", c.amp, "bf16 autocast; auto: on for CUDA, off for CPU")
+      ->check(CLI::IsMember({"auto", "bf16", "off"}));
+  app.add_option("--layers", c.layers, "decoder blocks")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", c.d_model, "width (a multiple of --heads)")->check(CLI::PositiveNumber);
+  app.add_option("--heads", c.heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--vocab", c.vocab, "vocabulary (GPT-2's by default)")->check(CLI::PositiveNumber);
+  app.add_option("--seq", c.seq, "context length")->check(CLI::PositiveNumber);
+  app.add_option("--batch", c.batch, "sequences per rank per step")->check(CLI::PositiveNumber);
+  app.add_flag_callback("--untied", [&c] { c.tied = false; }, "own LM head instead of sharing the token embedding");
+  app.add_option("--steps", c.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", c.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--lr", c.lr, "AdamW learning rate");
+  app.add_option("--seed", c.seed, "init and data seed");
+  app.add_option("--threads", c.threads, "CPU intra-op threads; 0: torch's default")->check(CLI::NonNegativeNumber);
+  app.add_option("--peak-tflops", c.peak_tflops, "per-GPU peak for MFU (an H200's dense bf16 by default)")
+      ->check(CLI::PositiveNumber);
 }
 
-Config parse(int argc, char** argv) {
-  Config c;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
-      return argv[++i];
-    };
-    if (k == "-h" || k == "--help") {
-      print_usage(argv[0]);
-      std::exit(0);
-    } else if (k == "--mode") c.mode = value();
-    else if (k == "--device") c.device = value();
-    else if (k == "--backend") c.backend = value();
-    else if (k == "--amp") c.amp = value();
-    else if (k == "--share-devices") c.share_devices = true;
-    else if (k == "--untied") c.tied = false;
-    else if (k == "--layers") c.layers = std::stoll(value());
-    else if (k == "--d-model") c.d_model = std::stoll(value());
-    else if (k == "--heads") c.heads = std::stoll(value());
-    else if (k == "--vocab") c.vocab = std::stoll(value());
-    else if (k == "--seq") c.seq = std::stoll(value());
-    else if (k == "--batch") c.batch = std::stoll(value());
-    else if (k == "--steps") c.steps = std::stoll(value());
-    else if (k == "--warmup") c.warmup = std::stoll(value());
-    else if (k == "--threads") c.threads = std::stoll(value());
-    else if (k == "--lr") c.lr = std::stod(value());
-    else if (k == "--seed") c.seed = std::stoull(value());
-    else if (k == "--peak-tflops") c.peak_tflops = std::stod(value());
-    else throw std::invalid_argument("unknown flag " + k + " (see --help)");
-  }
-  if (c.mode != "ddp" && c.mode != "local") throw std::invalid_argument("--mode must be ddp or local");
-  if (c.amp != "auto" && c.amp != "bf16" && c.amp != "off") throw std::invalid_argument("--amp must be auto, bf16 or off");
-  if (c.layers < 1 || c.heads < 1 || c.d_model % c.heads != 0 || c.steps < 1 || c.warmup < 0 || c.batch < 1) {
-    throw std::invalid_argument("need layers, heads, steps, batch >= 1, warmup >= 0 and d_model divisible by heads");
-  }
-  return c;
+// What the flags' checks cannot see alone.
+void check(const Config& c) {
+  if (c.d_model % c.heads != 0) throw std::invalid_argument("--d-model must be divisible by --heads");
 }
 
 // The model. Names and registration order are GPT-2's (and the Python
@@ -217,7 +185,6 @@ void init_weights(Gpt& model, const Config& c) {
   }
 }
 
-using bench::json_list;
 using bench::median;
 
 int run(const Config& c) {
@@ -282,27 +249,35 @@ int run(const Config& c) {
     double flops_per_token = 6.0 * parameters + 12.0 * c.layers * c.d_model * c.seq;
     // Ranks sharing a GPU share its peak.
     int gpus = device.is_cuda() ? std::min(world_size, ddp::visible_cuda_devices()) : 0;
-    std::string mfu = "null";
-    if (gpus > 0) {
-      std::ostringstream m;
-      m << flops_per_token * tokens_per_s / (gpus * c.peak_tflops * 1e12);
-      mfu = m.str();
-    }
-    std::printf(
-        "{\"impl\":\"cpp\",\"bench\":\"gpt\",\"mode\":\"%s\",\"world\":%d,\"device\":\"%s\",\"backend\":\"%s\","
-        "\"amp\":\"%s\",\"layers\":%lld,\"d_model\":%lld,\"heads\":%lld,\"vocab\":%lld,\"seq\":%lld,"
-        "\"batch_per_rank\":%lld,\"tied\":%s,\"parameters\":%lld,\"steps\":%lld,\"warmup\":%lld,"
-        "\"step_ms_median\":%.4f,\"tokens_per_s\":%.1f,\"flops_per_token\":%.6g,"
-        "\"flops_formula\":\"6*parameters + 12*layers*d_model*seq\",\"gpus\":%d,\"peak_tflops_per_gpu\":%g,"
-        "\"mfu\":%s,\"loss_first\":%.6f,\"loss_last\":%.6f,\"step_ms\":%s}\n",
-        c.mode.c_str(), world_size, device.str().c_str(),
-        group ? ddp::to_string(group->backend()).c_str() : "none", amp ? "bf16" : "off",
-        static_cast<long long>(c.layers), static_cast<long long>(c.d_model), static_cast<long long>(c.heads),
-        static_cast<long long>(c.vocab), static_cast<long long>(c.seq), static_cast<long long>(c.batch),
-        c.tied ? "true" : "false", static_cast<long long>(parameters), static_cast<long long>(c.steps),
-        static_cast<long long>(c.warmup), step_ms, tokens_per_s, flops_per_token, gpus, c.peak_tflops,
-        mfu.c_str(), losses.front().item<double>(), losses.back().item<double>(), json_list(times).c_str());
-    std::fflush(stdout);
+    nlohmann::ordered_json mfu = nullptr;  // no GPU, no MFU
+    if (gpus > 0) mfu = bench::significant(flops_per_token * tokens_per_s / (gpus * c.peak_tflops * 1e12));
+    bench::print_json_line({{"impl", "cpp"},
+                            {"bench", "gpt"},
+                            {"mode", c.mode},
+                            {"world", world_size},
+                            {"device", device.str()},
+                            {"backend", group ? ddp::to_string(group->backend()) : "none"},
+                            {"amp", amp ? "bf16" : "off"},
+                            {"layers", c.layers},
+                            {"d_model", c.d_model},
+                            {"heads", c.heads},
+                            {"vocab", c.vocab},
+                            {"seq", c.seq},
+                            {"batch_per_rank", c.batch},
+                            {"tied", c.tied},
+                            {"parameters", parameters},
+                            {"steps", c.steps},
+                            {"warmup", c.warmup},
+                            {"step_ms_median", bench::rounded(step_ms, 4)},
+                            {"tokens_per_s", bench::rounded(tokens_per_s, 1)},
+                            {"flops_per_token", bench::significant(flops_per_token)},
+                            {"flops_formula", "6*parameters + 12*layers*d_model*seq"},
+                            {"gpus", gpus},
+                            {"peak_tflops_per_gpu", bench::significant(c.peak_tflops)},
+                            {"mfu", mfu},
+                            {"loss_first", bench::rounded(losses.front().item<double>(), 6)},
+                            {"loss_last", bench::rounded(losses.back().item<double>(), 6)},
+                            {"step_ms", bench::significant(times)}});
   }
   if (group) group->barrier();
   return 0;
@@ -311,8 +286,14 @@ int run(const Config& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Config c;
+  CLI::App app("Step time of a GPT-2-style decoder under ddp's DDP or bare; prints one JSON line (rank 0).",
+               "gpt_bench");
+  add_flags(app, c);
+  CLI11_PARSE(app, argc, argv);
   try {
-    return run(parse(argc, argv));
+    check(c);
+    return run(c);
   } catch (const c10::Error& e) {
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;

@@ -22,6 +22,8 @@
 #include <ddp/process_group.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
+#include <CLI/CLI.hpp>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
@@ -35,9 +37,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
+#include <cstdint>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -88,12 +91,15 @@ int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_
   // ProcessGroup's, which are the rings of send/recv on Gloo CPU tensors.
   double ring_reduce_scatter = time([&] { group.wait(group.reduce_scatter_async(part, full), "reduce_scatter"); });
   double ring_all_gather = time([&] { group.wait(group.all_gather_into_async(full, part), "all_gather"); });
-  std::printf("{\"strategy\":\"collectives\",\"world\":%d,\"rank\":%d,\"numel\":%lld,\"all_reduce_ms\":%.2f,"
-              "\"reduce_scatter_ms\":%.2f,\"all_gather_ms\":%.2f,\"ring_reduce_scatter_ms\":%.2f,"
-              "\"ring_all_gather_ms\":%.2f}\n",
-              group.size(), group.rank(), static_cast<long long>(numel), all_reduce, reduce_scatter, all_gather,
-              ring_reduce_scatter, ring_all_gather);
-  std::fflush(stdout);
+  bench::print_json_line({{"strategy", "collectives"},
+                          {"world", group.size()},
+                          {"rank", group.rank()},
+                          {"numel", numel},
+                          {"all_reduce_ms", bench::rounded(all_reduce, 2)},
+                          {"reduce_scatter_ms", bench::rounded(reduce_scatter, 2)},
+                          {"all_gather_ms", bench::rounded(all_gather, 2)},
+                          {"ring_reduce_scatter_ms", bench::rounded(ring_reduce_scatter, 2)},
+                          {"ring_all_gather_ms", bench::rounded(ring_all_gather, 2)}});
   group.barrier();
   return 0;
 }
@@ -101,26 +107,22 @@ int time_collectives(const std::shared_ptr<ddp::ProcessGroup>& group_ptr, int64_
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::string strategy = "ddp";
+  std::string param_dtype = "fp32";
+  int64_t width = 2560, layers = 8, steps = 5;
+  CLI::App app("Per-rank memory and step time of DDP, ZeRO-1 and FSDP; prints one JSON line per rank.",
+               "memory_bench");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--strategy", strategy, "what holds the model, or collectives: Gloo's collectives alone")
+      ->check(CLI::IsMember({"ddp", "zero1", "fsdp-full", "fsdp-grad-op", "collectives"}));
+  app.add_option("--width", width, "features of each Linear layer")->check(CLI::PositiveNumber);
+  app.add_option("--layers", layers, "Linear layers")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps (the first is not timed)")->check(CLI::PositiveNumber);
+  app.add_option("--param-dtype", param_dtype, "the units' compute dtype (bf16: fsdp-full and fsdp-grad-op only)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  CLI11_PARSE(app, argc, argv);
   try {
-    std::string strategy = "ddp";
-    std::string param_dtype = "fp32";
-    int64_t width = 2560, layers = 8, steps = 5;
-    for (int i = 1; i + 1 < argc; i += 2) {
-      std::string k = argv[i], v = argv[i + 1];
-      if (k == "--strategy") strategy = v;
-      else if (k == "--width") width = std::stoll(v);
-      else if (k == "--layers") layers = std::stoll(v);
-      else if (k == "--steps") steps = std::stoll(v);
-      else if (k == "--param-dtype") param_dtype = v;
-      else throw std::invalid_argument("unknown flag " + k);
-    }
     const bool is_fsdp = strategy == "fsdp-full" || strategy == "fsdp-grad-op";
-    if (strategy != "ddp" && strategy != "zero1" && !is_fsdp && strategy != "collectives") {
-      throw std::invalid_argument("--strategy must be ddp, zero1, fsdp-full, fsdp-grad-op or collectives");
-    }
-    if (param_dtype != "fp32" && param_dtype != "bf16") {
-      throw std::invalid_argument("--param-dtype must be bf16 or fp32");
-    }
     const bool bf16 = param_dtype == "bf16";
     if (bf16 && !is_fsdp) throw std::invalid_argument("--param-dtype bf16 needs --strategy fsdp-full or fsdp-grad-op");
     at::set_num_threads(1);
@@ -192,15 +194,18 @@ int main(int argc, char** argv) {
     rusage usage{};
     getrusage(RUSAGE_SELF, &usage);
     // Every rank reports; the driver keeps the largest.
-    std::printf("{\"strategy\":\"%s\",\"world\":%d,\"rank\":%d,\"parameters\":%lld,\"param_bytes\":%lld,"
-                "\"grad_bytes\":%lld,\"bucket_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_rss_bytes\":%lld,"
-                "\"peak_param_bytes\":%lld,\"param_dtype\":\"%s\",\"step_ms\":%.1f}\n",
-                strategy.c_str(), group->size(), group->rank(), static_cast<long long>(numel),
-                static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
-                static_cast<long long>(bucket_bytes), static_cast<long long>(optimizer_bytes),
-                static_cast<long long>(usage.ru_maxrss) * 1024, static_cast<long long>(peak_param_bytes),
-                param_dtype.c_str(), bench::median(step_ms));
-    std::fflush(stdout);
+    bench::print_json_line({{"strategy", strategy},
+                            {"world", group->size()},
+                            {"rank", group->rank()},
+                            {"parameters", numel},
+                            {"param_bytes", param_bytes},
+                            {"grad_bytes", grad_bytes},
+                            {"bucket_bytes", bucket_bytes},
+                            {"optimizer_bytes", optimizer_bytes},
+                            {"peak_rss_bytes", static_cast<int64_t>(usage.ru_maxrss) * 1024},
+                            {"peak_param_bytes", peak_param_bytes},
+                            {"param_dtype", param_dtype},
+                            {"step_ms", bench::rounded(bench::median(step_ms), 1)}});
     group->barrier();
   } catch (const c10::Error& e) {
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
