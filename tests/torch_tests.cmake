@@ -84,7 +84,7 @@ gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY
 # (support/ranks.h re-executes the test binary once per rank): strategies
 # against DDP, checkpoints, gradients, reduction and mixed precision.
 add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict.cpp test_fsdp_ranks.cpp
-  test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp)
+  test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp test_clip_grad.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240

@@ -12,6 +12,7 @@
 
 #include <ddp/autocast.h>
 #include <ddp/checkpoint.h>
+#include <ddp/clip_grad.h>
 #include <ddp/collective_trace.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/device.h>

@@ -328,7 +328,8 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
       : module_(std::move(module)),
         group_(group),
-        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(group), options)) {}
+        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(group), options)),
+        sharding_strategy_(group_->size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy()) {}
 
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
@@ -407,6 +408,9 @@ class FullyShardedDataParallel {
   /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
   void reset_peak_memory() { runtime_->reset_peak_memory(); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
+  /// The strategy in force: kNoShard on one rank whatever was asked, since
+  /// one rank holds everything.
+  ShardingStrategy sharding_strategy() const { return sharding_strategy_; }
 
  private:
   template <typename... Args>
@@ -420,6 +424,7 @@ class FullyShardedDataParallel {
   ModuleType module_;
   std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<detail::FsdpRuntime> runtime_;
+  ShardingStrategy sharding_strategy_;
 };
 
 /// Writes `state` (a sharded_state_dict) to DIR/shard_<rank>_of_<world>.pt

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ddp/checkpoint.h>
+#include <ddp/clip_grad.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -19,12 +20,14 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -66,6 +69,14 @@ struct TrainSpec {
   /// sharded ones (a directory; FSDP, the same world size): "" for none.
   std::string load_full, save_full, load_sharded, save_sharded;
   c10::Device device = c10::kCPU;
+  /// Gradient clipping before each step: off at 0. ddp::clip_grad_norm_, or
+  /// with clip_with_libtorch LibTorch's own function on the wrapper's
+  /// parameters() (right for DDP, wrong for sharded FSDP).
+  double clip_max_norm = 0;
+  double clip_norm_type = 2.0;
+  bool clip_with_libtorch = false;
+  /// FSDP's param_dtype (mixed precision); undefined: the parameters' own.
+  std::optional<at::ScalarType> param_dtype;
 };
 
 /// What training left.
@@ -74,6 +85,7 @@ struct TrainResult {
   std::string units;           ///< FSDP's unit names, each quoted after a space
   int64_t bytes_after_forward = 0;  ///< parameter bytes held after the 2nd step's first forward (FSDP)
   ddp::ShardedMemory between_steps;  ///< what FSDP holds after the last step
+  std::vector<double> norms;          ///< each step's total gradient norm, when clipping
 };
 
 inline std::unique_ptr<torch::optim::Optimizer> make_trainer_optimizer(const std::string& kind,
@@ -103,6 +115,7 @@ struct Trainer {
   virtual ddp::StateDict full_state() = 0;
   virtual c10::IValue full_optim_state() = 0;
   virtual void load_full(const ddp::StateDict& model, const c10::IValue& optim) = 0;
+  virtual double clip(double max_norm, double norm_type, bool with_libtorch) = 0;
   // FSDP only.
   virtual std::string units() { return ""; }
   virtual ddp::ShardedMemory memory() { return {}; }
@@ -121,6 +134,9 @@ struct PlainTrainer : Trainer {
   void load_full(const ddp::StateDict& state, const c10::IValue& optim) override {
     ddp::load_state_dict(*model, state);
     ddp::load_optimizer_state_dict(*plain, optim);
+  }
+  double clip(double max_norm, double norm_type, bool) override {
+    return torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm, norm_type);
   }
   M model;
   std::unique_ptr<torch::optim::Optimizer> plain;
@@ -156,6 +172,10 @@ struct DdpTrainer : Trainer {
     if (zero_optimizer) zero_optimizer->load_state_dict(optim);
     else ddp::load_optimizer_state_dict(*plain, optim);
   }
+  double clip(double max_norm, double norm_type, bool with_libtorch) override {
+    if (with_libtorch) return torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm, norm_type);
+    return ddp::clip_grad_norm_(ddp, max_norm, norm_type);
+  }
   ddp::DistributedDataParallel<M> ddp;
   std::unique_ptr<torch::optim::Optimizer> plain;
   std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero_optimizer;
@@ -173,6 +193,10 @@ struct FsdpTrainer : Trainer {
   void load_full(const ddp::StateDict& model, const c10::IValue& optim) override {
     fsdp.load_full_state_dict(model);
     fsdp.load_full_optim_state_dict(*plain, optim);
+  }
+  double clip(double max_norm, double norm_type, bool with_libtorch) override {
+    if (with_libtorch) return torch::nn::utils::clip_grad_norm_(fsdp.parameters(), max_norm, norm_type);
+    return ddp::clip_grad_norm_(fsdp, max_norm, norm_type);
   }
   std::string units() override {
     std::string names;
@@ -210,6 +234,7 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
   const c10::Device device = spec.device;
   torch::manual_seed(spec.init_seed);
   ddp::FSDPOptions fsdp_options;
+  if (spec.param_dtype) fsdp_options.param_dtype(*spec.param_dtype).output_dtype(at::kFloat);
   std::unique_ptr<detail::Trainer> trainer;
   if (spec.model == "seq") {
     fsdp_options.min_num_params(200);
@@ -257,6 +282,9 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
         result.bytes_after_forward = trainer->memory().parameter_bytes;
       }
       loss.backward();
+    }
+    if (spec.clip_max_norm > 0) {
+      result.norms.push_back(trainer->clip(spec.clip_max_norm, spec.clip_norm_type, spec.clip_with_libtorch));
     }
     trainer->step();
   }
