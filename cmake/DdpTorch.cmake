@@ -33,6 +33,9 @@ if(NOT DDP_TORCH_CMAKE_PREFIX)
   message(STATUS "ddp: torch ${DDP_TORCH_VERSION} at ${DDP_TORCH_CMAKE_PREFIX}")
 endif()
 get_filename_component(DDP_TORCH_ROOT "${DDP_TORCH_CMAKE_PREFIX}/../.." ABSOLUTE)
+# Decided afresh at each configure: the cached answer of an earlier one (say,
+# before -DDDP_FORCE_CPU_TORCH=ON) must not enable NCCL without torch_cuda.
+set(DDP_WITH_NCCL OFF)
 
 find_package(CUDAToolkit QUIET)
 if(CUDAToolkit_FOUND AND NOT DDP_FORCE_CPU_TORCH)
