@@ -10,6 +10,7 @@
 // Each header below holds one concept and can be included on its own for
 // faster builds.
 
+#include <ddp/async_snapshot.h>
 #include <ddp/autocast.h>
 #include <ddp/checkpoint.h>
 #include <ddp/clip_grad.h>

@@ -1,0 +1,294 @@
+#include <ddp/async_snapshot.h>
+
+#include <ddp/error.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/core/Dict.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <support/ranks.h>
+#include <support/subprocess.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using namespace std::chrono_literals;
+
+// Sets an environment variable for one test; the writer reads its test hook
+// when its thread starts.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) { ::setenv(name, value.c_str(), 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+
+void train_steps(torch::nn::Linear& model, torch::optim::Optimizer& optimizer, int first, int count) {
+  for (int s = first; s < first + count; ++s) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(s);
+    at::Tensor x = at::randn({8, 16}, generator);
+    at::Tensor y = at::randint(0, 8, {8}, generator, at::kLong);
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+    optimizer.step();
+  }
+}
+
+void expect_same(const c10::IValue& a, const c10::IValue& b, const std::string& where) {
+  ASSERT_EQ(a.tagKind(), b.tagKind()) << where;
+  if (a.isTensor()) {
+    EXPECT_TRUE(torch::equal(a.toTensor(), b.toTensor())) << where;
+  } else if (a.isGenericDict()) {
+    auto x = a.toGenericDict(), y = b.toGenericDict();
+    ASSERT_EQ(x.size(), y.size()) << where;
+    for (auto i = x.begin(), j = y.begin(); i != x.end(); ++i, ++j) {
+      expect_same(i->key(), j->key(), where);
+      expect_same(i->value(), j->value(), where + "/" + i->key().tagKind());
+    }
+  } else if (a.isList()) {
+    auto x = a.toListRef(), y = b.toListRef();
+    ASSERT_EQ(x.size(), y.size()) << where;
+    for (size_t k = 0; k < x.size(); ++k) expect_same(x[k], y[k], where + "[" + std::to_string(k) + "]");
+  } else {
+    EXPECT_EQ(a, b) << where;
+  }
+}
+
+// A snapshot whose one tensor, `numel` copies of `value`, says which save
+// it came from and whether it is whole.
+ddp::Snapshot filled(int64_t epoch, int64_t numel, float value) {
+  ddp::Snapshot s;
+  s.epoch = epoch;
+  s.step = 10 * (epoch + 1);
+  s.sampler_epoch = epoch + 1;
+  s.model = {{"weight", at::full({numel}, value)}};
+  return s;
+}
+
+// Staging: what is written is the state at the moment save() was called,
+// although training changes the parameters, the Adam moments and the extra
+// tensors in place while the write waits. Skipping the copy fails this.
+TEST(AsyncSnapshot, WritesTheStateOfTheMomentSaveWasCalled) {
+  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "300");  // training runs first, surely
+  const std::string reference_dir = ddp::testing::make_temp_dir();
+  const std::string async_dir = ddp::testing::make_temp_dir();
+  torch::manual_seed(0);
+  torch::nn::Linear model(16, 8);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(0.01));
+  train_steps(model, optimizer, 0, 3);
+
+  ddp::Snapshot now = ddp::capture_snapshot(*model, optimizer, 2, 3);
+  c10::impl::GenericDict extra(c10::StringType::get(), c10::TensorType::get());
+  at::Tensor ema = at::ones({4});
+  extra.insert("ema", ema);
+  now.extra = extra;
+  const std::string reference = ddp::save_snapshot_in(reference_dir, now);  // on this thread, before any change
+
+  ddp::AsyncSnapshotWriter writer;
+  writer.save(async_dir, now);
+  const at::Tensor weight_at_save = model->weight.detach().clone();
+  train_steps(model, optimizer, 3, 5);
+  ema.add_(1);
+  extra.insert("added later", at::zeros({1}));
+  ASSERT_FALSE(torch::equal(model->weight, weight_at_save)) << "training did not change the parameters";
+  writer.wait();
+
+  ddp::Snapshot expected = ddp::load_snapshot(reference);
+  ddp::Snapshot written = ddp::load_snapshot(async_dir + "/snapshot_2.pt");
+  EXPECT_EQ(written.step, 3);
+  ASSERT_EQ(written.model.size(), expected.model.size());
+  for (size_t k = 0; k < expected.model.size(); ++k) {
+    EXPECT_EQ(written.model[k].first, expected.model[k].first);
+    EXPECT_TRUE(torch::equal(written.model[k].second, expected.model[k].second)) << expected.model[k].first;
+  }
+  expect_same(written.optimizer, expected.optimizer, "optimizer");
+  expect_same(written.extra, expected.extra, "extra");
+  EXPECT_TRUE(torch::equal(written.rng_state, expected.rng_state));
+  fs::remove_all(reference_dir);
+  fs::remove_all(async_dir);
+}
+
+// Kill during save: a process is SIGKILLed while its writer thread is
+// writing a large snapshot. The previous snapshot must still be the newest
+// valid one, and no file that validates may be incomplete.
+TEST(AsyncSnapshot, KilledMidWriteLeavesThePreviousSnapshotTheNewestValidOne) {
+  constexpr int64_t kLarge = 64 << 20;  // 256 MiB of floats: the write takes a while
+  if (const char* dir = std::getenv("DDP_TEST_ASYNC_KILL_DIR")) {
+    // The child: one complete snapshot, then a large one the parent kills us in.
+    ddp::AsyncSnapshotWriter writer;
+    writer.save(dir, filled(0, 1000, 1.0f));
+    writer.wait();
+    ddp::Snapshot large = filled(1, kLarge, 2.0f);
+    writer.save(dir, large);
+    large.model[0].second.fill_(3.0f);  // training goes on
+    std::this_thread::sleep_for(120s);
+    ::_exit(3);  // never killed: the parent fails on the exit code
+  }
+  const std::string dir = ddp::testing::make_temp_dir();
+  ddp::testing::RunOptions run;
+  run.env = {{"DDP_TEST_ASYNC_KILL_DIR", dir}};
+  auto child = ddp::testing::start_background(
+      {ddp::testing::detail::self_executable(), "--gtest_filter=" + ddp::testing::detail::current_test_name()}, run);
+
+  // Killed as soon as the temporary file of the large snapshot has bytes.
+  std::optional<fs::path> temporary;
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  while (!temporary && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (name.rfind("snapshot_1.pt.tmp.", 0) == 0 && fs::file_size(it->path(), ec) > 0) temporary = it->path();
+    }
+    if (!temporary) std::this_thread::sleep_for(200us);
+  }
+  ::kill(child.pid, SIGKILL);
+  auto result = ddp::testing::wait_background(child, 60s);
+  ASSERT_TRUE(temporary.has_value()) << "the large snapshot's temporary file never appeared\n" << result.describe();
+  EXPECT_EQ(result.term_signal, SIGKILL) << result.describe();
+  ASSERT_FALSE(fs::exists(dir + "/snapshot_1.pt")) << "the kill came after the rename: nothing was tested";
+  std::error_code ec;
+  const auto left = fs::file_size(*temporary, ec);
+  std::cout << "killed with " << left << " bytes of the temporary file written\n";
+
+  std::vector<std::string> skipped;
+  auto newest = ddp::load_newest_snapshot(dir, &skipped);
+  ASSERT_TRUE(newest.has_value());
+  EXPECT_EQ(newest->epoch, 0);
+  EXPECT_EQ(newest->step, 10);
+  EXPECT_TRUE(torch::equal(newest->model[0].second, at::full({1000}, 1.0f)));
+
+  // Every file that validates, the temporary one too, is one whole snapshot.
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    std::optional<ddp::Snapshot> loaded;
+    try {
+      loaded = ddp::load_snapshot(entry.path().string());
+    } catch (const c10::Error&) {
+      continue;
+    }
+    const bool first = loaded->epoch == 0 && torch::equal(loaded->model[0].second, at::full({1000}, 1.0f));
+    const bool second = loaded->epoch == 1 && torch::equal(loaded->model[0].second, at::full({kLarge}, 2.0f));
+    EXPECT_TRUE(first || second) << entry.path() << " validates but is not a whole snapshot";
+  }
+  fs::remove_all(dir);
+}
+
+// Captures TORCH_WARN on this thread's handler.
+class WarningCapture : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  std::vector<std::string> messages;
+};
+
+// A failed write on the writer thread surfaces from wait(), or from the next
+// save(), as a ddp::Error that names the file; the destructor only warns.
+TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
+  const std::string root = ddp::testing::make_temp_dir();
+  const std::string missing = root + "/no/such/directory";  // unwritable even for root
+  ddp::AsyncSnapshotWriter writer;
+  writer.save(missing, filled(0, 10, 1.0f));  // returns: the write fails later, on the thread
+  try {
+    writer.wait();
+    ADD_FAILURE() << "wait() did not throw";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + missing + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot create"), std::string::npos) << e.what();
+  }
+
+  writer.save(missing, filled(1, 10, 1.0f));
+  while (writer.pending() > 0) std::this_thread::sleep_for(1ms);
+  try {
+    writer.save(root, filled(2, 10, 1.0f));
+    ADD_FAILURE() << "save() did not throw the earlier error";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + missing + "/snapshot_1.pt' failed"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(root + "/snapshot_2.pt")) << "a save() that threw queued its snapshot";
+
+  // Reported once; the writer goes on working.
+  writer.save(root, filled(3, 10, 1.0f));
+  EXPECT_NO_THROW(writer.wait());
+  EXPECT_TRUE(fs::exists(root + "/snapshot_3.pt"));
+
+  const std::string also_missing = root + "/also/missing";
+  WarningCapture warnings;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    EXPECT_NO_THROW({
+      ddp::AsyncSnapshotWriter unwatched;
+      unwatched.save(also_missing, filled(4, 10, 1.0f));
+    });
+  }
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find(also_missing + "/snapshot_4.pt"), std::string::npos) << warnings.messages[0];
+  fs::remove_all(root);
+}
+
+// The queue is bounded: with queue_depth(2), a third save() waits until the
+// writer has finished the first.
+TEST(AsyncSnapshot, SaveWaitsWhileTheQueueIsFull) {
+  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "400");
+  const std::string dir = ddp::testing::make_temp_dir();
+  ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().queue_depth(2).keep(3));
+  writer.save(dir, filled(0, 10, 1.0f));
+  writer.save(dir, filled(1, 10, 1.0f));
+  EXPECT_EQ(writer.pending(), 2u);
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_0.pt"));
+
+  const auto start = std::chrono::steady_clock::now();
+  writer.save(dir, filled(2, 10, 1.0f));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_0.pt")) << "save() returned while the queue was full";
+  EXPECT_GE(waited, 200ms);
+  EXPECT_LE(writer.pending(), 2u);
+  writer.wait();
+  EXPECT_EQ(writer.pending(), 0u);
+  for (int epoch = 0; epoch < 3; ++epoch) EXPECT_TRUE(fs::exists(dir + "/snapshot_" + std::to_string(epoch) + ".pt"));
+  fs::remove_all(dir);
+}
+
+TEST(AsyncSnapshot, OneWriterPerDirectory) {
+  const std::string dir = ddp::testing::make_temp_dir();
+  auto first = std::make_unique<ddp::AsyncSnapshotWriter>();
+  first->save(dir, filled(0, 10, 1.0f));
+  ddp::AsyncSnapshotWriter second;
+  try {
+    second.save(dir + "/.", filled(1, 10, 1.0f));
+    ADD_FAILURE() << "a second writer was let into the directory";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another AsyncSnapshotWriter is already writing into"), std::string::npos)
+        << e.what();
+  }
+  first.reset();  // waits for its write and gives the directory up
+  second.save(dir, filled(1, 10, 1.0f));
+  second.wait();
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_1.pt"));
+  fs::remove_all(dir);
+}
+
+TEST(AsyncSnapshot, OptionsAreChecked) {
+  try {
+    ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().queue_depth(0));
+    ADD_FAILURE() << "queue_depth(0) was accepted";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("queue_depth must be at least 1, got 0"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
