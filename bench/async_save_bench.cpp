@@ -6,7 +6,9 @@
 //
 //   async_save_bench --width 4096 --layers 3 --dir /tmp/async_save_bench
 //
-// at::set_num_threads(1), so training leaves a core to the writer thread.
+// at::set_num_threads(1) by default, so training leaves a core to the writer
+// thread; --threads <all cores> shows what the writer's priority changes
+// when training leaves none.
 // Results: bench/MEMORY.md, "Async save".
 
 #include "bench_stats.h"
@@ -91,7 +93,7 @@ AsyncResult time_async_save(Trainer& trainer, const std::string& dir, bool low_p
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t width = 4096, layers = 3, batch = 8, steps = 10;
+  int64_t width = 4096, layers = 3, batch = 8, steps = 10, threads = 1;
   std::string dir = "/tmp/async_save_bench";
   CLI::App app("Step time with no save, during an asynchronous save, and one synchronous save; one JSON line.",
                "async_save_bench");
@@ -100,10 +102,12 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "Linear layers")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "samples per step")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps without a save")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "at::set_num_threads: 1 leaves a core to the writer; all cores leaves none")
+      ->check(CLI::PositiveNumber);
   app.add_option("--dir", dir, "where the snapshots go (emptied first, removed after)");
   CLI11_PARSE(app, argc, argv);
   try {
-    at::set_num_threads(1);
+    at::set_num_threads(static_cast<int>(threads));
     std::filesystem::remove_all(dir);
     std::filesystem::create_directories(dir);
     Trainer trainer(width, layers, batch);
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
     const double plain = bench::median(plain_ms);
     auto ratio = [&](const AsyncResult& r) { return bench::rounded(bench::median(r.step_ms) / plain, 3); };
     bench::print_json_line({{"parameters", numel},
+                            {"threads", threads},
                             {"snapshot_bytes", snapshot_bytes},
                             {"step_ms", bench::rounded(plain, 1)},
                             {"step_ms_after", bench::rounded(bench::median(after_ms), 1)},
