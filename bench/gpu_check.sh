@@ -441,7 +441,7 @@ if ((${#MISSING[@]} == 0)); then
   fi
   if [[ $CONFIGURED == 1 ]]; then
     TARGETS=(ddprun gpt_bench)
-    [[ $TESTS == ON ]] && TARGETS+=(gpu_worker fsdp_worker ddp_gpu_tests)
+    [[ $TESTS == ON ]] && TARGETS+=(gpu_worker ddp_worker ddp_gpu_tests)
     [[ $EXAMPLES == ON ]] && TARGETS+=(wine_ddp)
     stage build "$BUILD_LIMIT_S" cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}" && BUILT=1
   fi

@@ -112,12 +112,12 @@ TEST(Gpu, TwoRanksMatchOneProcess) {
 TEST(Gpu, FsdpFullShardOnCudaMatchesDdpOnTheCpu) {
   SKIP_WITHOUT_CUDA();
   auto dir = make_temp_dir("ddp_gpu_fsdp");
-  auto reference = run_process(under_ddprun(2, "fsdp_worker", {"--strategy", "ddp", "--out", dir + "/ddp.pt"}),
+  auto reference = run_process(under_ddprun(2, "ddp_worker", {"train", "--strategy", "ddp", "--out", dir + "/ddp.pt"}),
                                one_rank({}, std::chrono::seconds(120)));
   ASSERT_EQ(reference.exit_code, 0) << reference.describe();
-  std::vector<std::string> flags = {"--strategy", "fsdp-full", "--device", "cuda", "--out", dir + "/fsdp.pt"};
+  std::vector<std::string> flags = {"train", "--strategy", "fsdp-full", "--device", "cuda", "--out", dir + "/fsdp.pt"};
   if (torch::cuda::device_count() < 2) flags.insert(flags.end(), {"--backend", "gloo", "--share-devices", "yes"});
-  auto r = run_process(under_ddprun(2, "fsdp_worker", flags),
+  auto r = run_process(under_ddprun(2, "ddp_worker", flags),
                        one_rank({{"DDP_TIMEOUT_SECONDS", "120"}}, std::chrono::seconds(240)));
   ASSERT_EQ(r.exit_code, 0) << r.describe();
   auto diff = run_process({DDP_PYTHON, "-c",

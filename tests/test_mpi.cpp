@@ -263,10 +263,10 @@ TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
   SKIP_WITHOUT_MPI();
   const std::string dir = make_temp_dir("ddp_mpi_fsdp");
   for (const std::string strategy : {"ddp", "zero1", "fsdp-full", "fsdp-grad-op"}) {
-    auto g = run_process(under_ddprun(2, "fsdp_worker", {"--strategy", strategy, "--out", dir + "/g.pt"}),
+    auto g = run_process(under_ddprun(2, "ddp_worker", {"train", "--strategy", strategy, "--out", dir + "/g.pt"}),
                          one_rank({}));
     ASSERT_EQ(g.exit_code, 0) << strategy << ": " << g.describe();
-    auto m = run_process(mpirun(2, {bin_path("fsdp_worker"), "--strategy", strategy, "--backend", "mpi", "--out",
+    auto m = run_process(mpirun(2, {bin_path("ddp_worker"), "train", "--strategy", strategy, "--backend", "mpi", "--out",
                                     dir + "/m.pt"}),
                          one_rank({}));
     ASSERT_EQ(m.exit_code, 0) << strategy << ": " << m.describe();

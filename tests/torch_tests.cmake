@@ -53,9 +53,6 @@ gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
                      RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
 
 # One strategy's training for the launcher tests (mpirun, ddprun on the GPU).
-add_executable(fsdp_worker workers/fsdp_worker.cpp)
-target_link_libraries(fsdp_worker PRIVATE ddp::ddp CLI11::CLI11)
-ddp_reuse_precompiled_header(fsdp_worker)
 
 # ---------------------------------------------------------------------------
 # The GPU path: device selection, GradScaler and autocast (unit tests on the
@@ -79,7 +76,7 @@ gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess"
 add_executable(ddp_gpu_tests test_gpu.cpp)
 target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_gpu_tests)
-add_dependencies(ddp_gpu_tests gpu_worker fsdp_worker ddprun)
+add_dependencies(ddp_gpu_tests gpu_worker ddp_worker ddprun)
 gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
 # FSDP and ZeRO on real ranks, each rank's code in the test file
 # (support/ranks.h re-executes the test binary once per rank): strategies
@@ -119,7 +116,7 @@ gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT
 add_executable(ddp_mpi_tests test_mpi.cpp)
 target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_mpi_tests)
-add_dependencies(ddp_mpi_tests fsdp_worker wine_ddp ddprun)
+add_dependencies(ddp_mpi_tests ddp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST)
 

@@ -3,7 +3,7 @@
 // whole batch), so tests can compare strategies. Each step's global batch
 // depends only on the step number; rank r takes rows r, r+N, ... Used by the
 // FSDP tests (test_fsdp_strategies.cpp, test_fsdp_state_dict.cpp) inside
-// run_on_ranks, and by workers/fsdp_worker.cpp for the launcher tests. No
+// run_on_ranks, and by workers/ddp_worker.cpp (train) for the launcher tests. No
 // gtest here: the callers assert.
 #pragma once
 
