@@ -35,30 +35,31 @@ at::Tensor replicated_norm(const std::vector<at::Tensor>& grads, double norm_typ
 }
 
 // Each rank holds a disjoint part of the gradient: the parts' sums of
-// |g|^p (or their maxima) are combined across the ranks, in double.
+// |g|^p (or their maxima) are combined across the ranks, in double. The
+// per-tensor norms stay on their device until the one all-reduce, so a step
+// waits for the device once, not once per unit.
 double sharded_norm(const std::vector<at::Tensor>& grads, ProcessGroup& group, double norm_type) {
-  double local = 0.0;
-  bool local_nan = false;
+  const auto options = group.control_options().dtype(at::kDouble);
+  std::vector<at::Tensor> norms;
   for (const auto& g : grads) {
-    if (norm_type == kInfinity) {
-      const double m = g.numel() == 0 ? 0.0 : g.detach().abs().max().item<double>();
-      if (std::isnan(m)) local_nan = true;
-      else local = std::max(local, m);
-    } else {
-      local += std::pow(g.detach().norm(norm_type).item<double>(), norm_type);
-    }
+    if (g.numel() == 0) continue;
+    norms.push_back(norm_type == kInfinity ? g.detach().abs().max() : g.detach().norm(norm_type));
   }
+  at::Tensor parts = norms.empty() ? at::zeros({0}, options) : at::stack(norms).to(options);
   CollectiveTag tag("clip_grad_norm");
   if (norm_type == kInfinity) {
     // Gloo's MAX need not carry a NaN through, so whether any rank saw one
     // travels beside the maximum.
-    at::Tensor both = at::tensor({local, local_nan ? 1.0 : 0.0}, at::kDouble).to(group.control_options().device());
+    const at::Tensor nan = parts.isnan();
+    // Norms are never negative, so 0 stands in for a NaN and for no tensor.
+    const at::Tensor largest = parts.numel() == 0 ? at::zeros({}, options) : parts.masked_fill(nan, 0).max();
+    at::Tensor both = at::stack({largest, nan.any().to(at::kDouble)});
     group.all_reduce(both, c10d::ReduceOp::MAX);
     both = both.cpu();
     return both[1].item<double>() > 0 ? std::numeric_limits<double>::quiet_NaN() : both[0].item<double>();
   }
   // A sum carries NaN and infinity through by itself.
-  at::Tensor sum = at::tensor({local}, at::kDouble).to(group.control_options().device());
+  at::Tensor sum = parts.pow(norm_type).sum().reshape({1});
   group.all_reduce(sum, c10d::ReduceOp::SUM);
   return std::pow(sum.cpu().item<double>(), 1.0 / norm_type);
 }
