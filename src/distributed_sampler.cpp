@@ -36,7 +36,13 @@ void validate(int64_t dataset_size, const SamplerOptions& options) {
 
 std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
                                                  int64_t epoch) {
+  return distributed_sampler_indices(dataset_size, options, epoch, 0);
+}
+
+std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
+                                                 int64_t epoch, int64_t samples_seen) {
   validate(dataset_size, options);
+  DDP_CHECK(samples_seen >= 0, "ddp: DistributedSampler got a negative samples_seen ", samples_seen);
   std::vector<int64_t> order(static_cast<size_t>(dataset_size));
   if (options.shuffle()) {
     // The same generator and kernel as Python's torch.Generator().manual_seed
@@ -48,12 +54,15 @@ std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const Sam
   } else {
     for (int64_t i = 0; i < dataset_size; ++i) order[static_cast<size_t>(i)] = i;
   }
+  // The consumed prefix goes; the rest is split as a whole epoch would be.
+  order.erase(order.begin(), order.begin() + std::min<int64_t>(samples_seen, dataset_size));
+  const int64_t rest = static_cast<int64_t>(order.size());
 
-  int64_t total = samples_per_rank(dataset_size, options) * options.num_replicas();
-  if (!options.drop_last() && dataset_size > 0) {
+  int64_t total = samples_per_rank(rest, options) * options.num_replicas();
+  if (!options.drop_last() && rest > 0) {
     // Pad by cycling from the start, as Python does when the padding is
     // longer than the dataset itself.
-    for (int64_t i = dataset_size; i < total; ++i) order.push_back(order[static_cast<size_t>(i % dataset_size)]);
+    for (int64_t i = rest; i < total; ++i) order.push_back(order[static_cast<size_t>(i % rest)]);
   }
   order.resize(static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(total, static_cast<int64_t>(order.size())))));
 
@@ -70,6 +79,9 @@ struct DistributedSampler::State {
   SamplerOptions options;
   int64_t num_samples = 0;
   int64_t epoch = 0;
+  // Indices of the epoch's job-wide order consumed before this pass's split
+  // (resume_epoch).
+  int64_t epoch_start = 0;
   // The pass in progress: its indices and how many were handed out.
   std::vector<int64_t> order;
   int64_t position = 0;
@@ -78,7 +90,7 @@ struct DistributedSampler::State {
   bool keep_position = false;
 
   void refresh() {
-    order = distributed_sampler_indices(dataset_size, options, epoch);
+    order = distributed_sampler_indices(dataset_size, options, epoch, epoch_start);
     order_valid = true;
   }
 };
@@ -95,6 +107,7 @@ void DistributedSampler::set_epoch(int64_t epoch) {
     state_->epoch = epoch;
     state_->order_valid = false;
     state_->position = 0;
+    state_->epoch_start = 0;
     state_->keep_position = false;
   }
 }
@@ -118,15 +131,32 @@ void DistributedSampler::set_position(int64_t position) {
   state_->keep_position = true;
 }
 
+int64_t DistributedSampler::samples_seen() const {
+  const auto& s = *state_;
+  return std::min(s.dataset_size, s.epoch_start + s.position * s.options.num_replicas());
+}
+
+void DistributedSampler::resume_epoch(int64_t samples_seen) {
+  DDP_CHECK(samples_seen >= 0 && samples_seen <= state_->dataset_size, "ddp: DistributedSampler::resume_epoch(",
+            samples_seen, ") is outside [0, ", state_->dataset_size, "], the dataset's size");
+  state_->epoch_start = samples_seen;
+  state_->position = 0;
+  state_->keep_position = true;
+  state_->order_valid = false;
+}
+
 void DistributedSampler::reset(std::optional<size_t> new_size) {
   if (new_size && static_cast<int64_t>(*new_size) != state_->dataset_size) {
     state_->dataset_size = static_cast<int64_t>(*new_size);
     state_->num_samples = samples_per_rank(state_->dataset_size, state_->options);
     state_->keep_position = false;
   }
-  state_->refresh();
-  if (!state_->keep_position) state_->position = 0;
+  if (!state_->keep_position) {
+    state_->position = 0;
+    state_->epoch_start = 0;
+  }
   state_->keep_position = false;
+  state_->refresh();
 }
 
 std::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
@@ -158,6 +188,7 @@ void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
   const auto& s = *state_;
   archive.write("ddp_sampler/epoch", scalar(s.epoch), /*is_buffer=*/true);
   archive.write("ddp_sampler/position", scalar(s.position), true);
+  archive.write("ddp_sampler/epoch_start", scalar(s.epoch_start), true);
   archive.write("ddp_sampler/dataset_size", scalar(s.dataset_size), true);
   archive.write("ddp_sampler/num_replicas", scalar(s.options.num_replicas()), true);
   archive.write("ddp_sampler/rank", scalar(s.options.rank()), true);
@@ -185,6 +216,10 @@ void DistributedSampler::load(torch::serialize::InputArchive& archive) {
             "epoch ", epoch, " and position ", position, " are out of range (", s.num_samples,
             " samples per rank); the file is damaged");
   set_epoch(epoch);
+  at::Tensor start;
+  if (archive.try_read("ddp_sampler/epoch_start", start) && start.item<int64_t>() > 0) {
+    resume_epoch(start.item<int64_t>());
+  }
   set_position(position);
 }
 

@@ -203,6 +203,20 @@ c10::IValue FsdpRuntime::sharded_state_dict(torch::optim::Optimizer* optimizer) 
     c10::impl::GenericList names(c10::AnyType::get());
     for (const auto& n : unit->param_names) names.push_back(n);
     entry.insert("param_names", names);
+    // Where each parameter and this shard lie in the unit's flat tensor:
+    // what a distributed checkpoint needs to cut the shard into the
+    // parameters' boxes (src/distributed_checkpoint.cpp).
+    c10::impl::GenericList offsets(c10::AnyType::get()), shapes(c10::AnyType::get());
+    for (size_t j = 0; j < unit->params.size(); ++j) {
+      offsets.push_back(unit->offsets[j]);
+      c10::impl::GenericList shape(c10::AnyType::get());
+      for (int64_t size : unit->params[j].sizes()) shape.push_back(size);
+      shapes.push_back(shape);
+    }
+    entry.insert("offsets", offsets);
+    entry.insert("shapes", shapes);
+    entry.insert("padded", unit->padded);
+    entry.insert("shard_start", shard_range(*unit).first);
     entry.insert("shard", unit->shard.detach().clone());
     units.push_back(entry);
   }

@@ -15,6 +15,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -339,6 +341,82 @@ TEST_F(TwoNodesC10d, AnElasticJobLosingANodeResumesFromTheSnapshotOnTheOtherAndC
               seconds);
   EXPECT_TRUE(namespace_empty_within(1, std::chrono::seconds(5))) << pids_in(1);
   for (auto& d : dirs) fs::remove_all(d);
+}
+
+// Issue 23 item 4: a --nnodes 1:2 job of wine_sharded under FULL_SHARD (2 ranks per node)
+// loses node 1 mid-epoch. Node 0 re-forms alone and resumes from the newest sharded snapshot
+// (every rank wrote its own part into the shared directory) at half the world size, mid-epoch.
+// What follows equals a fresh 2-rank run started from a copy of that snapshot: the same epoch
+// losses and the same final weights. The interrupted epoch's samples, those trained on before
+// the snapshot at 4 ranks and after it at 2, are each trained on exactly once.
+TEST_F(TwoNodesC10d, AnFsdpJobLosingANodeMidEpochResumesAtHalfTheWorldSizeFromItsShardedSnapshot) {
+  const std::string shared = make_temp_dir("c10d_sharded");
+  // Batch 1: 36 steps per epoch at 4 ranks, so the snapshots every 5 steps after the first
+  // epoch are mid-epoch until step 180.
+  auto program = [](const std::string& dir) {
+    return std::vector<std::string>{bin_path("wine_sharded"), "6", "1000", "--strategy", "fsdp-full",
+                                    "--batch-size", "1", "--snapshot-every-steps", "5", "--keep-snapshots", "0",
+                                    "--checkpoint-dir", dir, "--sample-log", dir + "/samples"};
+  };
+  std::vector<BackgroundProcess> nodes;
+  for (int n = 0; n < 2; ++n) {
+    nodes.push_back(start_agent(n, {"--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=20"}, program(shared)));
+  }
+  // Kill once rank 0 has trained 45 steps: the newest snapshot is then mid-epoch 1 or 2.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (file_bytes(shared + "/samples.rank0").find("\n1 45 4 ") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << file_bytes(nodes[0].err_path);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(kill(nodes[1].pid, SIGKILL), 0);
+  ProcessResult node0 = wait_background(nodes[0], std::chrono::seconds(180));
+  wait_background(nodes[1], std::chrono::seconds(10));
+  ASSERT_EQ(node0.exit_code, 0) << node0.describe();
+  EXPECT_NE(node0.err.find("continuing with 1 node(s)"), std::string::npos) << node0.describe();
+  std::smatch resumed;
+  ASSERT_TRUE(std::regex_search(node0.out, resumed,
+                                std::regex("Resuming in epoch ([0-9]+) at step ([0-9]+), ([0-9]+) of its samples "
+                                           "seen, on 2 ranks")))
+      << node0.describe();
+  const int64_t epoch = std::stoll(resumed[1]), step = std::stoll(resumed[2]), seen = std::stoll(resumed[3]);
+  EXPECT_GE(epoch, 1);
+  EXPECT_GT(seen, 0);  // mid-epoch
+  std::printf("[ measured ] 4 ranks on two namespaces, node 1 SIGKILLed: node 0 resumed at 2 ranks in epoch %lld at "
+              "step %lld, %lld of 142 samples seen\n",
+              static_cast<long long>(epoch), static_cast<long long>(step), static_cast<long long>(seen));
+
+  // A fresh 2-rank run from a copy of that snapshot alone.
+  const std::string fresh = make_temp_dir("c10d_sharded_fresh");
+  const std::string snapshot = "sharded_step_" + std::string(12 - std::to_string(step).size(), '0') +
+                               std::to_string(step);
+  fs::copy(shared + "/" + snapshot, fresh + "/" + snapshot);
+  const auto fresh_program = program(fresh);
+  auto rerun = run_process(under_ddprun(2, "wine_sharded", {fresh_program.begin() + 1, fresh_program.end()}),
+                           one_rank({}, std::chrono::seconds(120)));
+  ASSERT_EQ(rerun.exit_code, 0) << rerun.describe();
+  EXPECT_NE(rerun.out.find(resumed[0].str()), std::string::npos) << rerun.out;
+  const auto after = loss_lines(node0.out.substr(node0.out.find(resumed[0].str())));
+  EXPECT_EQ(after, loss_lines(rerun.out));
+  EXPECT_EQ(after.size(), static_cast<size_t>(6 - epoch));
+  EXPECT_EQ(compare_state_dicts(shared + "/model_final.pt", fresh + "/model_final.pt"), "identical");
+
+  // The interrupted epoch, sample by sample: 4 ranks' steps before the snapshot, then 2 ranks'.
+  std::map<int64_t, int> count;
+  for (int rank = 0; rank < 4; ++rank) {
+    std::istringstream lines(file_bytes(shared + "/samples.rank" + std::to_string(rank)));
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream words(line);
+      int64_t line_epoch, line_step, world;
+      words >> line_epoch >> line_step >> world;
+      if (line_epoch != epoch || (world == 4 && line_step >= step)) continue;
+      for (int64_t index; words >> index;) ++count[index];
+    }
+  }
+  EXPECT_EQ(count.size(), 142u);
+  for (const auto& [index, times] : count) EXPECT_EQ(times, 1) << "sample " << index;
+  EXPECT_TRUE(namespace_empty_within(1, std::chrono::seconds(5))) << pids_in(1);
+  fs::remove_all(shared);
+  fs::remove_all(fresh);
 }
 
 // Issue 12 item 2: a master whose packets are dropped. One network namespace holds a veth

@@ -108,13 +108,6 @@ TEST(FsdpFullCheckpoint, ResumesUnderEveryStrategyAndRefusesMismatchedStateDicts
   for (const auto& r : ranks) EXPECT_NE(r.out.find("compared checkpoints"), std::string::npos) << r.out;
 }
 
-using Group = std::shared_ptr<ddp::ProcessGroup>;
-
-void expect_phases_succeeded(const std::vector<std::vector<ProcessResult>>& phases, size_t count) {
-  ASSERT_EQ(phases.size(), count) << "a phase failed: " << describe_ranks(phases.back());
-  for (const auto& ranks : phases) expect_all_succeeded(ranks);
-}
-
 // Resumes `spec` from step 3 for 3 steps, from another initial model, and
 // compares with the reference on rank 0.
 void expect_resumes_to(const Group& group, TrainSpec spec, const std::string& reference, const std::string& label) {

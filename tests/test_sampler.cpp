@@ -50,6 +50,49 @@ TEST(DistributedSampler, RanksPartitionThePaddedEpoch) {
   for (int64_t i = 0; i < 10; ++i) EXPECT_GE(seen.count(i), 1u);
 }
 
+// A job of 4 ranks stops after 3 batches of 4 per rank; the rest of the
+// epoch, resumed on 2 ranks (and on 1), is what the first 48 samples left:
+// together the two runs see every sample of the epoch exactly once.
+TEST(DistributedSampler, ResumingAnEpochAtAnotherWorldSizeSeesEachSampleOnce) {
+  const int64_t size = 142, batch = 4, steps = 3;
+  for (int64_t later : {2, 1}) {
+    std::multiset<int64_t> seen;
+    int64_t samples_seen = -1;
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      ddp::DistributedSampler sampler(size, ddp::SamplerOptions(4, rank).seed(7));
+      sampler.set_epoch(5);
+      sampler.reset();
+      for (int64_t step = 0; step < steps; ++step) {
+        const auto indices = sampler.next(batch);
+        for (size_t index : *indices) seen.insert(static_cast<int64_t>(index));
+      }
+      samples_seen = sampler.samples_seen();
+    }
+    EXPECT_EQ(samples_seen, 4 * batch * steps);
+    for (int64_t rank = 0; rank < later; ++rank) {
+      ddp::DistributedSampler sampler(size, ddp::SamplerOptions(later, rank).seed(7));
+      sampler.set_epoch(5);
+      sampler.resume_epoch(samples_seen);
+      sampler.reset();
+      while (auto indices = sampler.next(batch)) {
+        for (size_t index : *indices) seen.insert(static_cast<int64_t>(index));
+      }
+      EXPECT_EQ(sampler.samples_seen(), size) << "rank " << rank << " of " << later;
+      // The pass after the resumed one is a whole epoch again.
+      sampler.reset();
+      EXPECT_EQ(sampler.samples_seen(), 0);
+      EXPECT_EQ(sampler.indices(), ddp::distributed_sampler_indices(size, ddp::SamplerOptions(later, rank).seed(7), 5));
+    }
+    EXPECT_EQ(seen.size(), static_cast<size_t>(size)) << later << " ranks after 4";
+    for (int64_t i = 0; i < size; ++i) EXPECT_EQ(seen.count(i), 1u) << i << ", " << later << " ranks after 4";
+  }
+  // The pure function with nothing seen is the whole epoch's.
+  EXPECT_EQ(ddp::distributed_sampler_indices(10, ddp::SamplerOptions(3, 1), 2, 0),
+            ddp::distributed_sampler_indices(10, ddp::SamplerOptions(3, 1), 2));
+  ddp::DistributedSampler sampler(10, ddp::SamplerOptions(1, 0));
+  EXPECT_THROW(sampler.resume_epoch(11), c10::Error);
+}
+
 TEST(DistributedSampler, SetEpochChangesTheShuffle) {
   ddp::DistributedSampler sampler(50, ddp::SamplerOptions(2, 0));
   auto first = sampler.indices();

@@ -5,15 +5,17 @@
 //   zero1         DDP, with Adam's moments sharded (ZeroRedundancyOptimizer)
 //   fsdp-full     FullyShardedDataParallel, FULL_SHARD (ZeRO-3)
 //   fsdp-grad-op  FullyShardedDataParallel, SHARD_GRAD_OP (ZeRO-2)
-// The training loop is the same for all of them. Checkpoints and snapshots
-// are too: the full model's state dict and Adam's state in Python's layout,
-// so a run can resume under another strategy or world size.
+// The training loop is the same for all of them. Checkpoints are too (the
+// full model's state dict, gathered on rank 0), and so are snapshots:
+// sharded ones, every rank writing its own part with no gather, in PyTorch
+// DCP's layout, so a run resumes under another strategy or world size.
 
 #include "simple_nn.h"
 
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
+#include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
@@ -21,7 +23,9 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace wine {
 
@@ -37,6 +41,12 @@ class Strategy {
   virtual c10::IValue optimizer_state() = 0;
   /// Loads a snapshot that every rank holds.
   virtual void restore(const ddp::Snapshot& snapshot) = 0;
+  /// Writes DIR/sharded_step_<step>, each rank its part. Collective.
+  virtual void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) = 0;
+  /// Loads the newest sharded snapshot in DIR, whatever world size and
+  /// strategy wrote it. Collective.
+  virtual std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
+                                                                   std::vector<std::string>* skipped) = 0;
   /// Runs `evaluate` with the full model's parameters present. Collective.
   virtual double with_full_model(const std::function<double()>& evaluate) { return evaluate(); }
 };
@@ -53,6 +63,13 @@ class DdpStrategy : public Strategy {
   c10::IValue optimizer_state() override { return ddp::optimizer_state_dict(optimizer); }
   void restore(const ddp::Snapshot& snapshot) override {
     ddp::restore_snapshot(snapshot, *ddp_model.module(), optimizer);
+  }
+  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
+    ddp::save_sharded_snapshot(dir, ddp_model, &optimizer, progress, keep);
+  }
+  std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
+                                                           std::vector<std::string>* skipped) override {
+    return ddp::load_newest_sharded_snapshot(dir, ddp_model, &optimizer, skipped);
   }
 
  private:
@@ -77,6 +94,13 @@ class ZeroStrategy : public Strategy {
     optimizer.load_state_dict(snapshot.optimizer);
     ddp::restore_rng_state(snapshot);
   }
+  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
+    ddp::save_sharded_snapshot(dir, ddp_model, optimizer, progress, keep);
+  }
+  std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
+                                                           std::vector<std::string>* skipped) override {
+    return ddp::load_newest_sharded_snapshot(dir, ddp_model, optimizer, skipped);
+  }
 
  private:
   ddp::DistributedDataParallel<SimpleNN> ddp_model;
@@ -99,6 +123,13 @@ class FsdpStrategy : public Strategy {
     fsdp_model.load_full_state_dict(snapshot.model);
     fsdp_model.load_full_optim_state_dict(optimizer, snapshot.optimizer);
     ddp::restore_rng_state(snapshot);
+  }
+  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
+    ddp::save_sharded_snapshot(dir, fsdp_model, &optimizer, progress, keep);
+  }
+  std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
+                                                           std::vector<std::string>* skipped) override {
+    return ddp::load_newest_sharded_snapshot(dir, fsdp_model, &optimizer, skipped);
   }
   double with_full_model(const std::function<double()>& evaluate) override {
     auto gathered = fsdp_model.summon_full_params();

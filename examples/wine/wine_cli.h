@@ -20,6 +20,11 @@ struct Args : examples::TrainingFlags {
   bool strategy_given = false;
   int64_t workers = 0;                 // data-loader worker threads (wine_ddp, wine_sharded)
   std::string device = "cpu";          // cpu, cuda or auto
+  // wine_sharded's sharded snapshots: also every N steps (0: at epoch ends
+  // only), the newest K kept; and each rank's samples, per step.
+  int64_t snapshot_every_steps = 0;
+  int64_t keep_snapshots = 2;
+  std::string sample_log;
 };
 
 // Declares every flag of the Wine programs on `app`, bound to `args`.
@@ -60,6 +65,18 @@ inline void add_flags(CLI::App& app, Args& args) {
                  "the CPU, this rank's GPU (cuda:LOCAL_RANK; NCCL for\nwine_ddp), or the GPU when there is one")
       ->type_name("cpu|cuda|auto")
       ->check(examples::one_of("--device", {"cpu", "cuda", "auto"}));
+  app.add_option("--snapshot-every-steps", args.snapshot_every_steps,
+                 "also write a sharded snapshot every N optimizer steps,\nmid-epoch too (wine_sharded)")
+      ->type_name("N")
+      ->default_str("0: at epoch ends only")
+      ->transform(examples::non_negative_integer("--snapshot-every-steps"));
+  app.add_option("--keep-snapshots", args.keep_snapshots, "sharded snapshots kept, newest first; 0 keeps all\n(wine_sharded)")
+      ->type_name("K")
+      ->transform(examples::non_negative_integer("--keep-snapshots"));
+  app.add_option("--sample-log", args.sample_log,
+                 "each rank appends 'epoch step world index...' per step to\nPREFIX.rank<R> (wine_sharded)")
+      ->type_name("PREFIX")
+      ->default_str("none");
 }
 
 inline void print_usage(const char* program) {

@@ -17,6 +17,7 @@
 #include <ddp/collective_trace.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/device.h>
+#include <ddp/distributed_checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
 #include <ddp/env.h>
@@ -29,6 +30,7 @@
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 #include <ddp/progress.h>
+#include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
 #include <ddp/stack_dump.h>
 #include <ddp/zero_redundancy_optimizer.h>

@@ -56,6 +56,15 @@ struct SamplerOptions {
 /// The indices one rank sees in one epoch. Pure: no state, no processes.
 std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
                                                  int64_t epoch);
+/// The same for the rest of an epoch whose first `samples_seen` indices,
+/// in the epoch's job-wide order (its permutation, before padding), the job
+/// has consumed, at whatever world size: the rest is padded (or its tail
+/// dropped) and split over options.num_replicas() as a whole epoch would
+/// be. With samples_seen 0 it is the function above. When the rest divides
+/// evenly, every index of the epoch is seen exactly once across the two
+/// world sizes.
+std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
+                                                 int64_t epoch, int64_t samples_seen);
 
 /// A torch::data sampler over this rank's share of every epoch.
 ///
@@ -89,8 +98,17 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   /// Indices of the current epoch already handed out by next().
   int64_t position() const;
   /// Makes the next pass start `position` indices into the current epoch
-  /// (for resuming); later passes start at 0 again.
+  /// (for resuming at the same world size); later passes start at 0 again.
   void set_position(int64_t position);
+  /// How many indices of the current epoch's job-wide order the job has
+  /// consumed when every rank has consumed position() of its own (ranks
+  /// that step together): what to save to resume at another world size.
+  int64_t samples_seen() const;
+  /// Makes the next pass yield the rest of the current epoch after the job
+  /// consumed its first `samples_seen` (samples_seen() of a run at any world
+  /// size), split anew over this sampler's ranks; later passes are whole
+  /// epochs again. For resuming at another world size.
+  void resume_epoch(int64_t samples_seen);
 
   /// torch::data: starts a pass over the current epoch. `new_size` changes
   /// the dataset size.

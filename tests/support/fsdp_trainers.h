@@ -9,6 +9,7 @@
 
 #include <ddp/checkpoint.h>
 #include <ddp/clip_grad.h>
+#include <ddp/distributed_checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -68,6 +69,9 @@ struct TrainSpec {
   /// Full checkpoints (PREFIX.model.pt, PREFIX.optim.pt; any world size) and
   /// sharded ones (a directory; FSDP, the same world size): "" for none.
   std::string load_full, save_full, load_sharded, save_sharded;
+  /// Distributed checkpoints (a directory in DCP's HuggingFace layout; any
+  /// world size and strategy but single): "" for none.
+  std::string load_dcp, save_dcp;
   c10::Device device = c10::kCPU;
   /// Gradient clipping before each step: off at 0. ddp::clip_grad_norm_, or
   /// with clip_with_libtorch LibTorch's own function on the wrapper's
@@ -86,6 +90,7 @@ struct TrainResult {
   int64_t bytes_after_forward = 0;  ///< parameter bytes held after the 2nd step's first forward (FSDP)
   ddp::ShardedMemory between_steps;  ///< what FSDP holds after the last step
   std::vector<double> norms;          ///< each step's total gradient norm, when clipping
+  ddp::DistributedCheckpointReport loaded;  ///< what load_dcp read on this rank
 };
 
 inline std::unique_ptr<torch::optim::Optimizer> make_trainer_optimizer(const std::string& kind,
@@ -121,6 +126,10 @@ struct Trainer {
   virtual ddp::ShardedMemory memory() { return {}; }
   virtual void save_sharded(const std::string&, ddp::ProcessGroup&) { throw std::invalid_argument("not FSDP"); }
   virtual void load_sharded(const std::string&, ddp::ProcessGroup&) { throw std::invalid_argument("not FSDP"); }
+  virtual void save_dcp(const std::string&) { throw std::invalid_argument("single has no process group"); }
+  virtual ddp::DistributedCheckpointReport load_dcp(const std::string&) {
+    throw std::invalid_argument("single has no process group");
+  }
 };
 
 template <typename M>
@@ -176,6 +185,14 @@ struct DdpTrainer : Trainer {
     if (with_libtorch) return torch::nn::utils::clip_grad_norm_(ddp.parameters(), max_norm, norm_type);
     return ddp::clip_grad_norm_(ddp, max_norm, norm_type);
   }
+  void save_dcp(const std::string& dir) override {
+    if (zero_optimizer) ddp::save_distributed_checkpoint(dir, ddp, *zero_optimizer);
+    else ddp::save_distributed_checkpoint(dir, ddp, plain.get());
+  }
+  ddp::DistributedCheckpointReport load_dcp(const std::string& dir) override {
+    return zero_optimizer ? ddp::load_distributed_checkpoint(dir, ddp, *zero_optimizer)
+                          : ddp::load_distributed_checkpoint(dir, ddp, plain.get());
+  }
   ddp::DistributedDataParallel<M> ddp;
   std::unique_ptr<torch::optim::Optimizer> plain;
   std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero_optimizer;
@@ -209,6 +226,10 @@ struct FsdpTrainer : Trainer {
   }
   void load_sharded(const std::string& dir, ddp::ProcessGroup& group) override {
     fsdp.load_sharded_state_dict(ddp::load_sharded_checkpoint(dir, group), plain.get());
+  }
+  void save_dcp(const std::string& dir) override { ddp::save_distributed_checkpoint(dir, fsdp, plain.get()); }
+  ddp::DistributedCheckpointReport load_dcp(const std::string& dir) override {
+    return ddp::load_distributed_checkpoint(dir, fsdp, plain.get());
   }
   ddp::FullyShardedDataParallel<M> fsdp;
   std::unique_ptr<torch::optim::Optimizer> plain;
@@ -263,6 +284,7 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
     trainer->load_full(ddp::load_state_dict(spec.load_full + ".model.pt"), ddp::load_value(spec.load_full + ".optim.pt"));
   }
   if (!spec.load_sharded.empty()) trainer->load_sharded(spec.load_sharded, *group);
+  if (!spec.load_dcp.empty()) result.loaded = trainer->load_dcp(spec.load_dcp);
 
   for (int64_t step = spec.first_step; step < spec.first_step + spec.steps; ++step) {
     auto [x, y] = global_batch(step);
@@ -298,6 +320,7 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
     }
   }
   if (!spec.save_sharded.empty()) trainer->save_sharded(spec.save_sharded, *group);
+  if (!spec.save_dcp.empty()) trainer->save_dcp(spec.save_dcp);
   result.state = trainer->full_state();
   if (!single) group->barrier();
   return result;

@@ -255,4 +255,13 @@ inline void expect_all_succeeded(const std::vector<ProcessResult>& results) {
   EXPECT_TRUE(ok) << describe_ranks(results);
 }
 
+/// What a phase's body gets.
+using Group = std::shared_ptr<ProcessGroup>;
+
+/// Every one of `count` phases ran, and every rank of each succeeded.
+inline void expect_phases_succeeded(const std::vector<std::vector<ProcessResult>>& phases, size_t count) {
+  ASSERT_EQ(phases.size(), count) << "a phase failed: " << describe_ranks(phases.back());
+  for (const auto& ranks : phases) expect_all_succeeded(ranks);
+}
+
 }  // namespace ddp::testing

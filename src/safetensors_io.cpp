@@ -1,0 +1,352 @@
+// safetensors files as DCP's HuggingFace storage writes and reads them; see
+// safetensors_io.h.
+
+#include "safetensors_io.h"
+
+#include <ddp/error.h>
+
+#include <ATen/Functions.h>
+#include <c10/util/irange.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace ddp::detail {
+namespace {
+
+using Json = nlohmann::json;
+
+// The dtypes DCP's reader maps (torch/distributed/checkpoint/_hf_utils.py),
+// plus BOOL, which safetensors has.
+const std::vector<std::pair<at::ScalarType, std::string>>& dtype_names() {
+  static const std::vector<std::pair<at::ScalarType, std::string>> names = {
+      {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kHalf, "F16"},  {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
+      {at::kInt, "I32"},   {at::kShort, "I16"},  {at::kChar, "I8"},   {at::kByte, "U8"},       {at::kBool, "BOOL"}};
+  return names;
+}
+
+std::string dtype_name(at::ScalarType dtype) {
+  for (const auto& [type, name] : dtype_names()) {
+    if (type == dtype) return name;
+  }
+  DDP_CHECK(false, "ddp: a distributed checkpoint cannot store dtype ", dtype,
+            "; convert the tensor to a float or integer dtype first");
+  return "";
+}
+
+std::optional<at::ScalarType> dtype_of(const std::string& name) {
+  for (const auto& [type, spelled] : dtype_names()) {
+    if (spelled == name) return type;
+  }
+  return std::nullopt;
+}
+
+int64_t volume(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+void write_all(int fd, const char* data, size_t size, const std::string& path) {
+  while (size > 0) {
+    ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    DDP_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno),
+              "; check the disk has space and the directory is writable");
+    data += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+void read_exactly(int fd, char* data, size_t size, int64_t offset, const std::string& path) {
+  while (size > 0) {
+    ssize_t n = ::pread(fd, data, size, offset);
+    if (n < 0 && errno == EINTR) continue;
+    DDP_CHECK(n > 0, "ddp: reading '", path, "' failed at byte ", offset, ": ",
+              n == 0 ? std::string("the file ends early (truncated?)") : std::string(std::strerror(errno)));
+    data += n;
+    size -= static_cast<size_t>(n);
+    offset += n;
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes_of_flat_range(
+    int64_t begin, int64_t end, const std::vector<int64_t>& shape) {
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes;
+  if (begin >= end) return boxes;
+  if (shape.size() <= 1) {
+    // A scalar is one element at no offsets; a vector's range is one box.
+    if (shape.empty()) return {{{}, {}}};
+    return {{{begin}, {end - begin}}};
+  }
+  const std::vector<int64_t> inner_shape(shape.begin() + 1, shape.end());
+  const int64_t row = volume(inner_shape);
+  auto within_row = [&](int64_t r, int64_t from, int64_t to) {
+    for (auto [offsets, sizes] : boxes_of_flat_range(from, to, inner_shape)) {
+      offsets.insert(offsets.begin(), r);
+      sizes.insert(sizes.begin(), 1);
+      boxes.emplace_back(std::move(offsets), std::move(sizes));
+    }
+  };
+  int64_t first_row = begin / row;
+  const int64_t last_row = end / row;  // the row holding `end`, if partial
+  if (first_row == last_row) {
+    within_row(first_row, begin - first_row * row, end - first_row * row);
+    return boxes;
+  }
+  if (begin % row != 0) within_row(first_row++, begin % row, row);
+  if (last_row > first_row) {
+    std::vector<int64_t> offsets(shape.size(), 0), sizes = shape;
+    offsets[0] = first_row;
+    sizes[0] = last_row - first_row;
+    boxes.emplace_back(std::move(offsets), std::move(sizes));
+  }
+  if (end % row != 0) within_row(last_row, 0, end % row);
+  return boxes;
+}
+
+void write_safetensors_file(const std::string& path, const std::vector<TensorBox>& boxes,
+                            const std::map<std::string, std::string>& extra_metadata) {
+  // nlohmann's json sorts keys; so does safetensors' own writer, and DCP's
+  // reader does not care about order.
+  Json header = Json::object();
+  Json sharding = Json::object();
+  std::vector<at::Tensor> contents;
+  int64_t position = 0;
+  for (const auto& box : boxes) {
+    DDP_CHECK(!header.contains(box.key), "ddp: two boxes of '", box.key, "' in one checkpoint file");
+    at::Tensor data = box.data.detach().to(at::kCPU).contiguous();
+    const int64_t bytes = data.numel() * static_cast<int64_t>(data.element_size());
+    header[box.key] = {{"dtype", dtype_name(data.scalar_type())},
+                       {"shape", data.sizes().vec()},
+                       {"data_offsets", {position, position + bytes}}};
+    sharding[box.key] = {{"saved_offsets", box.offsets}};
+    position += bytes;
+    contents.push_back(std::move(data));
+  }
+  // What DCP's writer puts there (filesystem.py): the boxes' offsets as a
+  // JSON string, its version and the framework.
+  Json metadata = {{"DCP_SHARDING_INFO", sharding.dump()}, {"DCP_VERSION", "1.0"}, {"format", "pt"}};
+  for (const auto& [name, value] : extra_metadata) metadata[name] = value;
+  header["__metadata__"] = metadata;
+  std::string text = header.dump();
+  // safetensors pads the header with spaces to 8 bytes, so the data that
+  // follows is aligned for zero-copy readers.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t length = text.size();
+  char length_bytes[8];
+  for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DDP_CHECK(fd >= 0, "ddp: cannot create '", path, "': ", std::strerror(errno));
+  try {
+    write_all(fd, length_bytes, 8, path);
+    write_all(fd, text.data(), text.size(), path);
+    for (const auto& data : contents) {
+      write_all(fd, static_cast<const char*>(data.const_data_ptr()), data.numel() * data.element_size(), path);
+    }
+    DDP_CHECK(::fsync(fd) == 0, "ddp: fsync of '", path, "' failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+}
+
+SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
+  namespace fs = std::filesystem;
+  DDP_CHECK(fs::is_directory(dir), "ddp: no checkpoint directory '", dir, "'");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_regular_file() && name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0) {
+      files_.push_back(entry.path().string());
+    }
+  }
+  std::sort(files_.begin(), files_.end());
+  DDP_CHECK(!files_.empty(), "ddp: '", dir, "' holds no .safetensors file; it is not a distributed checkpoint");
+  for (size_t f = 0; f < files_.size(); ++f) {
+    const std::string& path = files_[f];
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    DDP_CHECK(fd >= 0, "ddp: cannot open '", path, "': ", std::strerror(errno));
+    fds_.push_back(fd);
+    const int64_t file_size = static_cast<int64_t>(fs::file_size(path));
+    DDP_CHECK(file_size >= 8, "ddp: '", path, "' is not a safetensors file (", file_size, " bytes)");
+    unsigned char length_bytes[8];
+    read_exactly(fd, reinterpret_cast<char*>(length_bytes), 8, 0, path);
+    uint64_t length = 0;
+    for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
+    DDP_CHECK(length <= static_cast<uint64_t>(file_size - 8), "ddp: '", path, "' declares a ", length,
+              "-byte header but has ", file_size, " bytes: the file is truncated or not a safetensors file");
+    std::string text(length, '\0');
+    read_exactly(fd, text.data(), length, 8, path);
+    Json header = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    DDP_CHECK(header.is_object(), "ddp: the header of '", path, "' is not a JSON object");
+    const int64_t data_start = 8 + static_cast<int64_t>(length);
+    Json sharding;
+    if (header.contains("__metadata__")) {
+      const Json& metadata = header["__metadata__"];
+      DDP_CHECK(metadata.is_object(), "ddp: __metadata__ of '", path, "' is not an object");
+      for (const auto& [name, value] : metadata.items()) {
+        if (!value.is_string()) continue;
+        if (name == "DCP_SHARDING_INFO") {
+          sharding = Json::parse(value.get<std::string>(), nullptr, false);
+          DDP_CHECK(sharding.is_object(), "ddp: DCP_SHARDING_INFO of '", path, "' is not a JSON object");
+        } else {
+          metadata_.emplace(name, value.get<std::string>());
+        }
+      }
+    }
+    for (const auto& [key, entry] : header.items()) {
+      if (key == "__metadata__") continue;
+      const char* problem = nullptr;
+      if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() || !entry.contains("shape") ||
+          !entry["shape"].is_array() || !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+          entry["data_offsets"].size() != 2) {
+        problem = "lacks a dtype, shape or data_offsets";
+      }
+      Chunk chunk;
+      chunk.file = f;
+      if (!problem) {
+        auto dtype = dtype_of(entry["dtype"].get<std::string>());
+        if (!dtype) problem = "has a dtype this library cannot read";
+        else chunk.dtype = *dtype;
+      }
+      if (!problem) {
+        for (const auto& s : entry["shape"]) {
+          if (!s.is_number_integer() || s.get<int64_t>() < 0) problem = "has a shape that is not a list of sizes";
+          else chunk.sizes.push_back(s.get<int64_t>());
+        }
+      }
+      int64_t begin = 0, end = 0;
+      if (!problem) {
+        const Json& range = entry["data_offsets"];
+        if (!range[0].is_number_integer() || !range[1].is_number_integer()) problem = "has bad data_offsets";
+        else {
+          begin = range[0].get<int64_t>();
+          end = range[1].get<int64_t>();
+          if (begin < 0 || end < begin || data_start + end > file_size) problem = "lies beyond the end of the file (truncated?)";
+          else if (end - begin != volume(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
+            problem = "has a byte range that does not match its shape and dtype";
+          }
+        }
+      }
+      DDP_CHECK(!problem, "ddp: tensor '", key, "' in '", path, "' ", problem,
+                "; the file is damaged or was not written by DCP's HuggingFace storage");
+      chunk.data_begin = data_start + begin;
+      chunk.offsets.assign(chunk.sizes.size(), 0);
+      if (sharding.is_object() && sharding.contains(key)) {
+        const Json& offsets = sharding[key]["saved_offsets"];
+        DDP_CHECK(offsets.is_array() && offsets.size() == chunk.sizes.size(), "ddp: the saved_offsets of '", key,
+                  "' in '", path, "' do not match its shape");
+        for (size_t d = 0; d < offsets.size(); ++d) {
+          DDP_CHECK(offsets[d].is_number_integer() && offsets[d].get<int64_t>() >= 0, "ddp: the saved_offsets of '",
+                    key, "' in '", path, "' are not sizes");
+          chunk.offsets[d] = offsets[d].get<int64_t>();
+        }
+      }
+      Tensor& tensor = tensors_[key];
+      if (tensor.chunks.empty()) tensor.shape.assign(chunk.sizes.size(), 0);
+      DDP_CHECK(tensor.shape.size() == chunk.sizes.size(), "ddp: '", key, "' has boxes of different ranks in '", dir,
+                "'");
+      for (size_t d = 0; d < chunk.sizes.size(); ++d) {
+        tensor.shape[d] = std::max(tensor.shape[d], chunk.offsets[d] + chunk.sizes[d]);
+      }
+      tensor.chunks.push_back(std::move(chunk));
+    }
+  }
+}
+
+SafetensorsIndex::~SafetensorsIndex() {
+  for (int fd : fds_) ::close(fd);
+}
+
+std::vector<std::string> SafetensorsIndex::keys_with_prefix(const std::string& prefix) const {
+  std::vector<std::string> keys;
+  for (auto it = tensors_.lower_bound(prefix); it != tensors_.end() && it->first.rfind(prefix, 0) == 0; ++it) {
+    keys.push_back(it->first);
+  }
+  return keys;
+}
+
+std::vector<int64_t> SafetensorsIndex::shape_of(const std::string& key) const {
+  auto it = tensors_.find(key);
+  DDP_CHECK(it != tensors_.end(), "ddp: the checkpoint in '", dir_, "' has no '", key, "'");
+  return it->second.shape;
+}
+
+int64_t SafetensorsIndex::data_bytes() const {
+  int64_t total = 0;
+  for (const auto& [key, tensor] : tensors_) {
+    for (const auto& chunk : tensor.chunks) total += volume(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype));
+  }
+  return total;
+}
+
+std::string SafetensorsIndex::metadata(const std::string& name) const {
+  auto it = metadata_.find(name);
+  return it == metadata_.end() ? std::string() : it->second;
+}
+
+void SafetensorsIndex::read_into(TensorBox& box) const {
+  auto it = tensors_.find(box.key);
+  DDP_CHECK(it != tensors_.end(), "ddp: the checkpoint in '", dir_, "' has no '", box.key,
+            "'; was it saved from another model, or without the optimizer?");
+  const auto want_sizes = box.data.sizes().vec();
+  const size_t rank = want_sizes.size();
+  DDP_CHECK(rank == it->second.shape.size(), "ddp: '", box.key, "' has ", it->second.shape.size(),
+            " dimensions in the checkpoint but ", rank, " in the model");
+  int64_t covered = 0;
+  for (const Chunk& chunk : it->second.chunks) {
+    // The overlap of the wanted box and this chunk, in whole-tensor indices.
+    std::vector<int64_t> lo(rank), size(rank);
+    bool empty = false;
+    for (size_t d = 0; d < rank; ++d) {
+      lo[d] = std::max(box.offsets[d], chunk.offsets[d]);
+      const int64_t hi = std::min(box.offsets[d] + want_sizes[d], chunk.offsets[d] + chunk.sizes[d]);
+      size[d] = hi - lo[d];
+      empty = empty || size[d] <= 0;
+    }
+    if (empty) continue;
+    // Read it as runs that are contiguous in the file: the dimensions after
+    // `split` are whole in the chunk, so each run is size[split] of them.
+    size_t split = rank == 0 ? 0 : rank - 1;
+    while (split > 0 && size[split] == chunk.sizes[split]) --split;
+    std::vector<int64_t> strides(rank, 1);
+    for (size_t d = rank; d-- > 1;) strides[d - 1] = strides[d] * chunk.sizes[d];
+    const int64_t element = static_cast<int64_t>(c10::elementSize(chunk.dtype));
+    const int64_t run = rank == 0 ? 1 : size[split] * strides[split];
+    at::Tensor staged = at::empty(size, at::TensorOptions().dtype(chunk.dtype));
+    char* out = static_cast<char*>(staged.data_ptr());
+    std::vector<int64_t> index(split, 0);  // over dimensions [0, split)
+    while (true) {
+      int64_t first = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        first += ((d < split ? index[d] : 0) + lo[d] - chunk.offsets[d]) * strides[d];
+      }
+      read_exactly(fds_[chunk.file], out, run * element, chunk.data_begin + first * element, files_[chunk.file]);
+      out += run * element;
+      bytes_read_ += run * element;
+      size_t d = split;
+      while (d > 0 && ++index[d - 1] == size[d - 1]) index[--d] = 0;
+      if (d == 0) break;
+    }
+    at::Tensor target = box.data;
+    for (size_t d = 0; d < rank; ++d) target = target.narrow(d, lo[d] - box.offsets[d], size[d]);
+    target.copy_(staged);
+    covered += volume(size);
+  }
+  DDP_CHECK(covered == volume(want_sizes), "ddp: the checkpoint in '", dir_, "' covers only ", covered, " of the ",
+            volume(want_sizes), " elements of '", box.key, "' this rank needs; a file is missing");
+}
+
+}  // namespace ddp::detail
