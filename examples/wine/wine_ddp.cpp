@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
     // snapshot: weights, Adam's moments and step counts, epoch.
     int64_t first_epoch = 0;
     int64_t step = 0;
+    // Rank 0 writes snapshots off the training thread.
+    ddp::AsyncSnapshotWriter snapshot_writer;
     if (args.resume) {
       std::vector<std::string> skipped;
       auto snapshot = ddp::load_newest_snapshot(args.checkpoint_dir, *group, &skipped);
@@ -144,11 +146,14 @@ int main(int argc, char** argv) {
         if (is_master) std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
       }
       if (is_master && (save_model || epoch + 1 == args.total_epochs)) {
-        ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+        // Copied now, written by a background thread while training goes
+        // on; a crash mid-write leaves the previous snapshot the newest.
+        snapshot_writer.save(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
       }
       std::fflush(stdout);
     }
 
+    snapshot_writer.wait();  // the last snapshot is on disk, or its error is thrown
     ddp::save(ddp_model, args.checkpoint_dir + "/model_final.pt");
     if (is_master) std::printf("Test accuracy: %.4f\n", test_accuracy());
     group->barrier();  // no rank leaves while rank 0 may still need it
