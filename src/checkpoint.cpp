@@ -2,6 +2,7 @@
 
 #include <ddp/error.h>
 
+#include "torch_save_file.h"
 #include "weights_only_unpickler.h"
 
 #include <ATen/Functions.h>
@@ -297,6 +298,22 @@ c10::IValue naming_the_file(const std::string& name, const Load& load) {
 }
 
 }  // namespace
+
+namespace detail {
+std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_torch_save_file(
+    const std::shared_ptr<caffe2::serialize::ReadAdapterInterface>& source, const std::string& name) {
+  std::string head(static_cast<size_t>(std::min<uint64_t>(source->size(), 16)), '\0');
+  head.resize(source->read(0, head.data(), head.size()));
+  reject_legacy_format(head, name);
+  auto archive = open_archive(source, name);
+  if (archive->hasRecord("byteorder")) {
+    auto [data, size] = archive->getRecord("byteorder");
+    std::string order(static_cast<const char*>(data.get()), size);
+    DDP_CHECK(order == "little", "ddp: cannot load '", name, "': it was written on a ", order, "-endian machine");
+  }
+  return archive;
+}
+}  // namespace detail
 
 c10::IValue load_value(const std::string& path) {
   return naming_the_file(path, [&] {

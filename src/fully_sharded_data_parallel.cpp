@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <map>
 #include <set>
 
 namespace ddp {
@@ -80,6 +81,60 @@ bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbyte
 FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
                          FSDPOptions options)
     : root_(std::move(root)), group_(std::move(group)), options_(std::move(options)) {
+  check_options();
+  if (options_.sync_module_states() && group_->size() > 1) {
+    verify_replicas_match(*root_, *group_);
+    broadcast_module_state(*root_, *group_, /*parameters=*/true, /*buffers=*/true);
+  }
+  build_units();
+  finish_construction();
+}
+
+FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
+                         std::shared_ptr<ProcessGroup> group, FSDPOptions options)
+    : root_(root), group_(std::move(group)), options_(std::move(options)), built_deferred_(true) {
+  check_options();
+  DDP_CHECK(options_.min_num_params() == 0 && options_.units().empty(),
+            "ddp: with deferred construction (DeferredSequential) every child is a unit of its own; leave "
+            "FSDPOptions::min_num_params and ::units unset, and make one factory build what one unit should hold");
+  DDP_CHECK(root->size() == 0, "ddp: deferred construction builds its Sequential itself; it must start empty");
+  const bool sync = options_.sync_module_states() && group_->size() > 1;
+  for (const auto& [name, make_child] : children.children()) {
+    // Only this child is ever whole: it is sharded and its storage freed
+    // (add_unit) before the next factory runs.
+    torch::nn::AnyModule child = make_child();
+    std::shared_ptr<torch::nn::Module> module = child.ptr();
+    DDP_CHECK(module != nullptr, "ddp: the DeferredSequential factory of child '", name, "' returned no module");
+    for (const auto& item : module->modules(/*include_self=*/true)) {
+      DDP_CHECK(!std::dynamic_pointer_cast<FsdpUnitModule>(item),
+                "ddp: the DeferredSequential child '", name, "' contains an fsdp_unit wrapper; with deferred "
+                "construction each child is already a unit, so build it without ddp::fsdp_unit");
+    }
+    if (sync) verify_replicas_match(*module, *group_);
+    root->push_back(name, std::move(child));
+    const auto names = parameter_names(*module, name + ".");
+    for (const auto& [impl, param_name] : names) {
+      DDP_CHECK(!claimed_.count(impl), "ddp: parameter '", param_name, "' is also a parameter of an earlier child "
+                "(tied weights); FullyShardedDataParallel does not support tied parameters");
+    }
+    const size_t frozen_before = frozen_.size();
+    auto params = claim_parameters(*module, names);
+    if (sync) {
+      // Buffers and frozen parameters stay whole on every rank; the trainable
+      // parameters take rank 0's values through their flat tensor in add_unit.
+      std::vector<at::Tensor> replicated;
+      for (size_t i = frozen_before; i < frozen_.size(); ++i) replicated.push_back(frozen_[i].second);
+      for (const auto& buffer : module->buffers(/*recurse=*/true)) replicated.push_back(buffer);
+      broadcast_tensors(replicated, *group_);
+    }
+    sequential_groups_.push_back({root->size() - 1});
+    sequential_unit_of_group_.push_back(params.empty() ? SIZE_MAX : units_.size());
+    if (!params.empty()) add_unit(name, std::move(params), /*broadcast_from_rank0=*/sync);
+  }
+  finish_construction();
+}
+
+void FsdpRuntime::check_options() {
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
@@ -92,13 +147,33 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_pt
   mixed_ = options_.param_dtype().has_value();
   DDP_CHECK(!mixed_ || at::isFloatingType(*options_.param_dtype()), "ddp: FSDPOptions::param_dtype must be a ",
             "floating-point dtype (at::kBFloat16, at::kHalf, at::kFloat), got ", *options_.param_dtype());
-  if (options_.sync_module_states() && group_->size() > 1) {
-    verify_replicas_match(*root_, *group_);
-    broadcast_module_state(*root_, *group_, /*parameters=*/true, /*buffers=*/true);
-  }
-  build_units();
+}
 
-  // The gradient engine: one group per unit, hooked after build_units()
+void FsdpRuntime::finish_construction() {
+  DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with trainable parameters (requires_grad true)");
+  // Under param_dtype frozen parameters compute in it too (activations
+  // arrive in param_dtype), while state dicts keep their own dtype: the
+  // module gets a cast copy, frozen_ keeps the original.
+  for (auto& [name, original] : frozen_) {
+    frozen_params_.push_back(original);
+    if (!mixed_ || !original.is_floating_point()) continue;
+    at::NoGradGuard no_grad;
+    at::Tensor master = original.detach().clone();
+    original.set_data(master.to(*options_.param_dtype()));
+    original = master;
+  }
+  for (auto& unit : units_) unit->reshard_after_forward = options_.sharding_strategy() == ShardingStrategy::kFullShard;
+  for (const auto& [name, reshard] : options_.reshard_after_forward()) {
+    auto it = std::find_if(units_.begin(), units_.end(), [&](const auto& unit) { return unit->name == name; });
+    std::string names;
+    for (const auto& unit : units_) names += " '" + unit->name + "'";
+    DDP_CHECK(it != units_.end(), "ddp: FSDPOptions::reshard_after_forward names the unit '", name,
+              "', which this model does not have; its units are", names, " ('' is the root unit)");
+    (*it)->reshard_after_forward = reshard;
+  }
+  claimed_.clear();
+
+  // The gradient engine: one group per unit, hooked after the units
   // moved every parameter into its unit's storage (a change of dtype gives
   // a parameter a new gradient accumulator).
   std::vector<at::Tensor> params;
@@ -133,8 +208,9 @@ FsdpRuntime::~FsdpRuntime() {
   engine_.reset();  // the hooks go first
   // The module outlives us: leave it with real, full parameters in their own
   // dtype. That is a collective, skipped while an error unwinds (a peer may
-  // be dead).
-  if (std::uncaught_exceptions() > 0) return;
+  // be dead). Not for a model built deferred: it never was whole on one rank
+  // and may not fit now; its weights leave through full_state_dict().
+  if (std::uncaught_exceptions() > 0 || built_deferred_) return;
   try {
     for (auto& unit : units_) {
       if (unit->pending_gather) finish_gather(*unit);
@@ -166,25 +242,33 @@ FsdpRuntime::~FsdpRuntime() {
 
 bool FsdpRuntime::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
 
-void FsdpRuntime::build_units() {
-  std::set<const at::TensorImpl*> claimed;
+std::map<const at::TensorImpl*, std::string> FsdpRuntime::parameter_names(const torch::nn::Module& module,
+                                                                          const std::string& prefix) {
   std::map<const at::TensorImpl*, std::string> name_of;
-  for (const auto& item : root_->named_parameters(true)) {
-    auto [it, fresh] = name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    DDP_CHECK(fresh, "ddp: parameters '", it->second, "' and '", item.key(),
+  for (const auto& item : module.named_parameters(true)) {
+    auto [it, fresh] = name_of.emplace(item.value().unsafeGetTensorImpl(), prefix + item.key());
+    DDP_CHECK(fresh, "ddp: parameters '", it->second, "' and '", prefix + item.key(),
                 "' are one tensor (tied weights); FullyShardedDataParallel does not support tied parameters");
   }
-  auto params_of = [&](const torch::nn::Module& module) {
-    std::vector<std::pair<std::string, at::Tensor>> params;
-    for (const auto& p : module.parameters(true)) {
-      if (!claimed.insert(p.unsafeGetTensorImpl()).second) continue;
-      // Frozen parameters stay whole on every rank, like buffers: sharded,
-      // the optimizer's step (weight decay, say) would change them.
-      if (!p.requires_grad()) frozen_.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
-      else params.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
-    }
-    return params;
-  };
+  return name_of;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FsdpRuntime::claim_parameters(
+    const torch::nn::Module& module, const std::map<const at::TensorImpl*, std::string>& name_of) {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : module.parameters(true)) {
+    if (!claimed_.insert(p.unsafeGetTensorImpl()).second) continue;
+    // Frozen parameters stay whole on every rank, like buffers: sharded,
+    // the optimizer's step (weight decay, say) would change them.
+    if (!p.requires_grad()) frozen_.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
+    else params.emplace_back(name_of.at(p.unsafeGetTensorImpl()), p);
+  }
+  return params;
+}
+
+void FsdpRuntime::build_units() {
+  const auto name_of = parameter_names(*root_, "");
+  auto params_of = [&](const torch::nn::Module& module) { return claim_parameters(module, name_of); };
 
   // Units wrapped where the model was built. named_modules() lists a
   // parent before the units nested in it; claiming in reverse lets a nested
@@ -232,30 +316,10 @@ void FsdpRuntime::build_units() {
     add_unit("", std::move(rest));
     units_.back()->is_root = true;
   }
-  DDP_CHECK(!units_.empty(), "ddp: FullyShardedDataParallel needs a model with trainable parameters (requires_grad true)");
-  // Under param_dtype frozen parameters compute in it too (activations
-  // arrive in param_dtype), while state dicts keep their own dtype: the
-  // module gets a cast copy, frozen_ keeps the original.
-  for (auto& [name, original] : frozen_) {
-    frozen_params_.push_back(original);
-    if (!mixed_ || !original.is_floating_point()) continue;
-    at::NoGradGuard no_grad;
-    at::Tensor master = original.detach().clone();
-    original.set_data(master.to(*options_.param_dtype()));
-    original = master;
-  }
-  for (auto& unit : units_) unit->reshard_after_forward = options_.sharding_strategy() == ShardingStrategy::kFullShard;
-  for (const auto& [name, reshard] : options_.reshard_after_forward()) {
-    auto it = std::find_if(units_.begin(), units_.end(), [&](const auto& unit) { return unit->name == name; });
-    std::string names;
-    for (const auto& unit : units_) names += " '" + unit->name + "'";
-    DDP_CHECK(it != units_.end(), "ddp: FSDPOptions::reshard_after_forward names the unit '", name,
-              "', which this model does not have; its units are", names, " ('' is the root unit)");
-    (*it)->reshard_after_forward = reshard;
-  }
 }
 
-void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params) {
+void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+                           bool broadcast_from_rank0) {
   auto unit = std::make_unique<Unit>();
   unit->name = std::move(name);
   const at::Tensor& first = params.front().second;
@@ -277,7 +341,16 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
   // The unit's values in the parameters' own dtype: what the shard keeps.
   at::Tensor master = at::zeros({unit->padded}, first.options().requires_grad(false));
   for (size_t j = 0; j < unit->params.size(); ++j) {
-    master.narrow(0, unit->offsets[j], unit->params[j].numel()).copy_(unit->params[j].reshape({-1}));
+    at::Tensor slot = master.narrow(0, unit->offsets[j], unit->params[j].numel());
+    slot.copy_(unit->params[j].reshape({-1}));
+    // Without param_dtype `master` becomes the unit's full tensor: moving
+    // each parameter into it at once frees its own storage, so the unit
+    // never exists twice (deferred construction counts on it).
+    if (!mixed_) unit->params[j].set_data(slot.view(unit->params[j].sizes()));
+  }
+  if (broadcast_from_rank0) {
+    CollectiveTag tag("fsdp unit '" + unit->name + "' broadcast of rank 0's values");
+    group_->broadcast(master, 0);
   }
   const at::ScalarType compute = mixed_ ? *options_.param_dtype() : first.scalar_type();
   unit->full = mixed_ ? master.to(compute, /*non_blocking=*/false, /*copy=*/true) : master;

@@ -127,4 +127,8 @@ target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::g
 ddp_reuse_precompiled_header(ddp_trace_tests)
 add_dependencies(ddp_trace_tests ddprun ddp_worker)
 gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST)
+target_sources(ddp_fsdp_rank_tests PRIVATE test_fsdp_deferred.cpp)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_distributed_checkpoint.cpp)
+target_sources(ddp_integration_rank_tests PRIVATE test_subgroups.cpp)
+target_sources(ddp_integration_rank_tests PRIVATE test_device_mesh.cpp)
+target_sources(ddp_mpi_tests PRIVATE test_subgroups_mpi.cpp)

@@ -26,6 +26,30 @@
 //
 // Frozen parameters (requires_grad false) are not sharded: like buffers, every
 // rank keeps them whole, and they are not among parameters().
+//
+// Deferred construction, for a model that does not fit on one rank: give the
+// children of a torch::nn::Sequential as factories (DeferredSequential), and
+// FullyShardedDataParallel builds them one at a time. Each child is built,
+// checked against the other ranks, given rank 0's values, sharded, and its
+// full storage freed before the next one is built, so a rank never holds more
+// than the shards plus one child:
+//
+//   torch::manual_seed(0);                               // the same on every rank
+//   ddp::DeferredSequential layers;
+//   for (int i = 0; i < 48; ++i) layers.add([] { return torch::nn::Linear(8192, 8192); });
+//   ddp::FullyShardedDataParallel<torch::nn::Sequential> model(layers, group);
+//   model.load_full_state_dict_file("full.pt");          // optional: reads only this rank's bytes
+//
+// Why factories: a LibTorch module allocates and initialises its parameters
+// in its constructor, and the C++ frontend has no meta device or "skeleton"
+// mode to build a module without storage. The only way not to hold the whole
+// model is not to construct it whole, and a factory per unit says exactly
+// that with the modules users already have (a Linear, a transformer block),
+// their own initialisation included. Each child is one
+// unit, named by its position ("0", "1", ...) unless add() names it, so the
+// model trains exactly as the same Sequential built whole and wrapped with
+// FSDPOptions().min_num_params(1) (every child a unit): the same shards, the
+// same steps.
 
 #include <ddp/error.h>
 #include <ddp/checkpoint.h>
@@ -35,9 +59,11 @@
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -129,6 +155,44 @@ struct FSDPOptions {
   /// with reduce_dtype. At one rank there is nothing to reduce: neither the
   /// hook nor a compression runs.
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+};
+
+/// A torch::nn::Sequential given as one factory per child, for
+/// FullyShardedDataParallel to build one unit at a time (deferred
+/// construction, see the top of this file). A factory returns a module
+/// holder (torch::nn::Linear(...)), a shared_ptr to a module, or an
+/// AnyModule (so, as for any Sequential child, a module whose forward has
+/// fixed argument and result types: not a Sequential itself, nor an
+/// fsdp_unit); every rank must call add() alike, and a factory that draws
+/// random numbers draws them from the global generator in order, as building
+/// the whole Sequential would.
+///
+///   ddp::DeferredSequential().add([] { return torch::nn::Linear(1024, 1024); })
+///                            .add("head", [] { return torch::nn::Linear(1024, 10); })
+class DeferredSequential {
+ public:
+  using Factory = std::function<torch::nn::AnyModule()>;
+
+  /// A child named by its position, as Sequential names them ("0", "1", ...).
+  template <typename MakeModule>
+  DeferredSequential& add(MakeModule make_module) {
+    return add(std::to_string(children_.size()), std::move(make_module));
+  }
+  template <typename MakeModule>
+  DeferredSequential& add(std::string name, MakeModule make_module) {
+    children_.emplace_back(std::move(name), [make = std::move(make_module)]() {
+      if constexpr (std::is_same_v<std::decay_t<decltype(make())>, torch::nn::AnyModule>) {
+        return make();
+      } else {
+        return torch::nn::AnyModule(make());
+      }
+    });
+    return *this;
+  }
+  const std::vector<std::pair<std::string, Factory>>& children() const { return children_; }
+
+ private:
+  std::vector<std::pair<std::string, Factory>> children_;
 };
 
 /// Bytes this rank holds for the model's state right now.
@@ -331,6 +395,23 @@ class FullyShardedDataParallel {
         runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(group), options)),
         sharding_strategy_(group_->size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy()) {}
 
+  /// Deferred construction (see the top of this file): builds the
+  /// Sequential's children one at a time, each a unit, sharding and freeing
+  /// each before building the next. With sync_module_states (the default)
+  /// every child is checked against the other ranks and takes rank 0's
+  /// values; without it, the factories must produce the same values on
+  /// every rank (seed the generator alike). Only for
+  /// FullyShardedDataParallel<torch::nn::Sequential>. The Sequential built
+  /// holds parameters only while gathered, and keeps none when the wrapper
+  /// is destroyed (gathering the whole model then could exceed a rank's
+  /// memory): take the weights out with full_state_dict(). Collective.
+  FullyShardedDataParallel(const DeferredSequential& children, std::shared_ptr<ProcessGroup> group,
+                           FSDPOptions options = {})
+      : module_(empty_sequential()),
+        group_(group),
+        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children, std::move(group), options)),
+        sharding_strategy_(group_->size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy()) {}
+
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
   template <typename... Args>
@@ -368,6 +449,16 @@ class FullyShardedDataParallel {
   /// Loads a full state dict (from any world size, or from an unwrapped
   /// model) on every rank; each keeps its shard.
   void load_full_state_dict(const StateDict& state) { runtime_->load_full_state_dict(state); }
+  /// Loads a full state dict file (ddp::save_state_dict's or Python's
+  /// torch.save(model.state_dict(), path)) straight into the shards: each
+  /// rank reads only the bytes of its own part of each parameter (and the
+  /// buffers and frozen parameters, which every rank keeps whole), so the
+  /// whole model is never in memory. The same checks as
+  /// load_full_state_dict: every entry present with its shape, none extra;
+  /// on an error nothing of the model has changed. Every rank reads the file
+  /// itself (a shared file system, or a copy per node). Collective only in
+  /// that every rank must call it.
+  void load_full_state_dict_file(const std::string& path) { runtime_->load_full_state_dict_file(path); }
 
   /// `optimizer`'s state (built over parameters()) in the layout of Python's
   /// optimizer.state_dict() for the unwrapped model: one entry per original
@@ -419,6 +510,13 @@ class FullyShardedDataParallel {
       if (runtime_->runs_sequential()) return runtime_->run_sequential(*module_, std::forward<Args>(args)...);
     }
     return module_->forward(std::forward<Args>(args)...);
+  }
+
+  static ModuleType empty_sequential() {
+    static_assert(std::is_same_v<ModuleType, torch::nn::Sequential>,
+                  "ddp: deferred construction (DeferredSequential) builds a torch::nn::Sequential; use "
+                  "FullyShardedDataParallel<torch::nn::Sequential>");
+    return torch::nn::Sequential();
   }
 
   ModuleType module_;

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,10 @@ class GradientSyncEngine;  // src/gradient_sync_engine.h
 class FsdpRuntime : private ReductionPolicy {
  public:
   FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
+  /// Deferred construction: builds `children` into the empty `root` one at
+  /// a time, each child a unit, sharded and freed before the next is built.
+  FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
+              std::shared_ptr<ProcessGroup> group, FSDPOptions options);
   ~FsdpRuntime() override;
   FsdpRuntime(const FsdpRuntime&) = delete;
   FsdpRuntime& operator=(const FsdpRuntime&) = delete;
@@ -61,6 +66,9 @@ class FsdpRuntime : private ReductionPolicy {
 
   StateDict full_state_dict(bool rank0_only);
   void load_full_state_dict(const StateDict& state);
+  /// load_full_state_dict from a torch.save file, reading only this rank's
+  /// part of each parameter (src/fsdp_full_state_file.cpp).
+  void load_full_state_dict_file(const std::string& path);
   c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only);
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
   c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer);
@@ -73,8 +81,23 @@ class FsdpRuntime : private ReductionPolicy {
 
  private:
   struct Unit;
+  /// What both constructors check and set before forming units.
+  void check_options();
   void build_units();
-  void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params);
+  /// The trainable parameters of `module` not claimed yet (by a nested
+  /// unit); its frozen ones go to frozen_. `name_of` names each parameter.
+  std::vector<std::pair<std::string, at::Tensor>> claim_parameters(
+      const torch::nn::Module& module, const std::map<const at::TensorImpl*, std::string>& name_of);
+  /// Each parameter's dotted name in `module`, refusing tied parameters.
+  static std::map<const at::TensorImpl*, std::string> parameter_names(const torch::nn::Module& module,
+                                                                     const std::string& prefix);
+  /// With broadcast_from_rank0, the unit's values become rank 0's (one
+  /// broadcast of its flat tensor) before it is sharded.
+  void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+                bool broadcast_from_rank0 = false);
+  /// After the units are formed: frozen parameters under param_dtype, each
+  /// unit's reshard_after_forward, then the gradient engine.
+  void finish_construction();
   void start_gather(Unit& unit);
   void finish_gather(Unit& unit);
   void release(Unit& unit);
@@ -117,6 +140,7 @@ class FsdpRuntime : private ReductionPolicy {
   // requires_grad false: not sharded. Their values in their own dtype (the
   // module's tensors themselves, or their originals under param_dtype).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;
+  std::set<const at::TensorImpl*> claimed_;  // parameters already in a unit or in frozen_ (construction)
   std::vector<at::Tensor> frozen_params_;  // the module's tensors, parallel to frozen_
   std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
   std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
@@ -125,6 +149,7 @@ class FsdpRuntime : private ReductionPolicy {
   std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
   std::vector<size_t> launch_position_;     // per unit: its place in this backward pass's launch order
   bool mixed_ = false;  // FSDPOptions::param_dtype is set
+  bool built_deferred_ = false;  // from a DeferredSequential: the module is never gathered back whole
   int64_t peak_parameter_bytes_ = 0;
   std::unique_ptr<GradientSyncEngine> engine_;  // last: its hooks call the members above
 };
