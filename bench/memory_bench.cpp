@@ -11,6 +11,12 @@
 // peak_param_bytes is the most parameter bytes held at any moment during the
 // steps (ShardedMemory::peak_parameter_bytes; 0 for ddp and zero1).
 //
+// --deferred (fsdp-full and fsdp-grad-op only) builds the model one layer at
+// a time (ddp::DeferredSequential), sharding each before the next exists;
+// the JSON line's construction_peak_rss_bytes (the process's peak resident
+// memory right after the wrapper is built) and rss_before_model_bytes show
+// what construction cost, eager or deferred.
+//
 // --strategy collectives times Gloo's all-reduce, reduce-scatter and
 // all-gather of one layer's worth of floats instead: what FSDP's
 // communication costs next to DDP's.
@@ -38,11 +44,22 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 namespace {
+
+// A line of /proc/self/status ("VmHWM", "VmRSS") in bytes.
+int64_t status_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
+  }
+  return -1;
+}
 
 int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   int64_t bytes = 0;
@@ -110,6 +127,7 @@ int main(int argc, char** argv) {
   std::string strategy = "ddp";
   std::string param_dtype = "fp32";
   int64_t width = 2560, layers = 8, steps = 5;
+  bool deferred = false;
   CLI::App app("Per-rank memory and step time of DDP, ZeRO-1 and FSDP; prints one JSON line per rank.",
                "memory_bench");
   app.option_defaults()->always_capture_default();
@@ -120,17 +138,24 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "training steps (the first is not timed)")->check(CLI::PositiveNumber);
   app.add_option("--param-dtype", param_dtype, "the units' compute dtype (bf16: fsdp-full and fsdp-grad-op only)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_flag("--deferred", deferred, "build the FSDP model one layer at a time (fsdp-full and fsdp-grad-op only)");
   CLI11_PARSE(app, argc, argv);
   try {
     const bool is_fsdp = strategy == "fsdp-full" || strategy == "fsdp-grad-op";
     const bool bf16 = param_dtype == "bf16";
     if (bf16 && !is_fsdp) throw std::invalid_argument("--param-dtype bf16 needs --strategy fsdp-full or fsdp-grad-op");
+    if (deferred && !is_fsdp) throw std::invalid_argument("--deferred needs --strategy fsdp-full or fsdp-grad-op");
     at::set_num_threads(1);
     auto group = ddp::init_process_group();
     if (strategy == "collectives") return time_collectives(group, width * width, 2 * steps + 1);
+    const int64_t rss_before_model = status_bytes("VmRSS");
     torch::manual_seed(0);
     torch::nn::Sequential net;
-    for (int64_t l = 0; l < layers; ++l) net->push_back(torch::nn::Linear(width, width));
+    ddp::DeferredSequential deferred_layers;
+    for (int64_t l = 0; l < layers; ++l) {
+      if (deferred) deferred_layers.add([width] { return torch::nn::Linear(width, width); });
+      else net->push_back(torch::nn::Linear(width, width));
+    }
     // One FSDP unit per layer: at most two layers (the running one and the
     // prefetched one) are ever gathered.
     std::unique_ptr<ddp::DistributedDataParallel<torch::nn::Sequential>> ddp_model;
@@ -141,12 +166,19 @@ int main(int argc, char** argv) {
           strategy == "fsdp-full" ? ddp::ShardingStrategy::kFullShard : ddp::ShardingStrategy::kShardGradOp);
       // bf16 compute, float32 master weights in the shards, float32 loss.
       if (bf16) options.param_dtype(at::kBFloat16).output_dtype(at::kFloat);
-      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(net, group, options);
+      if (deferred) {
+        fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(deferred_layers, group,
+                                                                                             options.min_num_params(0));
+        net = fsdp_model->module();
+      } else {
+        fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<torch::nn::Sequential>>(net, group, options);
+      }
       params = fsdp_model->parameters();
     } else {
       ddp_model = std::make_unique<ddp::DistributedDataParallel<torch::nn::Sequential>>(net, group);
       params = (*ddp_model)->parameters();
     }
+    const int64_t construction_peak_rss = status_bytes("VmHWM");
     auto forward = [&](const at::Tensor& x) { return is_fsdp ? fsdp_model->forward(x) : ddp_model->forward(x); };
     std::unique_ptr<torch::optim::Optimizer> full;
     std::unique_ptr<ddp::ZeroRedundancyOptimizer> zero;
@@ -203,6 +235,9 @@ int main(int argc, char** argv) {
                             {"bucket_bytes", bucket_bytes},
                             {"optimizer_bytes", optimizer_bytes},
                             {"peak_rss_bytes", static_cast<int64_t>(usage.ru_maxrss) * 1024},
+                            {"rss_before_model_bytes", rss_before_model},
+                            {"construction_peak_rss_bytes", construction_peak_rss},
+                            {"deferred", deferred},
                             {"peak_param_bytes", peak_param_bytes},
                             {"param_dtype", param_dtype},
                             {"step_ms", bench::rounded(bench::median(step_ms), 1)}});
