@@ -296,6 +296,33 @@ class MpiBackend : public c10d::Backend {
                   [comm = comm_] { check_mpi(MPI_Barrier(comm), "MPI_Barrier"); });
   }
 
+  // MPI_Comm_split on the progress thread, in order after the collectives
+  // already issued; blocks until it has run. Guarded by the watchdog like a
+  // collective, since a rank that never calls it holds the others there.
+  c10::intrusive_ptr<c10d::Backend> split(int colour, int key, std::chrono::milliseconds timeout) {
+    ++issued_;
+    auto& runtime = MpiRuntime::get();
+    MPI_Comm comm = MPI_COMM_NULL;
+    int rank = 0, size = 0;
+    const uint64_t id = runtime.next_id();
+    runtime.watch(id, describe("MPI_Comm_split (making a subgroup)"), timeout);
+    try {
+      runtime.run_now([&, parent = comm_] {
+        check_mpi(MPI_Comm_split(parent, colour < 0 ? MPI_UNDEFINED : colour, key, &comm), "MPI_Comm_split");
+        if (comm != MPI_COMM_NULL) {
+          MPI_Comm_rank(comm, &rank);
+          MPI_Comm_size(comm, &size);
+        }
+      });
+    } catch (...) {
+      runtime.unwatch(id);
+      throw;
+    }
+    runtime.unwatch(id);
+    if (comm == MPI_COMM_NULL) return {};
+    return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout);
+  }
+
  private:
   static int count(const at::Tensor& t) {
     DDP_CHECK(t.numel() <= std::numeric_limits<int>::max(), "ddp: the mpi backend moves at most 2^31 - 1 ",
@@ -428,9 +455,22 @@ c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::mi
   return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout);
 }
 
+c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10d::Backend>& parent, int colour,
+                                                    int key, std::chrono::milliseconds timeout) {
+  auto* mpi = dynamic_cast<MpiBackend*>(parent.get());
+  DDP_CHECK(mpi != nullptr, "ddp: a subgroup of an mpi process group needs its mpi backend, got ",
+            parent ? parent->getBackendName() : std::string("none"));
+  return mpi->split(colour, key, timeout);
+}
+
 #else
 
 bool mpi_available() { return false; }
+
+c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10d::Backend>&, int, int,
+                                                    std::chrono::milliseconds) {
+  DDP_CHECK(false, "ddp: this build of ddp has no MPI support, so it has no mpi process group to split");
+}
 
 c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World&, std::chrono::milliseconds) {
   DDP_CHECK(false, "ddp: this build of ddp has no MPI support (no MPI was found when it was configured). ",

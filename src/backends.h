@@ -30,6 +30,13 @@ bool nccl_available();
 /// from the ranks sharing this node's memory (MPI_COMM_TYPE_SHARED).
 c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World& world, std::chrono::milliseconds timeout);
 
+/// A subgroup's MPI backend: MPI_Comm_split of `parent`'s communicator (an
+/// mpi backend's), collective over it, on the progress thread after the
+/// collectives already issued. `colour` < 0 joins no group (MPI_UNDEFINED)
+/// and gives a null backend; ranks of one colour are ordered by `key`.
+c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10d::Backend>& parent, int colour,
+                                                    int key, std::chrono::milliseconds timeout);
+
 /// Whether this build of ddp can create MPI process groups.
 bool mpi_available();
 

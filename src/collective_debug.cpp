@@ -84,8 +84,11 @@ Progress parse_progress(const std::string& text) {
   return p;
 }
 
-std::string trace_file_in(const std::string& dir, int rank) {
-  return dir.empty() ? "" : dir + "/trace_rank" + std::to_string(rank) + ".jsonl";
+// trace_rank3.jsonl for the world's group; trace_rank3_group1.jsonl for
+// subgroup 1 (each group numbers its own collectives).
+std::string trace_file_in(const std::string& dir, int rank, const std::string& group) {
+  if (dir.empty()) return "";
+  return dir + "/trace_rank" + std::to_string(rank) + (group == "world" ? "" : "_group" + group) + ".jsonl";
 }
 
 bool write_text(const std::string& path, const std::string& text) {
@@ -162,12 +165,12 @@ std::string ProcessGroup::trace_path() const {
   } else {
     dir = trace_fallback_directory();
   }
-  return trace_file_in(dir, world_.rank);
+  return trace_file_in(dir, global_rank_, name_);
 }
 
 std::string ProcessGroup::write_trace() const {
   const std::string path = trace_path();
-  return write_text(path, trace_->json_lines(world_.rank)) ? path : "";
+  return write_text(path, trace_->json_lines(global_rank_)) ? path : "";
 }
 
 void ProcessGroup::start_progress_responder() {
@@ -181,10 +184,11 @@ void ProcessGroup::start_progress_responder() {
   responder_ = std::make_shared<detail::ProgressResponder>();
   auto* state = responder_.get();
   std::shared_ptr<CollectiveTrace> trace = trace_;
-  const int rank = world_.rank;
+  const int rank = world_.rank;  // in this group: the progress keys are the group's
+  const int global_rank = global_rank_;
   const std::string path = trace_path();
   const auto timeout = options_.timeout();
-  state->thread = std::thread([state, store, trace, rank, path, timeout] {
+  state->thread = std::thread([state, store, trace, rank, global_rank, path, timeout] {
     uint64_t dumped_for = 0;
     while (!state->stop) {
       // A collective waiting half its timeout: show every thread's stack
@@ -198,7 +202,7 @@ void ProcessGroup::start_progress_responder() {
           const auto waited = std::chrono::nanoseconds(now_ns - record->queued_ns);
           if (waited > timeout / 2 && timeout >= std::chrono::seconds(2)) {
             dumped_for = pending;
-            dump_stacks("rank " + std::to_string(rank) + "'s collective " + describe(*record) + " has waited " +
+            dump_stacks("rank " + std::to_string(global_rank) + "'s collective " + describe(*record) + " has waited " +
                         std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()) +
                         " ms, half its timeout");
           }
@@ -217,7 +221,7 @@ void ProcessGroup::start_progress_responder() {
           store->set(progress_key(rank), std::vector<uint8_t>(text.begin(), text.end()));
         } catch (const std::exception&) {
         }
-        write_text(path, trace->json_lines(rank));
+        write_text(path, trace->json_lines(global_rank));
         return;
       }
       for (int i = 0; i < 4 && !state->stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -230,6 +234,8 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     const std::string written = write_trace();
     const std::string wrote = written.empty() ? "" : " This rank's trace: " + written + ".";
     if (world_.world_size == 1 || !store_ || backend_kind_ == BackendKind::kMpi) return wrote.substr(wrote.empty() ? 0 : 1);
+    // A subgroup numbers its own collectives: say which group's they are.
+    const std::string on_group = name_ == "world" ? "" : " of process group " + name_;
     const uint64_t completed = trace_->last_completed();
     const uint64_t failed = completed + 1;
     auto record = trace_->find(failed);
@@ -270,21 +276,21 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     for (int r = 0; r < world_.world_size; ++r) {
       if (r == world_.rank) continue;
       if (!reports[r]) {
-        findings.push_back("rank " + std::to_string(r) +
+        findings.push_back(rank_label(r) +
                            " did not report its progress within 2 s: it is stopped, hung outside ddp, or dead");
         continue;
       }
       const Progress& p = *reports[r];
       if (p.entered < failed) {
         std::string last = p.completed == completed ? describe_or_number(completed) : p.last_completed;
-        findings.push_back("rank " + std::to_string(r) + " never entered collective " + what +
+        findings.push_back(rank_label(r) + " never entered collective " + what + on_group +
                            "; its last completed collective is " + last);
       } else if (p.completed < failed && !p.pending.empty() && record && p.pending != describe(*record)) {
-        findings.push_back("rank " + std::to_string(r) + " is in " + p.pending + " while this rank is in " + what +
+        findings.push_back(rank_label(r) + " is in " + p.pending + " while this rank is in " + what +
                            ": the ranks issued different collectives (DDP_DEBUG=detail stops at the first difference)");
       }
     }
-    std::string text = "This rank is in collective " + what + ".";
+    std::string text = "This rank is in collective " + what + on_group + ".";
     for (const auto& f : findings) text += " " + f + ".";
     if (findings.empty()) text += " Every other rank reported entering it too.";
     return text + wrote;

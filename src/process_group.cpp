@@ -11,6 +11,7 @@
 #include "backends.h"
 #include "checked_backend.h"
 #include "duration_text.h"
+#include "fnv1a.h"
 #include "rendezvous.h"
 #include "ring_collectives.h"
 
@@ -21,10 +22,14 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <numeric>
 #include <optional>
+#include <tuple>
 
 namespace ddp {
 namespace {
@@ -65,6 +70,13 @@ class GroupTransport final : public detail::RingTransport {
  private:
   ProcessGroup& group_;
 };
+
+// "2, 3": global ranks as messages list them.
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text;
+}
 
 }  // namespace
 
@@ -124,6 +136,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
   DDP_CHECK(options.timeout().count() > 0, "ddp: the process group timeout must be positive");
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->world_ = world;
+  group->global_rank_ = world.rank;
+  group->global_ranks_.resize(world.world_size);
+  std::iota(group->global_ranks_.begin(), group->global_ranks_.end(), 0);
   group->options_ = options;
   BackendKind kind = resolve_backend(options.backend(), options.device());
   group->backend_kind_ = kind;
@@ -204,6 +219,146 @@ void ProcessGroup::shutdown() {
   store_.reset();
 }
 
+int ProcessGroup::global_rank_of(int group_rank) const {
+  DDP_CHECK(group_rank >= 0 && group_rank < static_cast<int>(global_ranks_.size()), "ddp: ", group_rank,
+            " is not a rank of process group ", name_, ", whose ranks are 0 to ", size() - 1);
+  return global_ranks_[group_rank];
+}
+
+int ProcessGroup::group_rank_of(int global_rank) const {
+  auto found = std::find(global_ranks_.begin(), global_ranks_.end(), global_rank);
+  return found == global_ranks_.end() ? -1 : static_cast<int>(found - global_ranks_.begin());
+}
+
+std::string ProcessGroup::rank_label(int group_rank) const {
+  const bool known = group_rank >= 0 && group_rank < static_cast<int>(global_ranks_.size());
+  return "rank " + std::to_string(known ? global_ranks_[group_rank] : group_rank);
+}
+
+std::string ProcessGroup::where_am_i() const {
+  if (name_ == "world") return "rank " + std::to_string(world_.rank) + " of " + std::to_string(world_.world_size);
+  return "rank " + std::to_string(global_rank_) + " (rank " + std::to_string(rank()) + " of " +
+         std::to_string(size()) + " in process group " + name_ + ", global ranks " + ranks_text(global_ranks_) + ")";
+}
+
+void ProcessGroup::require_usable(const char* op) const {
+  DDP_CHECK(member_, "ddp: ", op, " on process group ", name_, " from global rank ", global_rank_,
+            ", which is not one of its members (",
+            global_ranks_.empty() ? std::string("this rank split off with kNoColour")
+                                  : "its global ranks are " + ranks_text(global_ranks_),
+            "). Only a group's members may call its collectives: check is_member() before using it, as Python "
+            "code checks for GroupMember.NON_GROUP_MEMBER.");
+  DDP_CHECK(backend_, "ddp: ", op, " on a process group that was shut down");
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
+  require_usable("new_group");
+  std::sort(ranks.begin(), ranks.end());
+  DDP_CHECK(!ranks.empty(), "ddp: new_group needs at least one rank");
+  for (int r : ranks) {
+    DDP_CHECK(r >= 0 && r < size(), "ddp: new_group was given rank ", r, ", but process group ", name_,
+              " has ranks 0 to ", size() - 1, " (ranks of the group new_group is called on, not global ones)");
+  }
+  auto twice = std::adjacent_find(ranks.begin(), ranks.end());
+  DDP_CHECK(twice == ranks.end(), "ddp: new_group was given rank ", twice == ranks.end() ? 0 : *twice, " twice");
+  detail::Fnv1a hash;
+  hash.add(ranks.data(), ranks.size() * sizeof(int));
+  int64_t fingerprint = 0;
+  const uint64_t hash_value = hash.value();
+  std::memcpy(&fingerprint, &hash_value, sizeof(fingerprint));
+  const bool inside = std::binary_search(ranks.begin(), ranks.end(), rank());
+  const int colour = inside ? 0 : kNoColour;
+  at::Tensor mine = at::tensor({int64_t{colour}, int64_t{rank()}, fingerprint}, at::kLong);
+  // Every rank gets the same answers, so a mismatch fails every rank alike.
+  std::vector<at::Tensor> all = all_gather_as("new_group", to_control(mine));
+  for (int r = 1; r < size(); ++r) {
+    DDP_CHECK(all[r].cpu()[2].item<int64_t>() == all[0].cpu()[2].item<int64_t>(), "ddp: ", rank_label(r),
+              " passed other ranks to new_group than ", rank_label(0), " (this rank, ", rank_label(rank()),
+              ", passed ", ranks_text(ranks), "). Every rank of process group ", name_,
+              " must call new_group with the same ranks, as with torch.distributed.new_group.");
+  }
+  return make_subgroup("new_group", ranks, colour, rank());
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::split(int colour, std::optional<int> key) {
+  require_usable("split");
+  DDP_CHECK(colour >= 0 || colour == kNoColour, "ddp: split's colour must be 0 or more, or kNoColour (-1) for a ",
+            "rank that joins no group; got ", colour);
+  const int my_key = key.value_or(rank());
+  at::Tensor mine = at::tensor({int64_t{colour}, int64_t{my_key}}, at::kLong);
+  std::vector<at::Tensor> all = all_gather_as("split", to_control(mine));
+  // The ranks of this colour, ordered by key, then by rank (MPI_Comm_split's order).
+  std::vector<std::pair<int64_t, int>> same;
+  for (int r = 0; r < size(); ++r) {
+    at::Tensor theirs = all[r].cpu();
+    if (colour != kNoColour && theirs[0].item<int64_t>() == colour) same.emplace_back(theirs[1].item<int64_t>(), r);
+  }
+  std::sort(same.begin(), same.end());
+  std::vector<int> members;
+  for (const auto& entry : same) members.push_back(entry.second);
+  return make_subgroup("split", members, colour, my_key);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::make_subgroup(const char* op, const std::vector<int>& members, int colour,
+                                                          int key) {
+  // The same number and store prefix on every rank of this group, members
+  // or not: all of them make the same calls in the same order.
+  const std::string number = (name_ == "world" ? "" : name_ + ".") + std::to_string(subgroups_made_++);
+  const std::string prefix =
+      unique_store_prefix("group") + (colour == kNoColour ? std::string("none") : std::to_string(colour));
+  std::shared_ptr<ProcessGroup> group(new ProcessGroup());
+  group->name_ = number;
+  group->options_ = options_;
+  group->backend_kind_ = backend_kind_;
+  group->control_options_ = control_options_;
+  group->global_rank_ = global_rank_;
+  for (int m : members) group->global_ranks_.push_back(global_ranks_[m]);
+  auto mine = std::find(members.begin(), members.end(), rank());
+  group->member_ = colour != kNoColour && mine != members.end();
+  group->world_ = world_;
+  group->world_.rank = group->member_ ? static_cast<int>(mine - members.begin()) : -1;
+  group->world_.world_size = static_cast<int>(members.size());
+
+  const std::chrono::milliseconds timeout = options_.timeout();
+  if (backend_kind_ == BackendKind::kMpi) {
+    // MPI_Comm_split is collective over this group's communicator: a rank
+    // outside the new group takes part too (with MPI_UNDEFINED).
+    auto backend = detail::split_mpi_backend(backend_, group->member_ ? colour : kNoColour, key, timeout);
+    if (!group->member_) return group;
+    DDP_CHECK(backend && backend->getRank() == group->world_.rank && backend->getSize() == group->world_.world_size,
+              "ddp: MPI_Comm_split made ", where_am_i(), " rank ", backend ? backend->getRank() : -1, " of ",
+              backend ? backend->getSize() : 0, " but ", op, " expected rank ", group->world_.rank, " of ",
+              group->world_.world_size, "; this is a bug in ddp");
+    group->store_ = c10::make_intrusive<c10d::HashStore>();
+    group->backend_ = backend;
+  } else {
+    if (!group->member_) return group;
+    // Its own prefix of the job's store: its backend's keys and its stall
+    // reports never meet another group's.
+    group->store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
+    group->backend_ = detail::make_checked_backend(
+        backend_kind_ == BackendKind::kNccl
+            ? detail::make_nccl_backend(backend_store, group->world_, control_options_.device(), timeout)
+            : detail::make_gloo_backend(backend_store, group->world_, timeout),
+        group->world_, timeout);
+    if (group->size() > 1) group->start_progress_responder();
+  }
+  detail::register_trace_for_dumps(group.get(), group->trace_.get(), global_rank_);
+  return group;
+}
+
+std::vector<at::Tensor> ProcessGroup::all_gather_as(const char* op, const at::Tensor& tensor) {
+  std::vector<at::Tensor> inputs{tensor.contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
+  c10d::AllgatherOptions opts;
+  opts.timeout = options_.timeout();
+  const uint64_t seq = enter(op, inputs[0]);
+  wait(track(seq, backend_->allgather(outputs, inputs, opts)), op);
+  return outputs[0];
+}
+
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const {
   try {
     if (backend_kind_ == BackendKind::kNccl) {
@@ -217,14 +372,14 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
     }
   } catch (const c10::Error& e) {
     const std::string stall = explain_stall(e.what_without_backtrace());
-    DDP_PEER_CHECK(false, "ddp: ", operation, " failed on rank ", world_.rank, " of ", world_.world_size,
+    DDP_PEER_CHECK(false, "ddp: ", operation, " failed on ", where_am_i(),
                    " (timeout ", seconds_text(options_.timeout()), "); a peer may have died or stopped calling ",
                    "collectives. ", stall, stall.empty() ? "" : " ", "Cause: ", e.what_without_backtrace());
   }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::all_reduce_async(at::Tensor& tensor, c10d::ReduceOp op) {
-  DDP_CHECK(backend_, "ddp: all_reduce on a process group that was shut down");
+  require_usable("all_reduce");
   const uint64_t seq = enter("all_reduce", tensor);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
@@ -238,7 +393,7 @@ void ProcessGroup::all_reduce(at::Tensor& tensor, c10d::ReduceOp op) {
 }
 
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
-  DDP_CHECK(backend_, "ddp: broadcast on a process group that was shut down");
+  require_usable("broadcast");
   const uint64_t seq = enter("broadcast", tensor);
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
@@ -248,19 +403,12 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 }
 
 std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
-  DDP_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
-  std::vector<at::Tensor> inputs{tensor.contiguous()};
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
-  c10d::AllgatherOptions opts;
-  opts.timeout = options_.timeout();
-  const uint64_t seq = enter("all_gather", inputs[0]);
-  wait(track(seq, backend_->allgather(outputs, inputs, opts)), "all_gather");
-  return outputs[0];
+  require_usable("all_gather");
+  return all_gather_as("all_gather", tensor);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& output, at::Tensor& input) {
-  DDP_CHECK(backend_, "ddp: all_gather on a process group that was shut down");
+  require_usable("all_gather");
   DDP_CHECK(output.numel() == input.numel() * size(), "ddp: all_gather_into needs an output of ", size(),
               " x ", input.numel(), " elements, got ", output.numel());
   const uint64_t seq = enter("all_gather_into", input);
@@ -274,7 +422,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& o
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& output, at::Tensor& input,
                                                                   c10d::ReduceOp op) {
-  DDP_CHECK(backend_, "ddp: reduce_scatter on a process group that was shut down");
+  require_usable("reduce_scatter");
   DDP_CHECK(input.numel() == output.numel() * size(), "ddp: reduce_scatter needs an input of ", size(),
               " x ", output.numel(), " elements, got ", input.numel());
   const uint64_t seq = enter("reduce_scatter", input);
@@ -288,21 +436,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& ou
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::send_async(at::Tensor& tensor, int to, int tag) {
-  DDP_CHECK(backend_, "ddp: send on a process group that was shut down");
+  require_usable("send");
   const uint64_t seq = enter("send", tensor);
   std::vector<at::Tensor> tensors{tensor};
   return track(seq, backend_->send(tensors, to, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::recv_async(at::Tensor& tensor, int from, int tag) {
-  DDP_CHECK(backend_, "ddp: recv on a process group that was shut down");
+  require_usable("recv");
   const uint64_t seq = enter("recv", tensor);
   std::vector<at::Tensor> tensors{tensor};
   return track(seq, backend_->recv(tensors, from, tag));
 }
 
 void ProcessGroup::barrier() {
-  DDP_CHECK(backend_, "ddp: barrier on a process group that was shut down");
+  require_usable("barrier");
   const uint64_t seq = enter("barrier", at::Tensor());
   c10d::BarrierOptions opts;
   opts.timeout = options_.timeout();

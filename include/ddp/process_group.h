@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,9 +104,15 @@ class ProcessGroup {
   static std::shared_ptr<ProcessGroup> create(const World& world, ProcessGroupOptions options = {});
   ~ProcessGroup();
 
-  int rank() const { return world_.rank; }                ///< this process's global rank
-  int size() const { return world_.world_size; }          ///< the world size
-  const World& world() const { return world_; }           ///< where this process stands
+  /// This process's rank in this group: its global rank in the world's
+  /// group, its place among the members in a subgroup, -1 where it is not
+  /// a member (as torch.distributed.get_rank(group)).
+  int rank() const { return member_ ? world_.rank : -1; }
+  int size() const { return world_.world_size; }          ///< how many ranks the group has
+  /// Where this process stands. In a subgroup, rank and world_size are the
+  /// group's (as rank() and size()); local rank, node and master stay the
+  /// process's.
+  const World& world() const { return world_; }
   BackendKind backend() const { return backend_kind_; }   ///< gloo, nccl or mpi, never kAuto
   std::chrono::milliseconds timeout() const { return options_.timeout(); }  ///< of every collective
   /// Where small bookkeeping tensors (flags, sizes, hashes) must live for
@@ -157,7 +164,8 @@ class ProcessGroup {
   /// NCCL's watchdog enforces the timeout.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const;
 
-  /// The rendezvous store, shared by all ranks (keys live under "ddp/").
+  /// The rendezvous store, shared by all ranks (keys live under "ddp/"); a
+  /// subgroup's is its own prefix of it, shared by its members.
   c10d::Store& store() { return *store_; }
   /// A fresh store key prefix for one use of the store, "ddp/<purpose>/<n>/".
   /// Ranks that make the same calls in the same order get the same prefixes.
@@ -166,6 +174,51 @@ class ProcessGroup {
   /// Releases the backend and the store. Idempotent; also run by the
   /// destructor.
   void shutdown();
+
+  // ---- Subgroups -----------------------------------------------------------
+  //
+  //   auto world = ddp::init_process_group();
+  //   auto low = world->new_group({0, 1});                 // every rank calls it; ranks 2, 3 get a non-member
+  //   auto row = world->split(world->rank() / 2);          // every rank gets the group of its colour
+  //
+  // Each subgroup has its own backend (Gloo over its own prefix of the
+  // store, NCCL likewise, MPI_Comm_split under MPI), its own store prefix
+  // and its own trace, so collectives on disjoint subgroups run at the same
+  // time without mixing. Collectives on a subgroup take ranks of the
+  // subgroup (a broadcast's root, a send's peer), as in torch.distributed.
+
+  /// Passed to split() by a rank that joins no group (MPI_UNDEFINED).
+  static constexpr int kNoColour = -1;
+
+  /// A group of some of this group's ranks, like torch.distributed.new_group.
+  /// Collective over this group: every rank calls it, in the same order among
+  /// its other collectives, with the same `ranks` (ranks of this group, in
+  /// any order; the new group's rank i is the i-th smallest). A rank not in
+  /// `ranks` gets a group it is not a member of, which refuses collectives.
+  /// A rank that never calls it is named by the stall report after the
+  /// timeout, as for any collective.
+  std::shared_ptr<ProcessGroup> new_group(std::vector<int> ranks);
+  /// Splits this group by colour, like MPI_Comm_split: every rank passes its
+  /// colour and gets the group of the ranks that passed the same one, ordered
+  /// by `key`, then by rank in this group (`key` defaults to this rank).
+  /// kNoColour gives a group this rank is not a member of. Collective over
+  /// this group, as new_group.
+  std::shared_ptr<ProcessGroup> split(int colour, std::optional<int> key = std::nullopt);
+
+  /// Whether this process is one of the group's ranks.
+  bool is_member() const { return member_; }
+  /// This process's rank in the world's group.
+  int global_rank() const { return global_rank_; }
+  /// The global ranks of the group's members, indexed by rank in the group.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  /// The global rank of the member whose rank in this group is `group_rank`.
+  int global_rank_of(int group_rank) const;
+  /// The rank in this group of global rank `global_rank`, or -1 when it is
+  /// not a member.
+  int group_rank_of(int global_rank) const;
+  /// "world", or for a subgroup its number among its parent's subgroups, in
+  /// the order they were made (the same on every rank): "0", "1", nested "0.0".
+  const std::string& name() const { return name_; }
 
   /// This rank's record of its collectives (sequence numbers, tags, times).
   const CollectiveTrace& trace() const { return *trace_; }
@@ -197,6 +250,24 @@ class ProcessGroup {
   // rank that is merely behind still says how far it got.
   void start_progress_responder();
   std::string describe_or_number(uint64_t seq) const;
+  // Issues an all_gather that the trace records as `op` (new_group, split).
+  std::vector<at::Tensor> all_gather_as(const char* op, const at::Tensor& tensor);
+  // Throws unless collectives can run on this group: a member's, not shut down.
+  void require_usable(const char* op) const;
+  // After every rank's colour and key are known (new_group, split): the
+  // subgroup of `members` (ranks of this group, in the new group's order),
+  // or a non-member's group when this rank's colour is kNoColour.
+  std::shared_ptr<ProcessGroup> make_subgroup(const char* op, const std::vector<int>& members, int colour, int key);
+  // "rank 3 of 4" in the world; "rank 3 (rank 1 of 2 in process group 0, global ranks 2, 3)" in a subgroup.
+  std::string where_am_i() const;
+  // The global rank of `group_rank`, as a message names it: "rank 3".
+  std::string rank_label(int group_rank) const;
+
+  bool member_ = true;
+  int global_rank_ = 0;
+  std::vector<int> global_ranks_;
+  std::string name_ = "world";
+  int subgroups_made_ = 0;
 
   std::shared_ptr<CollectiveTrace> trace_;
   bool tracing_ = true;
