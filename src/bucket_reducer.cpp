@@ -161,8 +161,17 @@ void BucketReducer::on_gradient_ready(size_t param_index, bool has_gradient) {
   }
 }
 
+std::vector<at::Tensor> BucketReducer::gradient_views(size_t b, const at::Tensor& buffer) const {
+  std::vector<at::Tensor> views;
+  for (size_t i : engine_->groups()[b]) {
+    const at::Tensor& param = params_[i];
+    views.push_back(buffer.narrow(0, buckets_[b].offsets[position_in_bucket_[i]], param.numel()).view(param.sizes()));
+  }
+  return views;
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
-  GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size());
+  GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size(), {}, gradient_views(b, buckets_[b].flat));
   return comm_hook_->run(*group_, view);
 }
 
@@ -217,7 +226,8 @@ void BucketReducer::shadow_backward() {
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_shadow_group(size_t b) {
   // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
   // hold this rank's own gradients, which shadowing must leave alone.
-  GradBucket view(b, at::zeros_like(buckets_[b].flat), b + 1 == buckets_.size());
+  at::Tensor zeros = at::zeros_like(buckets_[b].flat);
+  GradBucket view(b, zeros, b + 1 == buckets_.size(), {}, gradient_views(b, zeros));
   return comm_hook_->run(*group_, view);
 }
 

@@ -130,3 +130,5 @@ gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 18
 target_sources(ddp_fsdp_rank_tests PRIVATE test_fsdp_deferred.cpp)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_distributed_checkpoint.cpp)
 target_sources(ddp_integration_rank_tests PRIVATE test_subgroups.cpp)
+target_sources(ddp_integration_rank_tests PRIVATE test_powersgd.cpp)
+add_dependencies(ddp_integration_rank_tests digits_ddp)

@@ -12,6 +12,7 @@
 #include "digits_dataset.h"
 
 #include <ddp/checkpoint.h>
+#include <ddp/comm_hooks.h>
 #include <ddp/error.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
@@ -25,6 +26,7 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -68,7 +70,16 @@ int main(int argc, char** argv) {
     torch::manual_seed(42);
     digits::ConvNet model;
     // Checks the replicas match and copies rank 0's weights to every rank.
-    ddp::DistributedDataParallel<digits::ConvNet> ddp_model(model, group);
+    std::shared_ptr<ddp::PowerSGDHook> powersgd;
+    std::shared_ptr<ddp::CommHook> hook = ddp::allreduce_hook();
+    if (args.comm_hook == "fp16") hook = ddp::fp16_compress_hook();
+    if (args.comm_hook == "bf16") hook = ddp::bf16_compress_hook();
+    if (args.comm_hook == "powersgd") {
+      hook = powersgd = ddp::powersgd_hook(ddp::PowerSGDOptions()
+                                               .matrix_approximation_rank(args.powersgd_rank)
+                                               .start_powerSGD_iter(std::max<int64_t>(2, args.powersgd_start)));
+    }
+    ddp::DistributedDataParallel<digits::ConvNet> ddp_model(model, group, ddp::DDPOptions().comm_hook(hook));
     torch::optim::Adam optimizer(ddp_model.parameters(), torch::optim::AdamOptions(1e-3));
 
     // Each rank sees its own 1/world_size of every epoch.
@@ -147,6 +158,12 @@ int main(int argc, char** argv) {
     if (is_master) {
       ddp::save(model, args.checkpoint_dir + "/model_final.pt");
       std::printf("Test accuracy: %.4f\n", accuracy_on(model, data.test));
+      if (powersgd) {
+        const auto [uncompressed, sent] = powersgd->compression_stats();
+        std::printf("PowerSGD sent %lld of %lld gradient elements (%.1fx compression, warm-up included)\n",
+                    static_cast<long long>(sent), static_cast<long long>(uncompressed),
+                    static_cast<double>(uncompressed) / static_cast<double>(sent));
+      }
     }
     group->barrier();  // no rank leaves while rank 0 may still need it
   } catch (const std::exception& e) {

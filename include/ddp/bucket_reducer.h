@@ -118,6 +118,8 @@ class BucketReducer : private detail::ReductionPolicy {
 
   void build_buckets(const std::vector<std::vector<size_t>>& assignment);
   at::Tensor slot_of(size_t param_index);
+  /// Bucket b's gradients as views of `buffer`, in the parameters' shapes.
+  std::vector<at::Tensor> gradient_views(size_t b, const at::Tensor& buffer) const;
   void maybe_rebuild_buckets();
 
   std::vector<at::Tensor> params_;

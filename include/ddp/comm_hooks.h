@@ -14,7 +14,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <torch/arg.h>
+
+#include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace ddp {
@@ -26,8 +30,15 @@ class GradBucket {
   /// Bucket `index` (launch order) over `buffer`; `is_last` for the final one.
   /// With a defined `shard`, the bucket is reduce-scattered: rank r's sum is
   /// the r-th of size() equal parts of `buffer`, and it goes into `shard`.
-  GradBucket(size_t index, at::Tensor buffer, bool is_last, at::Tensor shard = {})
-      : index_(index), buffer_(std::move(buffer)), shard_(std::move(shard)), is_last_(is_last) {}
+  /// `gradients`, when given, are views of `buffer` in each parameter's
+  /// shape (what PowerSGD compresses).
+  GradBucket(size_t index, at::Tensor buffer, bool is_last, at::Tensor shard = {},
+             std::vector<at::Tensor> gradients = {})
+      : index_(index),
+        buffer_(std::move(buffer)),
+        shard_(std::move(shard)),
+        gradients_(std::move(gradients)),
+        is_last_(is_last) {}
   /// Position of the bucket in launch order.
   size_t index() const { return index_; }
   /// This rank's gradients, flattened and divided by the world size; a hook
@@ -41,11 +52,15 @@ class GradBucket {
   at::Tensor& shard() { return shard_; }
   /// Whether this is the last bucket of the backward pass.
   bool is_last() const { return is_last_; }
+  /// Each parameter's gradient as a view of buffer(), in its own shape (DDP's
+  /// buckets; empty where the engine has no per-parameter layout).
+  const std::vector<at::Tensor>& gradients() const { return gradients_; }
 
  private:
   size_t index_;
   at::Tensor buffer_;
   at::Tensor shard_;
+  std::vector<at::Tensor> gradients_;
   bool is_last_;
 };
 
@@ -68,5 +83,57 @@ std::shared_ptr<CommHook> allreduce_hook();
 std::shared_ptr<CommHook> fp16_compress_hook();
 /// The same with bfloat16: fewer mantissa bits, float32's range.
 std::shared_ptr<CommHook> bf16_compress_hook();
+
+/// PowerSGD (Vogels et al., 2019) with the options of PyTorch's
+/// powerSGD_hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook).
+///
+///   auto hook = ddp::powersgd_hook(ddp::PowerSGDOptions().matrix_approximation_rank(4).start_powerSGD_iter(10));
+///   ddp::DistributedDataParallel model(net, group, ddp::DDPOptions().comm_hook(hook));
+struct PowerSGDOptions {
+  /// r: each gradient matrix (n x m, a parameter's gradient viewed as
+  /// shape[0] rows) is sent as an n x r and an m x r matrix.
+  TORCH_ARG(int64_t, matrix_approximation_rank) = 1;
+  /// Backward passes reduced by a plain all-reduce before compressing: the
+  /// warm-up that PyTorch's paper and docs recommend (at least 2 with error
+  /// feedback or warm start, so that DDP's bucket rebuild happens first).
+  TORCH_ARG(int64_t, start_powerSGD_iter) = 1000;
+  /// A matrix is compressed only if (n + m) * r * this < n * m; smaller
+  /// ones, and every 1-D gradient (biases), go uncompressed.
+  TORCH_ARG(double, min_compression_rate) = 2.0;
+  /// Adds what compression lost last time to this time's gradient.
+  TORCH_ARG(bool, use_error_feedback) = true;
+  /// Starts each step's power iteration from the previous step's Q.
+  TORCH_ARG(bool, warm_start) = true;
+  /// Added to each column's norm when orthogonalising; 0 uses a QR
+  /// factorisation.
+  TORCH_ARG(double, orthogonalization_epsilon) = 0.0;
+  /// Seeds the random initial Q, the same on every rank.
+  TORCH_ARG(uint64_t, random_seed) = 0;
+  /// PyTorch's batched_powerSGD_hook: the whole bucket as one square matrix
+  /// (fewer, larger matrix products; less accurate for the same rank).
+  TORCH_ARG(bool, batched) = false;
+};
+
+/// PowerSGD as a CommHook, for DDP (not FSDP's reduce-scatter). Its three
+/// collectives per bucket (uncompressed gradients, P, Q) depend on each
+/// other and are waited for inside run(), so on every rank they are issued in
+/// the same order; only the first overlaps the rest of backward.
+class PowerSGDHook : public CommHook {
+ public:
+  explicit PowerSGDHook(PowerSGDOptions options);
+  ~PowerSGDHook() override;
+  c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override;
+  /// Elements sent so far uncompressed-equivalent and actually sent, over
+  /// every bucket and step since construction (warm-up included): the
+  /// compression ratio is the first over the second.
+  std::pair<int64_t, int64_t> compression_stats() const;
+  const PowerSGDOptions& options() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+std::shared_ptr<PowerSGDHook> powersgd_hook(PowerSGDOptions options = {});
 
 }  // namespace ddp
