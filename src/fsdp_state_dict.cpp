@@ -241,7 +241,8 @@ void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim
   int64_t rank = dict.at("rank").toInt();
   DDP_CHECK(world == group_->size(), "ddp: this sharded checkpoint was written by ", world,
               " ranks but this job has ", group_->size(),
-              "; a sharded checkpoint reloads only into the same world size: load a full state dict instead");
+              "; a sharded checkpoint reloads only into the same world size: load a full state dict instead, or save with "
+              "ddp::save_distributed_checkpoint, which loads at any world size");
   DDP_CHECK(rank == group_->rank(), "ddp: rank ", group_->rank(), " was given rank ", rank,
               "'s shard of the checkpoint");
   auto units = dict.at("units").toList();

@@ -1,4 +1,4 @@
-"""Keeps the README's tutorial honest.
+"""Keeps the README's tutorial (and docs/big_models.md's) honest.
 
 usage: check_readme.py README.md SOURCE_DIR BUILD_DIR
 
