@@ -8,6 +8,8 @@
 #include "support/fsdp_trainers.h"
 #include "support/subprocess.h"
 #include "support/ranks.h"
+#include "support/resume_checks.h"
+#include "support/torch_errors.h"
 
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_checkpoint.h>
@@ -29,15 +31,6 @@ namespace {
 using namespace ddp::testing;
 namespace fs = std::filesystem;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // The file of rank `rank` (from 1, as DCP numbers them) holding its first
 // box of every tensor.
@@ -49,19 +42,11 @@ std::string first_file_of(const std::string& dir, int rank) {
   return "";
 }
 
-// Trains spec from the checkpoint `dcp` for steps 3 to 5 and expects the
-// weights of 6 uninterrupted DDP steps (`reference`).
+// Resumes `spec` from the checkpoint `dcp` (see resume_checks.h).
 void expect_dcp_resumes_to(const Group& group, TrainSpec spec, const std::string& dcp, const std::string& reference,
                            const std::string& label) {
-  spec.init_seed = 5;  // other initial weights: the load must replace them all
   spec.load_dcp = dcp;
-  spec.first_step = 3;
-  spec.steps = 3;
-  const auto resumed = train(group, spec).state;
-  if (group->rank() == 0) {
-    EXPECT_LE(max_difference(ddp::load_state_dict(reference), resumed), 1e-5)
-        << label << " at " << group->size() << " ranks";
-  }
+  expect_resumes_to(group, spec, reference, label);
 }
 
 // Checkpoints written at 2 ranks by FULL_SHARD, ZeRO-1 and DDP load at 3

@@ -4,6 +4,7 @@
 // by reading only each rank's bytes, and trains under an address-space cap
 // that DDP of the same model cannot live in.
 #include "support/ranks.h"
+#include "support/torch_errors.h"
 #include "support/subprocess.h"
 
 #include <ddp/checkpoint.h>
@@ -44,16 +45,6 @@ using ddp::DeferredSequential;
 using Sequential = torch::nn::Sequential;
 using DeferredFsdp = ddp::FullyShardedDataParallel<Sequential>;
 
-// What an exception says, or "" when `f` does not throw.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A line of /proc/self/status ("VmHWM", "VmSize", ...) in bytes.
 int64_t status_bytes(const std::string& field) {

@@ -4,6 +4,7 @@
 // frozen parameters and per-unit resharding.
 #include "support/fsdp_nets.h"
 #include "support/ranks.h"
+#include "support/torch_errors.h"
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
@@ -99,16 +100,6 @@ INSTANTIATE_TEST_SUITE_P(Fsdp, UnusedOnOneRank,
                                   std::to_string(std::get<1>(info.param)) + "_ranks";
                          });
 
-// What an exception says, or "" when `f` does not throw.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // Ranks that start different reduce-scatters (here: of different sizes) get
 // ddp's error from wait(), naming the operation, the rank and the cause;

@@ -2,6 +2,7 @@
 // against DDP's compression hooks, and FSDPOptions::comm_hook.
 #include "support/fsdp_nets.h"
 #include "support/ranks.h"
+#include "support/torch_errors.h"
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
@@ -35,16 +36,6 @@ namespace {
 
 using namespace ddp::testing;
 
-// What an exception says, or "" when `f` does not throw.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // FSDPOptions::reduce_dtype: gradients reduce-scattered (all-reduced under
 // NO_SHARD) in float16 or bfloat16 equal DDP's with the matching compression

@@ -6,6 +6,8 @@
 #include "support/fsdp_trainers.h"
 #include "support/fsdp_nets.h"
 #include "support/ranks.h"
+#include "support/resume_checks.h"
+#include "support/torch_errors.h"
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
@@ -41,16 +43,6 @@ namespace {
 using namespace ddp::testing;
 namespace fs = std::filesystem;
 
-// What an exception says, or "" when `f` does not throw.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // A full checkpoint (model and optimizer, the unwrapped model's layout) taken
 // after 3 steps and loaded into a freshly built model resumes to the weights
@@ -106,19 +98,6 @@ TEST(FsdpFullCheckpoint, ResumesUnderEveryStrategyAndRefusesMismatchedStateDicts
   });
   expect_all_succeeded(ranks);
   for (const auto& r : ranks) EXPECT_NE(r.out.find("compared checkpoints"), std::string::npos) << r.out;
-}
-
-// Resumes `spec` from step 3 for 3 steps, from another initial model, and
-// compares with the reference on rank 0.
-void expect_resumes_to(const Group& group, TrainSpec spec, const std::string& reference, const std::string& label) {
-  spec.init_seed = 5;
-  spec.first_step = 3;
-  spec.steps = 3;
-  const auto resumed = train(group, spec).state;
-  if (group->rank() == 0) {
-    EXPECT_LE(max_difference(ddp::load_state_dict(reference), resumed), 1e-5)
-        << label << " at " << group->size() << " ranks";
-  }
 }
 
 // A full checkpoint (model and optimizer, Python's layout) written by
