@@ -61,8 +61,8 @@ const std::map<std::string, c10::ScalarType>& storage_types() {
 class WeightsOnlyUnpickler {
  public:
   WeightsOnlyUnpickler(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive,
-                       const char* data, size_t size)
-      : path_(path), archive_(archive), data_(data), size_(size) {}
+                       const char* data, size_t size, const StorageSource& storages)
+      : path_(path), archive_(archive), data_(data), size_(size), storages_source_(storages) {}
 
   PyRef run() {
     while (true) {
@@ -343,6 +343,14 @@ class WeightsOnlyUnpickler {
     c10::ScalarType dtype = id->items[1]->dtype;
     DDP_CHECK(id->items[4]->kind == PyObject::Kind::kInt && id->items[4]->i >= 0, fail("malformed storage size"));
     int64_t numel = id->items[4]->i;
+    if (storages_source_) {
+      auto o = PyObject::make(PyObject::Kind::kStorage);
+      o->tensor = storages_source_(key, dtype, numel);
+      DDP_CHECK(o->tensor.scalar_type() == dtype && o->tensor.dim() == 1 && o->tensor.numel() == numel,
+                fail("internal: the storage source gave a tensor of another dtype or length"));
+      storages_[key] = o;
+      return o;
+    }
     std::string record = "data/" + key;
     DDP_CHECK(archive_.hasRecord(record), fail("the archive lacks the record '", record,
                                                  "' (the file is incomplete)"));
@@ -367,6 +375,7 @@ class WeightsOnlyUnpickler {
   std::vector<PyRef> stack_;
   std::unordered_map<size_t, PyRef> memo_;
   std::unordered_map<std::string, PyRef> storages_;
+  const StorageSource& storages_source_;
 };
 
 // Turns the unpickler's objects into IValues, copying what the memo shares
@@ -437,8 +446,8 @@ class Materializer {
 }  // namespace
 
 c10::IValue unpickle_weights_only(const std::string& name, caffe2::serialize::PyTorchStreamReader& archive,
-                                  const char* pickle, size_t size) {
-  WeightsOnlyUnpickler unpickler(name, archive, pickle, size);
+                                  const char* pickle, size_t size, const StorageSource& storages) {
+  WeightsOnlyUnpickler unpickler(name, archive, pickle, size, storages);
   return Materializer(name, size).convert(unpickler.run());
 }
 

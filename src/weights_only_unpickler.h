@@ -9,6 +9,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstddef>
+#include <functional>
 #include <string>
 
 namespace caffe2::serialize {
@@ -17,10 +18,16 @@ class PyTorchStreamReader;
 
 namespace ddp::detail {
 
+/// Where a storage's `numel` elements of `dtype` come from, given its record
+/// key (data/<key>); a 1-D tensor of that dtype and length.
+using StorageSource = std::function<at::Tensor(const std::string& key, c10::ScalarType dtype, int64_t numel)>;
+
 /// The value `pickle` (data.pkl of `archive`, `size` bytes) describes; its
-/// tensors' storages are read from `archive`'s data/ records. Throws a
-/// ddp::Error naming `name` for anything a weights-only load refuses.
+/// tensors' storages are read from `archive`'s data/ records, or, with
+/// `storages`, taken from it (FSDP's file load gives meta tensors, to learn
+/// where each tensor lies without reading it). Throws a ddp::Error naming
+/// `name` for anything a weights-only load refuses.
 c10::IValue unpickle_weights_only(const std::string& name, caffe2::serialize::PyTorchStreamReader& archive,
-                                  const char* pickle, size_t size);
+                                  const char* pickle, size_t size, const StorageSource& storages = {});
 
 }  // namespace ddp::detail
