@@ -5,6 +5,7 @@
 // world are refused, naming the shape and the world size.
 
 #include <support/ranks.h>
+#include <support/torch_errors.h>
 
 #include <ddp/device_mesh.h>
 #include <ddp/process_group.h>
@@ -20,16 +21,6 @@ using namespace ddp::testing;
 namespace {
 
 using Group = std::shared_ptr<ddp::ProcessGroup>;
-
-template <typename Fn>
-std::string error_of(Fn&& run) {
-  try {
-    run();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // What a 2 x 2 mesh with dimensions {"replicate", "shard"} must be on global
 // rank `me`: mesh[i][j] = 2i + j.

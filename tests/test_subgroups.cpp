@@ -7,6 +7,7 @@
 
 #include <support/ddp_models.h>
 #include <support/ranks.h>
+#include <support/torch_errors.h>
 
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
@@ -27,17 +28,6 @@ using namespace ddp::testing;
 namespace {
 
 using Group = std::shared_ptr<ddp::ProcessGroup>;
-
-// The message of the exception `run` throws, or "" if it throws none.
-template <typename Fn>
-std::string error_of(Fn&& run) {
-  try {
-    run();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 std::vector<int64_t> gathered_values(ddp::ProcessGroup& group, int64_t value) {
   std::vector<int64_t> values;

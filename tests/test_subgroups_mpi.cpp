@@ -9,6 +9,7 @@
 
 #include <support/launch.h>
 #include <support/ranks.h>
+#include <support/torch_errors.h>
 #include <support/subprocess.h>
 
 #include <ddp/device_mesh.h>
@@ -64,16 +65,6 @@ ProcessResult on_mpi_ranks(int ranks, const RankBody& body) {
 void expect_bodies_ran(const ProcessResult& r, int ranks) {
   EXPECT_EQ(r.exit_code, 0) << r.describe();
   EXPECT_EQ(count_of(r.out, "MPI SUBGROUP BODY DONE on rank"), ranks) << r.describe();
-}
-
-template <typename Fn>
-std::string error_of(Fn&& run) {
-  try {
-    run();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(MpiSubgroups, NewGroupSplitAndConcurrentDisjointPairs) {
