@@ -91,11 +91,8 @@ c10::intrusive_ptr<c10::ivalue::Future> PowerSGDHook::run(ProcessGroup& group, G
   at::Tensor& input = bucket.buffer();
   const bool compress = s.iteration >= o.start_powerSGD_iter();
   if (bucket.is_last()) ++s.iteration;
+  if (!compress) return group.all_reduce_async(input)->getFuture();
   s.uncompressed_elements += input.numel();
-  if (!compress) {
-    s.sent_elements += input.numel();
-    return group.all_reduce_async(input)->getFuture();
-  }
   const size_t index = bucket.index();
   at::NoGradGuard no_grad;
   if (o.use_error_feedback()) {

@@ -160,9 +160,9 @@ int main(int argc, char** argv) {
       std::printf("Test accuracy: %.4f\n", accuracy_on(model, data.test));
       if (powersgd) {
         const auto [uncompressed, sent] = powersgd->compression_stats();
-        std::printf("PowerSGD sent %lld of %lld gradient elements (%.1fx compression, warm-up included)\n",
-                    static_cast<long long>(sent), static_cast<long long>(uncompressed),
-                    static_cast<double>(uncompressed) / static_cast<double>(sent));
+        std::printf("PowerSGD compression ratio %.4f (%lld of %lld gradient elements sent after the warm-up)\n",
+                    sent > 0 ? static_cast<double>(uncompressed) / static_cast<double>(sent) : 1.0,
+                    static_cast<long long>(sent), static_cast<long long>(uncompressed));
       }
     }
     group->barrier();  // no rank leaves while rank 0 may still need it

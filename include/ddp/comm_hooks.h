@@ -123,8 +123,9 @@ class PowerSGDHook : public CommHook {
   explicit PowerSGDHook(PowerSGDOptions options);
   ~PowerSGDHook() override;
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override;
-  /// Elements sent so far uncompressed-equivalent and actually sent, over
-  /// every bucket and step since construction (warm-up included): the
+  /// Elements the compressed steps would have sent uncompressed, and those
+  /// they sent, over every bucket since compression started (warm-up not
+  /// counted, as PyTorch's PowerSGDState.compression_stats()): the
   /// compression ratio is the first over the second.
   std::pair<int64_t, int64_t> compression_stats() const;
   const PowerSGDOptions& options() const;
