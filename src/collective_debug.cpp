@@ -84,11 +84,14 @@ Progress parse_progress(const std::string& text) {
   return p;
 }
 
-// trace_rank3.jsonl for the world's group; trace_rank3_group1.jsonl for
-// subgroup 1 (each group numbers its own collectives).
+// trace_rank3.jsonl for the world's group; trace_group1_rank3.jsonl for
+// subgroup 1, which numbers its own collectives: outside the analyser's
+// trace_rank*.jsonl, which lines up one group's ranks (give it a group's
+// files by name to compare those).
 std::string trace_file_in(const std::string& dir, int rank, const std::string& group) {
   if (dir.empty()) return "";
-  return dir + "/trace_rank" + std::to_string(rank) + (group == "world" ? "" : "_group" + group) + ".jsonl";
+  return dir + (group == "world" ? "" : "/trace_group" + group) + (group == "world" ? "/trace_rank" : "_rank") +
+         std::to_string(rank) + ".jsonl";
 }
 
 bool write_text(const std::string& path, const std::string& text) {

@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,6 +60,14 @@ TEST(Subgroups, NewGroupHasItsRanksInOrderAndRefusesNonMembers) {
       odd->broadcast(from_three, /*root=*/1);
       EXPECT_TRUE(from_three.equal(at::full({2}, 3.0))) << from_three;
       EXPECT_EQ(gathered_values(*odd, me), (std::vector<int64_t>{1, 3}));
+      // FSDP's collectives (on Gloo, rings of the group's own send/recv).
+      at::Tensor whole = at::arange(6, at::kFloat) + me;
+      at::Tensor part = at::empty({3});
+      odd->wait(odd->reduce_scatter_async(part, whole), "reduce_scatter");
+      EXPECT_TRUE(part.equal(2 * at::arange(3 * (me / 2), 3 * (me / 2) + 3, at::kFloat) + 4)) << part;
+      at::Tensor joined = at::empty({6});
+      odd->wait(odd->all_gather_into_async(joined, part), "all_gather");
+      EXPECT_TRUE(joined.equal(2 * at::arange(6, at::kFloat) + 4)) << joined;
     } else {
       EXPECT_FALSE(odd->is_member());
       EXPECT_EQ(odd->rank(), -1);
@@ -192,12 +201,14 @@ TEST(Subgroups, ARankThatNeverCreatesTheGroupIsNamedByTheStallReport) {
 // A stall inside a subgroup is reported by the subgroup, with global ranks:
 // rank 3 (the pair's rank 1) skips an all-reduce of the pair {2, 3}.
 TEST(Subgroups, AStallInASubgroupNamesTheGlobalRankAndTheGroup) {
+  RanksTempDir dir;
   RanksOptions options;
   options.collective_timeout_seconds = 3;
   options.timeout = std::chrono::seconds(60);
+  options.env = {{"DDP_TRACE_DIR", dir.path()}};
   auto ranks = run_on_ranks(
       4,
-      [](const Group& world) {
+      [&dir](const Group& world) {
         Group pair = world->split(world->rank() / 2);
         at::Tensor t = at::ones({4});
         pair->all_reduce(t);
@@ -221,10 +232,14 @@ TEST(Subgroups, AStallInASubgroupNamesTheGlobalRankAndTheGroup) {
                              "completed collective is #1"),
                   std::string::npos)
             << error;
+        // The group's own trace file, apart from the world's.
+        EXPECT_NE(error.find("This rank's trace: " + dir / "trace_group0_rank2.jsonl"), std::string::npos) << error;
       },
       options);
   expect_all_succeeded(ranks);
   EXPECT_NE(ranks[2].err.find("RANK 2 ERROR: "), std::string::npos) << describe_ranks(ranks);
+  // Rank 3's responder wrote its trace of the pair when rank 2 asked.
+  EXPECT_TRUE(std::filesystem::exists(dir / "trace_group0_rank3.jsonl")) << describe_ranks(ranks);
 }
 
 // Two independent DDP jobs in one 4-rank job: the pairs {0, 1} and {2, 3}
