@@ -49,6 +49,23 @@ std::optional<at::ScalarType> dtype_of(const std::string& name) {
   return std::nullopt;
 }
 
+// Sizes and offsets read from a file are at most this, so no sum or product
+// of them below can overflow (2^40 elements: 4 TiB of float32 in one tensor).
+constexpr int64_t kMaxExtent = int64_t{1} << 40;
+// safetensors' own limit on a header.
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+
+// The product of `sizes` (each in [0, kMaxExtent]), or -1 past kMaxExtent.
+int64_t bounded_volume(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) {
+    if (s == 0) return 0;
+    if (n > kMaxExtent / s) return -1;
+    n *= s;
+  }
+  return n;
+}
+
 int64_t volume(const std::vector<int64_t>& sizes) {
   int64_t n = 1;
   for (int64_t s : sizes) n *= s;
@@ -185,8 +202,9 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
     read_exactly(fd, reinterpret_cast<char*>(length_bytes), 8, 0, path);
     uint64_t length = 0;
     for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
-    DDP_CHECK(length <= static_cast<uint64_t>(file_size - 8), "ddp: '", path, "' declares a ", length,
-              "-byte header but has ", file_size, " bytes: the file is truncated or not a safetensors file");
+    DDP_CHECK(length <= static_cast<uint64_t>(file_size - 8) && length <= kMaxHeaderBytes, "ddp: '", path,
+              "' declares a ", length, "-byte header but has ", file_size,
+              " bytes (and a header may have at most 100 MiB): the file is truncated or not a safetensors file");
     std::string text(length, '\0');
     read_exactly(fd, text.data(), length, 8, path);
     Json header = Json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -223,9 +241,13 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
       }
       if (!problem) {
         for (const auto& s : entry["shape"]) {
-          if (!s.is_number_integer() || s.get<int64_t>() < 0) problem = "has a shape that is not a list of sizes";
-          else chunk.sizes.push_back(s.get<int64_t>());
+          if (!s.is_number_integer() || s.get<int64_t>() < 0 || s.get<int64_t>() > kMaxExtent) {
+            problem = "has a shape that is not a list of sizes";
+          } else {
+            chunk.sizes.push_back(s.get<int64_t>());
+          }
         }
+        if (!problem && bounded_volume(chunk.sizes) < 0) problem = "has a shape of more than 2^40 elements";
       }
       int64_t begin = 0, end = 0;
       if (!problem) {
@@ -234,7 +256,9 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
         else {
           begin = range[0].get<int64_t>();
           end = range[1].get<int64_t>();
-          if (begin < 0 || end < begin || data_start + end > file_size) problem = "lies beyond the end of the file (truncated?)";
+          if (begin < 0 || end < begin || end > file_size - data_start) {
+            problem = "lies beyond the end of the file (truncated?)";
+          }
           else if (end - begin != volume(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
             problem = "has a byte range that does not match its shape and dtype";
           }
@@ -245,12 +269,15 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
       chunk.data_begin = data_start + begin;
       chunk.offsets.assign(chunk.sizes.size(), 0);
       if (sharding.is_object() && sharding.contains(key)) {
-        const Json& offsets = sharding[key]["saved_offsets"];
-        DDP_CHECK(offsets.is_array() && offsets.size() == chunk.sizes.size(), "ddp: the saved_offsets of '", key,
-                  "' in '", path, "' do not match its shape");
+        const Json& info = sharding.at(key);
+        DDP_CHECK(info.is_object() && info.contains("saved_offsets") && info.at("saved_offsets").is_array() &&
+                      info.at("saved_offsets").size() == chunk.sizes.size(),
+                  "ddp: the saved_offsets of '", key, "' in '", path, "' do not match its shape");
+        const Json& offsets = info.at("saved_offsets");
         for (size_t d = 0; d < offsets.size(); ++d) {
-          DDP_CHECK(offsets[d].is_number_integer() && offsets[d].get<int64_t>() >= 0, "ddp: the saved_offsets of '",
-                    key, "' in '", path, "' are not sizes");
+          DDP_CHECK(offsets[d].is_number_integer() && offsets[d].get<int64_t>() >= 0 &&
+                        offsets[d].get<int64_t>() <= kMaxExtent,
+                    "ddp: the saved_offsets of '", key, "' in '", path, "' are not sizes");
           chunk.offsets[d] = offsets[d].get<int64_t>();
         }
       }
@@ -306,6 +333,9 @@ void SafetensorsIndex::read_into(TensorBox& box) const {
   DDP_CHECK(rank == it->second.shape.size(), "ddp: '", box.key, "' has ", it->second.shape.size(),
             " dimensions in the checkpoint but ", rank, " in the model");
   int64_t covered = 0;
+  // The overlaps read so far: two boxes of one tensor must not share an
+  // element, or `covered` could add up while some element is never read.
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> read_boxes;
   for (const Chunk& chunk : it->second.chunks) {
     // The overlap of the wanted box and this chunk, in whole-tensor indices.
     std::vector<int64_t> lo(rank), size(rank);
@@ -317,6 +347,15 @@ void SafetensorsIndex::read_into(TensorBox& box) const {
       empty = empty || size[d] <= 0;
     }
     if (empty) continue;
+    for (const auto& [other_lo, other_size] : read_boxes) {
+      bool disjoint = false;
+      for (size_t d = 0; d < rank; ++d) {
+        disjoint = disjoint || lo[d] + size[d] <= other_lo[d] || other_lo[d] + other_size[d] <= lo[d];
+      }
+      DDP_CHECK(disjoint, "ddp: the checkpoint in '", dir_,
+                "' stores some elements of '", box.key, "' twice (overlapping boxes); the files are damaged or mixed");
+    }
+    read_boxes.emplace_back(lo, size);
     // Read it as runs that are contiguous in the file: the dimensions after
     // `split` are whole in the chunk, so each run is size[split] of them.
     size_t split = rank == 0 ? 0 : rank - 1;
