@@ -89,6 +89,9 @@ void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assign
     buckets_.push_back(std::move(bucket));
   }
   engine_->set_groups(assignment);
+  // Made once per bucket layout, not on every launch: hooks that use them
+  // (PowerSGD) get them for free, the others pay nothing per step.
+  for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].gradient_views = gradient_views(b, buckets_[b].flat);
   if (options_.gradient_as_bucket_view()) {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -171,7 +174,7 @@ std::vector<at::Tensor> BucketReducer::gradient_views(size_t b, const at::Tensor
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
-  GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size(), {}, gradient_views(b, buckets_[b].flat));
+  GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size(), {}, &buckets_[b].gradient_views);
   return comm_hook_->run(*group_, view);
 }
 
@@ -227,7 +230,8 @@ c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_shadow_group(size_
   // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
   // hold this rank's own gradients, which shadowing must leave alone.
   at::Tensor zeros = at::zeros_like(buckets_[b].flat);
-  GradBucket view(b, zeros, b + 1 == buckets_.size(), {}, gradient_views(b, zeros));
+  const std::vector<at::Tensor> views = gradient_views(b, zeros);
+  GradBucket view(b, zeros, b + 1 == buckets_.size(), {}, &views);
   return comm_hook_->run(*group_, view);
 }
 

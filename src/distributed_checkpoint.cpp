@@ -35,12 +35,6 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
-int64_t volume(const std::vector<int64_t>& sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n;
-}
-
 std::vector<int64_t> int_list(const c10::IValue& value) {
   std::vector<int64_t> out;
   for (const c10::IValue& item : value.toList()) out.push_back(item.toInt());
@@ -68,7 +62,7 @@ void add_boxes(std::vector<TensorBox>& out, const std::string& key, const std::v
   for (auto& [offsets, sizes] : boxes_of_flat_range(begin, end, shape)) {
     int64_t first = 0;
     for (size_t d = 0; d < shape.size(); ++d) first = first * shape[d] + offsets[d];
-    out.push_back(TensorBox{key, offsets, flat.narrow(0, first - flat_first, volume(sizes)).view(sizes)});
+    out.push_back(TensorBox{key, offsets, flat.narrow(0, first - flat_first, element_count(sizes)).view(sizes)});
   }
 }
 
@@ -276,7 +270,7 @@ void add_unit_boxes(std::vector<TensorBox>& out, const UnitLayout& unit, const a
                     int64_t end, KeyOf key_of) {
   for (size_t j = 0; j < unit.names.size(); ++j) {
     const int64_t first = unit.offsets[j];
-    const int64_t count = volume(unit.shapes[j]);
+    const int64_t count = element_count(unit.shapes[j]);
     const int64_t from = std::max(begin, first), to = std::min(end, first + count);
     if (from >= to) continue;
     add_boxes(out, key_of(j), unit.shapes[j], flat, unit.shard_start - first, from - first, to - first);
@@ -319,7 +313,7 @@ void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, Pr
         // One value for the whole unit ("step"): written once per
         // parameter, by the rank that writes its first element.
         for (size_t j = 0; j < unit.names.size(); ++j) {
-          if (unit.offsets[j] >= begin && unit.offsets[j] < end && volume(unit.shapes[j]) > 0) {
+          if (unit.offsets[j] >= begin && unit.offsets[j] < end && element_count(unit.shapes[j]) > 0) {
             boxes.push_back(TensorBox{names.optimizer(unit.names[j], key), {}, item.value().toTensor().detach().clone()});
           }
         }

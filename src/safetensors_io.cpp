@@ -66,11 +66,6 @@ int64_t bounded_volume(const std::vector<int64_t>& sizes) {
   return n;
 }
 
-int64_t volume(const std::vector<int64_t>& sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n;
-}
 
 void write_all(int fd, const char* data, size_t size, const std::string& path) {
   while (size > 0) {
@@ -97,6 +92,12 @@ void read_exactly(int fd, char* data, size_t size, int64_t offset, const std::st
 
 }  // namespace
 
+int64_t element_count(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
 std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes_of_flat_range(
     int64_t begin, int64_t end, const std::vector<int64_t>& shape) {
   std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes;
@@ -107,7 +108,7 @@ std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> boxes_of_flat
     return {{{begin}, {end - begin}}};
   }
   const std::vector<int64_t> inner_shape(shape.begin() + 1, shape.end());
-  const int64_t row = volume(inner_shape);
+  const int64_t row = element_count(inner_shape);
   auto within_row = [&](int64_t r, int64_t from, int64_t to) {
     for (auto [offsets, sizes] : boxes_of_flat_range(from, to, inner_shape)) {
       offsets.insert(offsets.begin(), r);
@@ -259,7 +260,7 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
           if (begin < 0 || end < begin || end > file_size - data_start) {
             problem = "lies beyond the end of the file (truncated?)";
           }
-          else if (end - begin != volume(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
+          else if (end - begin != element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
             problem = "has a byte range that does not match its shape and dtype";
           }
         }
@@ -314,7 +315,7 @@ std::vector<int64_t> SafetensorsIndex::shape_of(const std::string& key) const {
 int64_t SafetensorsIndex::data_bytes() const {
   int64_t total = 0;
   for (const auto& [key, tensor] : tensors_) {
-    for (const auto& chunk : tensor.chunks) total += volume(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype));
+    for (const auto& chunk : tensor.chunks) total += element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype));
   }
   return total;
 }
@@ -382,10 +383,10 @@ void SafetensorsIndex::read_into(TensorBox& box) const {
     at::Tensor target = box.data;
     for (size_t d = 0; d < rank; ++d) target = target.narrow(d, lo[d] - box.offsets[d], size[d]);
     target.copy_(staged);
-    covered += volume(size);
+    covered += element_count(size);
   }
-  DDP_CHECK(covered == volume(want_sizes), "ddp: the checkpoint in '", dir_, "' covers only ", covered, " of the ",
-            volume(want_sizes), " elements of '", box.key, "' this rank needs; a file is missing");
+  DDP_CHECK(covered == element_count(want_sizes), "ddp: the checkpoint in '", dir_, "' covers only ", covered, " of the ",
+            element_count(want_sizes), " elements of '", box.key, "' this rank needs; a file is missing");
 }
 
 }  // namespace ddp::detail

@@ -31,6 +31,9 @@ struct TensorBox {
   at::Tensor data;
 };
 
+/// The product of `sizes`: a shape's element count (1 for a scalar).
+int64_t element_count(const std::vector<int64_t>& sizes);
+
 /// Where the elements [begin, end) of a row-major tensor of `shape` lie, as
 /// boxes each of which is itself a contiguous run of those elements, in
 /// order: for a matrix, a partial first row, whole rows, a partial last row.

@@ -103,6 +103,7 @@ class BucketReducer : private detail::ReductionPolicy {
   struct Bucket {
     std::vector<int64_t> offsets;  // element offset of each param in `flat`
     at::Tensor flat;               // contiguous gradients of the bucket
+    std::vector<at::Tensor> gradient_views;  // each parameter's slot of `flat`, in its shape
   };
 
   // detail::ReductionPolicy: the engine calls these during backward.

@@ -31,13 +31,14 @@ class GradBucket {
   /// With a defined `shard`, the bucket is reduce-scattered: rank r's sum is
   /// the r-th of size() equal parts of `buffer`, and it goes into `shard`.
   /// `gradients`, when given, are views of `buffer` in each parameter's
-  /// shape (what PowerSGD compresses).
+  /// shape (what PowerSGD compresses); the engine keeps them, so they are
+  /// borrowed, not copied, and valid while the hook's run() runs.
   GradBucket(size_t index, at::Tensor buffer, bool is_last, at::Tensor shard = {},
-             std::vector<at::Tensor> gradients = {})
+             const std::vector<at::Tensor>* gradients = nullptr)
       : index_(index),
         buffer_(std::move(buffer)),
         shard_(std::move(shard)),
-        gradients_(std::move(gradients)),
+        gradients_(gradients),
         is_last_(is_last) {}
   /// Position of the bucket in launch order.
   size_t index() const { return index_; }
@@ -54,13 +55,16 @@ class GradBucket {
   bool is_last() const { return is_last_; }
   /// Each parameter's gradient as a view of buffer(), in its own shape (DDP's
   /// buckets; empty where the engine has no per-parameter layout).
-  const std::vector<at::Tensor>& gradients() const { return gradients_; }
+  const std::vector<at::Tensor>& gradients() const {
+    static const std::vector<at::Tensor> none;
+    return gradients_ ? *gradients_ : none;
+  }
 
  private:
   size_t index_;
   at::Tensor buffer_;
   at::Tensor shard_;
-  std::vector<at::Tensor> gradients_;
+  const std::vector<at::Tensor>* gradients_;
   bool is_last_;
 };
 
