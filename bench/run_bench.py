@@ -221,7 +221,8 @@ def main():
 # live between markers in RESULTS.md; rewriting ours keeps them.
 KEPT_SECTIONS = [("<!-- memory benchmark: begin", "<!-- memory benchmark: end -->"),
                  ("<!-- gpu check: begin", "<!-- gpu check: end -->"),
-                 ("<!-- cpu binding: begin", "<!-- cpu binding: end -->")]
+                 ("<!-- cpu binding: begin", "<!-- cpu binding: end -->"),
+                 ("<!-- hsdp across nodes: begin", "<!-- hsdp across nodes: end -->")]
 
 
 def write_results_md(out_dir, text):

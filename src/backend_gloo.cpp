@@ -80,8 +80,15 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  } else if (world.world_size == 1 || is_loopback(world.master_addr)) {
+  } else if (world.world_size == 1 || is_loopback(world.master_addr) ||
+             (world.master_addr.empty() && world.local_world_size == world.world_size)) {
+    // Every rank on this host (without a master address, as under file://,
+    // the launcher's LOCAL_WORLD_SIZE says so).
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else if (world.master_addr.empty()) {
+    // No master to find a route to (file:// across nodes): the address this
+    // host's name resolves to, as PyTorch does; GLOO_SOCKET_IFNAME overrides.
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   } else {
     std::string local = local_address_towards(world.master_addr, world.master_port);
     DDP_CHECK(!local.empty(), "ddp: no network route from this host to MASTER_ADDR=",

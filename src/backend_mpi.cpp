@@ -22,11 +22,14 @@
 #include <c10/util/irange.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <optional>
+#include <thread>
 #endif
 
 #include <chrono>
@@ -323,6 +326,280 @@ class MpiBackend : public c10d::Backend {
     return c10::make_intrusive<MpiBackend>(comm, rank, size, timeout);
   }
 
+  // ---- reduce, gather, scatter, all_to_all, monitored_barrier ------------
+  // (ProcessGroup's methods of process_group_collectives.cpp; the
+  // conventions are Gloo's: gather's outputs and scatter's inputs exist on
+  // the root only.)
+
+  using BarrierClock = std::chrono::steady_clock;
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    at::Tensor tensor = single(tensors, "reduce");
+    const int root = root_of(opts.rootRank, "reduce");
+    const auto op = opts.reduceOp;
+    MPI_Op mpi = mpi_op(op, tensor.scalar_type());
+    WireType wire = wire_type(tensor.scalar_type(), /*reduces=*/true);
+    const int world = size_;
+    const bool at_root = rank_ == root;
+    return launch(c10d::OpType::REDUCE, {tensor}, "reduce", [=, comm = comm_]() mutable {
+      at::Tensor work = wire.reduce_in_float32 ? tensor.to(at::kFloat) : tensor.contiguous();
+      if (!at_root) {
+        check_mpi(MPI_Reduce(work.data_ptr(), nullptr, count(work), wire.type, mpi, root, comm), "MPI_Reduce");
+        return;
+      }
+      check_mpi(MPI_Reduce(MPI_IN_PLACE, work.data_ptr(), count(work), wire.type, mpi, root, comm), "MPI_Reduce");
+      if (op.op_ == c10d::ReduceOp::AVG) work.div_(world);
+      if (!work.is_same(tensor)) tensor.copy_(work);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    at::Tensor input = single(inputs, "gather");
+    const int root = root_of(opts.rootRank, "gather");
+    const bool at_root = rank_ == root;
+    std::vector<at::Tensor> targets;
+    if (at_root) {
+      DDP_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                "ddp: the mpi backend's gather needs, on its root, one list of ", size_, " output tensors");
+      targets = outputs[0];
+      for (const at::Tensor& t : targets) {
+        DDP_CHECK(t.is_cpu() && t.numel() == input.numel() && t.scalar_type() == input.scalar_type(),
+                  "ddp: the mpi backend's gather needs CPU outputs of the input's dtype and size");
+      }
+    } else {
+      DDP_CHECK(outputs.empty(), "ddp: the mpi backend's gather takes no outputs on a rank other than its root");
+    }
+    WireType wire = wire_type(input.scalar_type(), false);
+    const int world = size_;
+    return launch(c10d::OpType::GATHER, targets, "gather", [=, comm = comm_]() mutable {
+      at::Tensor send = input.contiguous();
+      at::Tensor flat = at_root ? at::empty({world * send.numel()}, send.options()) : at::Tensor();
+      check_mpi(MPI_Gather(send.data_ptr(), count(send), wire.type, at_root ? flat.data_ptr() : nullptr, count(send),
+                           wire.type, root, comm),
+                "MPI_Gather");
+      if (!at_root) return;
+      for (int r = 0; r < world; ++r) {
+        targets[r].copy_(flat.narrow(0, r * send.numel(), send.numel()).view(targets[r].sizes()));
+      }
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    at::Tensor output = single(outputs, "scatter");
+    const int root = root_of(opts.rootRank, "scatter");
+    const bool at_root = rank_ == root;
+    std::vector<at::Tensor> sources;
+    if (at_root) {
+      DDP_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                "ddp: the mpi backend's scatter needs, on its root, one list of ", size_, " input tensors");
+      for (const at::Tensor& t : inputs[0]) {
+        DDP_CHECK(t.is_cpu() && t.numel() == output.numel() && t.scalar_type() == output.scalar_type(),
+                  "ddp: the mpi backend's scatter needs CPU inputs of the output's dtype and size");
+        sources.push_back(t.reshape({-1}));
+      }
+    } else {
+      DDP_CHECK(inputs.empty(), "ddp: the mpi backend's scatter takes no inputs on a rank other than its root");
+    }
+    WireType wire = wire_type(output.scalar_type(), false);
+    return launch(c10d::OpType::SCATTER, {output}, "scatter", [=, comm = comm_]() mutable {
+      at::Tensor flat = at_root ? at::cat(sources) : at::Tensor();
+      at::Tensor recv = output.is_contiguous() ? output : at::empty(output.sizes(), output.options());
+      check_mpi(MPI_Scatter(at_root ? flat.data_ptr() : nullptr, count(recv), wire.type, recv.data_ptr(), count(recv),
+                            wire.type, root, comm),
+                "MPI_Scatter");
+      if (!recv.is_same(output)) output.copy_(recv);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override {
+    DDP_CHECK(input.is_cpu() && output.is_cpu(), "ddp: the mpi backend's all_to_all moves CPU tensors only");
+    DDP_CHECK(output.is_contiguous() && input.scalar_type() == output.scalar_type(),
+              "ddp: the mpi backend's all_to_all needs a contiguous output of the input's dtype");
+    WireType wire = wire_type(input.scalar_type(), false);
+    const Layout send = layout(input, input_split_sizes, "input");
+    const Layout recv = layout(output, output_split_sizes, "output");
+    at::Tensor in = input;
+    at::Tensor out = output;
+    return launch(c10d::OpType::ALLTOALL_BASE, {out}, "all_to_all", [=, comm = comm_]() mutable {
+      at::Tensor source = in.contiguous();
+      check_mpi(MPI_Alltoallv(source.data_ptr(), send.counts.data(), send.displs.data(), wire.type, out.data_ptr(),
+                              recv.counts.data(), recv.displs.data(), wire.type, comm),
+                "MPI_Alltoallv");
+    });
+  }
+
+  // ProcessGroup::monitored_barrier: on the progress thread, after the
+  // operations issued before it, rank 0 posts a receive for every other
+  // rank's token and polls them until `deadline`, cancels those that did not
+  // come, and sends each rank that arrived the list of those that did not;
+  // the others send their token and poll for that list until
+  // `verdict_deadline`. Nothing stays posted past its deadline but sends of
+  // a few bytes, which MPI delivers eagerly. Tags count down from MPI_TAG_UB,
+  // far from the tags programs use.
+  std::optional<std::vector<int>> monitored_barrier(int64_t call, BarrierClock::time_point deadline,
+                                                    BarrierClock::time_point verdict_deadline, bool wait_all_ranks) {
+    ++issued_;
+    auto result = std::make_shared<std::optional<std::vector<int>>>();
+    const int rank = rank_, size = size_;
+    auto job = [=, comm = comm_] {
+      int* upper = nullptr;
+      int found = 0;
+      MPI_Comm_get_attr(comm, MPI_TAG_UB, &upper, &found);
+      const int tag = (found && upper ? *upper : 32767) - static_cast<int>(call % 1024);
+      *result = rank == 0 ? std::optional<std::vector<int>>(collect_arrivals(comm, size, tag, deadline, wait_all_ranks))
+                          : await_verdict(comm, size, tag, verdict_deadline);
+    };
+    // A progress thread still busy with earlier operations must not hold
+    // this rank past the deadlines either.
+    const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(verdict_deadline - BarrierClock::now()) +
+                       std::chrono::seconds(2);
+    DDP_CHECK(MpiRuntime::get().run_now(job, std::max<std::chrono::milliseconds>(limit, std::chrono::seconds(2))),
+              "ddp: monitored_barrier could not start on rank ", rank_, " of ", size_, " (mpi): this rank's earlier ",
+              "MPI operations had not finished by its deadline");
+    return *result;
+  }
+
+ private:
+  struct Layout {
+    std::vector<int> counts, displs;  // elements, per rank
+  };
+
+  // all_to_all's counts and displacements for `tensor`, cut along its first
+  // dimension by `splits` (equal parts when empty).
+  Layout layout(const at::Tensor& tensor, const std::vector<int64_t>& splits, const char* which) const {
+    DDP_CHECK(tensor.dim() >= 1, "ddp: the mpi backend's all_to_all needs an ", which, " of at least one dimension");
+    int64_t row = 1;
+    for (int64_t d = 1; d < tensor.dim(); ++d) row *= tensor.size(d);
+    const int64_t rows = tensor.size(0);
+    std::vector<int64_t> parts = splits;
+    if (parts.empty()) {
+      DDP_CHECK(rows % size_ == 0, "ddp: all_to_all's ", which, " has ", rows, " rows, not a multiple of ", size_);
+      parts.assign(size_, rows / size_);
+    }
+    DDP_CHECK(static_cast<int>(parts.size()) == size_, "ddp: all_to_all's ", which, " split sizes need ", size_,
+              " entries, got ", parts.size());
+    Layout out;
+    int64_t offset = 0;
+    for (int64_t part : parts) {
+      DDP_CHECK(part >= 0 && (offset + part) * row <= std::numeric_limits<int>::max(),
+                "ddp: the mpi backend's all_to_all moves at most 2^31 - 1 elements per tensor; its ", which,
+                " split sizes are negative or too large");
+      out.counts.push_back(static_cast<int>(part * row));
+      out.displs.push_back(static_cast<int>(offset * row));
+      offset += part;
+    }
+    DDP_CHECK(offset == rows, "ddp: all_to_all's ", which, " split sizes add up to ", offset, ", not its ", rows,
+              " rows");
+    return out;
+  }
+
+  int root_of(int64_t root, const char* what) const {
+    DDP_CHECK(root >= 0 && root < size_, "ddp: the mpi backend's ", what, " was given root ", root,
+              ", but the group has ranks 0 to ", size_ - 1);
+    return static_cast<int>(root);
+  }
+
+  // Rank 0's side of monitored_barrier; returns the ranks that did not
+  // arrive (only the first unless `wait_all_ranks`).
+  static std::vector<int> collect_arrivals(MPI_Comm comm, int size, int tag, BarrierClock::time_point deadline,
+                                           bool wait_all_ranks) {
+    std::vector<int> tokens(size, 0);
+    std::vector<MPI_Request> requests(size, MPI_REQUEST_NULL);
+    std::vector<bool> arrived(size, false);
+    arrived[0] = true;
+    for (int r = 1; r < size; ++r) {
+      check_mpi(MPI_Irecv(&tokens[r], 1, MPI_INT, r, tag, comm, &requests[r]), "MPI_Irecv");
+    }
+    for (;;) {
+      bool all = true;
+      for (int r = 1; r < size; ++r) {
+        if (arrived[r]) continue;
+        int done = 0;
+        MPI_Test(&requests[r], &done, MPI_STATUS_IGNORE);
+        arrived[r] = done != 0;
+        all = all && arrived[r];
+      }
+      if (all || BarrierClock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::vector<int> missing;
+    for (int r = 1; r < size; ++r) {
+      if (arrived[r]) continue;
+      MPI_Cancel(&requests[r]);
+      MPI_Status status;
+      MPI_Wait(&requests[r], &status);
+      int cancelled = 0;
+      MPI_Test_cancelled(&status, &cancelled);
+      arrived[r] = cancelled == 0;  // it came just as the deadline passed
+      if (!arrived[r]) missing.push_back(r);
+    }
+    if (!missing.empty() && !wait_all_ranks) missing.resize(1);
+    // [how many, ranks...]; kept alive until every send is done, or leaked
+    // (a few bytes, after a failure) if one is not done within a second.
+    auto* verdict = new std::vector<int>(size, -1);
+    (*verdict)[0] = static_cast<int>(missing.size());
+    std::copy(missing.begin(), missing.end(), verdict->begin() + 1);
+    std::vector<MPI_Request> sends;
+    for (int r = 1; r < size; ++r) {
+      if (!arrived[r]) continue;
+      sends.emplace_back();
+      check_mpi(MPI_Isend(verdict->data(), size, MPI_INT, r, tag, comm, &sends.back()), "MPI_Isend");
+    }
+    const auto give_up = BarrierClock::now() + std::chrono::seconds(1);
+    int done = 0;
+    for (;;) {
+      MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE);
+      if (done || BarrierClock::now() >= give_up) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (done) {
+      delete verdict;
+    } else {
+      for (MPI_Request& send : sends) {
+        if (send != MPI_REQUEST_NULL) MPI_Request_free(&send);
+      }
+    }
+    return missing;
+  }
+
+  // The other ranks' side: the missing ranks rank 0 names, or nullopt when
+  // its verdict did not come by `deadline`.
+  static std::optional<std::vector<int>> await_verdict(MPI_Comm comm, int size, int tag,
+                                                       BarrierClock::time_point deadline) {
+    static const int kToken = 1;
+    std::vector<int> verdict(size, -1);
+    MPI_Request send = MPI_REQUEST_NULL, recv = MPI_REQUEST_NULL;
+    check_mpi(MPI_Isend(&kToken, 1, MPI_INT, 0, tag, comm, &send), "MPI_Isend");
+    check_mpi(MPI_Irecv(verdict.data(), size, MPI_INT, 0, tag, comm, &recv), "MPI_Irecv");
+    int got = 0;
+    for (;;) {
+      MPI_Test(&recv, &got, MPI_STATUS_IGNORE);
+      if (got || BarrierClock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!got) {
+      MPI_Cancel(&recv);
+      MPI_Status status;
+      MPI_Wait(&recv, &status);
+      int cancelled = 0;
+      MPI_Test_cancelled(&status, &cancelled);
+      got = cancelled == 0;
+    }
+    int sent = 0;
+    MPI_Test(&send, &sent, MPI_STATUS_IGNORE);
+    if (!sent) MPI_Request_free(&send);  // kToken is static: MPI may finish it whenever
+    if (!got) return std::nullopt;
+    const int named = std::clamp(verdict[0], 0, size - 1);
+    return std::vector<int>(verdict.begin() + 1, verdict.begin() + 1 + named);
+  }
+
+ public:
+
  private:
   static int count(const at::Tensor& t) {
     DDP_CHECK(t.numel() <= std::numeric_limits<int>::max(), "ddp: the mpi backend moves at most 2^31 - 1 ",
@@ -463,6 +740,16 @@ c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10
   return mpi->split(colour, key, timeout);
 }
 
+std::optional<std::vector<int>> mpi_monitored_barrier(const c10::intrusive_ptr<c10d::Backend>& backend, int64_t call,
+                                                      std::chrono::steady_clock::time_point deadline,
+                                                      std::chrono::steady_clock::time_point verdict_deadline,
+                                                      bool wait_all_ranks) {
+  auto* mpi = dynamic_cast<MpiBackend*>(backend.get());
+  DDP_CHECK(mpi != nullptr, "ddp: monitored_barrier on an mpi process group needs its mpi backend, got ",
+            backend ? backend->getBackendName() : std::string("none"));
+  return mpi->monitored_barrier(call, deadline, verdict_deadline, wait_all_ranks);
+}
+
 #else
 
 bool mpi_available() { return false; }
@@ -470,6 +757,12 @@ bool mpi_available() { return false; }
 c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10d::Backend>&, int, int,
                                                     std::chrono::milliseconds) {
   DDP_CHECK(false, "ddp: this build of ddp has no MPI support, so it has no mpi process group to split");
+}
+
+std::optional<std::vector<int>> mpi_monitored_barrier(const c10::intrusive_ptr<c10d::Backend>&, int64_t,
+                                                      std::chrono::steady_clock::time_point,
+                                                      std::chrono::steady_clock::time_point, bool) {
+  DDP_CHECK(false, "ddp: this build of ddp has no MPI support, so it has no mpi process group");
 }
 
 c10::intrusive_ptr<c10d::Backend> make_mpi_backend(World&, std::chrono::milliseconds) {

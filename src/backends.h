@@ -9,6 +9,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <optional>
+#include <vector>
 
 namespace ddp::detail {
 
@@ -39,5 +41,17 @@ c10::intrusive_ptr<c10d::Backend> split_mpi_backend(const c10::intrusive_ptr<c10
 
 /// Whether this build of ddp can create MPI process groups.
 bool mpi_available();
+
+/// ProcessGroup::monitored_barrier over an mpi backend's point-to-point
+/// messages, on its progress thread after what was issued before. On rank
+/// 0: waits until `deadline` for a message from every other rank, tells
+/// those that arrived which did not, and returns those (the first only
+/// unless `wait_all_ranks`). Elsewhere: sends its own, then waits until
+/// `verdict_deadline` for rank 0's list and returns it, or nullopt if none
+/// came. `call` numbers the barrier among the group's (its messages' tag).
+std::optional<std::vector<int>> mpi_monitored_barrier(const c10::intrusive_ptr<c10d::Backend>& backend, int64_t call,
+                                                      std::chrono::steady_clock::time_point deadline,
+                                                      std::chrono::steady_clock::time_point verdict_deadline,
+                                                      bool wait_all_ranks);
 
 }  // namespace ddp::detail

@@ -106,7 +106,10 @@ bool write_text(const std::string& path, const std::string& text) {
 uint64_t ProcessGroup::enter(const char* op, const at::Tensor& tensor) {
   if (!tracing_) return 0;
   const uint64_t seq = trace_->begin(op, tensor);
-  const bool collective = std::strcmp(op, "send") != 0 && std::strcmp(op, "recv") != 0;
+  // monitored_barrier has no desync check: it would wait for the very
+  // ranks the barrier is to name.
+  const bool collective = std::strcmp(op, "send") != 0 && std::strcmp(op, "recv") != 0 &&
+                          std::strcmp(op, "monitored_barrier") != 0;
   if (collective && options_.debug() == DebugLevel::kDetail && world_.world_size > 1) {
     try {
       check_in_sync(seq, op, tensor);

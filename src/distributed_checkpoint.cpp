@@ -277,12 +277,14 @@ void add_unit_boxes(std::vector<TensorBox>& out, const UnitLayout& unit, const a
   }
 }
 
-// The part of the unit this rank writes: its shard, or under NO_SHARD (every
-// rank holds the whole flat tensor) an equal part of it.
-std::pair<int64_t, int64_t> written_range(const UnitLayout& unit, int rank, int world) {
+// The part of the unit this rank writes: under NO_SHARD (every rank holds
+// the whole flat tensor) an equal part of it; else its shard, or under HSDP,
+// where `replicas` ranks hold the same shard, this replica's equal part of it.
+std::pair<int64_t, int64_t> written_range(const UnitLayout& unit, int rank, int world, int replica, int replicas) {
   const int64_t held = unit.shard.numel();
   if (held == unit.padded && world > 1) return even_part(unit.padded, rank, world);
-  return {unit.shard_start, unit.shard_start + held};
+  const auto [begin, end] = even_part(held, replica, replicas);
+  return {unit.shard_start + begin, unit.shard_start + end};
 }
 
 }  // namespace
@@ -296,10 +298,12 @@ void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, Pr
   c10::IValue optimizer = dict.contains("optimizer") ? dict.at("optimizer") : c10::IValue();
   std::optional<OptimizerStateParts> optim;
   if (!optimizer.isNone()) optim = parse_optimizer_state(optimizer, "save_distributed_checkpoint");
+  const int replica = dict.contains("replica") ? static_cast<int>(dict.at("replica").toInt()) : 0;
+  const int replicas = dict.contains("replicas") ? static_cast<int>(dict.at("replicas").toInt()) : 1;
   auto units = dict.at("units").toList();
   for (size_t u = 0; u < units.size(); ++u) {
     const UnitLayout unit = unit_layout(units.get(u));
-    const auto [begin, end] = written_range(unit, rank, world);
+    const auto [begin, end] = written_range(unit, rank, world, replica, replicas);
     add_unit_boxes(boxes, unit, unit.shard, begin, end, [&](size_t j) { return names.model(unit.names[j]); });
     if (!optim) continue;
     auto found = optim->state.find(static_cast<int64_t>(u));

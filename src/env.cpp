@@ -76,7 +76,10 @@ void require_master(const World& w) {
   if (w.world_size > 1) {
     DDP_CHECK(!w.master_addr.empty(), "ddp: MASTER_ADDR is not set, but the world size is ",
                 w.world_size, " (", w.source,
-                "). Set MASTER_ADDR (and MASTER_PORT) to rank 0's host, or launch with ddprun.");
+                "). Set MASTER_ADDR (and MASTER_PORT) to rank 0's host, or launch with ddprun; without a ",
+                "master address, DDP_INIT_METHOD=file:///shared/path meets through a file instead.");
+    DDP_CHECK(w.master_port != 0, "ddp: MASTER_PORT is not set, but the world size is ", w.world_size, " (",
+              w.source, "). Set MASTER_PORT to a free port on rank 0's host, or launch with ddprun.");
     DDP_CHECK(w.master_port >= 1 && w.master_port <= 65535, "ddp: MASTER_PORT is ",
                 w.master_port, " but must be in [1, 65535]");
   }
@@ -105,11 +108,9 @@ World from_torchrun(const EnvLookup& lookup) {
   auto group_rank = lookup_int(lookup, launch_env::kGroupRank);
   w.node_rank = group_rank ? *group_rank : w.rank / w.local_world_size;
   w.master_addr = lookup(launch_env::kMasterAddr).value_or("");
+  // Unset stays 0: require_master reports it where the TCP rendezvous needs
+  // it; a file:// rendezvous does not.
   auto port = lookup(launch_env::kMasterPort);
-  if (w.world_size > 1) {
-    DDP_CHECK(port.has_value(), "ddp: MASTER_PORT is not set, but WORLD_SIZE=", w.world_size,
-                ". Set MASTER_PORT to a free port on rank 0's host, or launch with ddprun.");
-  }
   w.master_port = port ? parse_int_env(launch_env::kMasterPort, *port) : 0;
   return w;
 }

@@ -22,7 +22,7 @@ namespace detail {
 // --- state dicts -----------------------------------------------------------
 
 StateDict FsdpRuntime::full_state_dict(bool rank0_only) {
-  const bool keep = !rank0_only || group_->rank() == 0;
+  const bool keep = !rank0_only || whole_group_->rank() == 0;
   std::map<std::string, at::Tensor> gathered;
   at::NoGradGuard no_grad;
   for (auto& unit : units_) {
@@ -129,7 +129,7 @@ std::map<std::string, int64_t> FsdpRuntime::parameter_indices() const {
 
 c10::IValue FsdpRuntime::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
   check_optimizer_layout(optimizer, shards());
-  const bool keep = !rank0_only || group_->rank() == 0;
+  const bool keep = !rank0_only || whole_group_->rank() == 0;
   auto local = parse_optimizer_state(optimizer_state_dict(optimizer), "FullyShardedDataParallel");
   const auto index_of = parameter_indices();
   const int64_t count = static_cast<int64_t>(index_of.size());
@@ -195,6 +195,10 @@ c10::IValue FsdpRuntime::sharded_state_dict(torch::optim::Optimizer* optimizer) 
   result.insert("world_size", static_cast<int64_t>(group_->size()));
   result.insert("rank", static_cast<int64_t>(group_->rank()));
   result.insert("strategy", to_string(options_.sharding_strategy()));
+  // HSDP: which of the replicas holding this shard this rank is, so that a
+  // distributed checkpoint writes each element once (each replica its part).
+  result.insert("replica", static_cast<int64_t>(replicate_group_ ? replicate_group_->rank() : 0));
+  result.insert("replicas", static_cast<int64_t>(replicate_group_ ? replicate_group_->size() : 1));
   c10::impl::GenericList units(c10::AnyType::get());
   for (const auto& unit : units_) {
     auto entry = new_generic_dict();

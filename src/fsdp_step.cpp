@@ -28,7 +28,10 @@ void FsdpRuntime::reset_backward_state() {
     // Left by a backward that failed part-way; nobody waits for them now.
     unit->gradient_flat.reset();
     unit->gradient_shard.reset();
+    unit->scattered.reset();
+    unit->replicated.reset();
   }
+  awaiting_replicate_.clear();
 }
 
 void FsdpRuntime::begin_forward() {
@@ -172,9 +175,9 @@ c10::intrusive_ptr<c10::ivalue::Future> FsdpRuntime::launch_group(size_t index) 
     unit.gradient_flat.add_(unit.unsynced_gradient);
     unit.unsynced_gradient.reset();
   }
-  // Averaged over ranks, like DDP's gradients; dividing first keeps the
-  // sum in range for low-precision types.
-  if (world > 1) unit.gradient_flat.div_(world);
+  // Averaged over ranks (every replica's too, under HSDP), like DDP's
+  // gradients; dividing first keeps the sum in range for low-precision types.
+  if (data_parallel_size() > 1) unit.gradient_flat.div_(data_parallel_size());
   unit.reduced = true;
   c10::intrusive_ptr<c10::ivalue::Future> reduced;
   if (world == 1) {
@@ -188,7 +191,60 @@ c10::intrusive_ptr<c10::ivalue::Future> FsdpRuntime::launch_group(size_t index) 
   // The unit's backward is over: give back its full parameters (the root's
   // too, so that between steps only shards are held).
   release(unit);
-  return reduced;
+  if (!replicate_group_) return reduced;
+  // HSDP: the engine waits for the shard's all-reduce across the replicas,
+  // which starts once the shard group's reduction is done.
+  unit.scattered = reduced;
+  const auto& device = unit.shard.device();
+  unit.replicated = device.is_cpu() ? c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get())
+                                    : c10::make_intrusive<c10::ivalue::Future>(
+                                          c10::TensorType::get(), std::vector<c10::Device>{device});
+  awaiting_replicate_.push_back(index);
+  launch_replicate_reductions(/*wait_for_all=*/false);
+  return unit.replicated;
+}
+
+// Only the autograd thread starts replicate all-reduces, and always in
+// launch order: a unit whose reduce-scatter is done waits for the ones
+// before it. Starting them from the reduce-scatters' completion callbacks
+// instead could order them differently on different ranks.
+void FsdpRuntime::launch_replicate_reductions(bool wait_for_all) {
+  size_t done = 0;
+  for (; done < awaiting_replicate_.size(); ++done) {
+    Unit& unit = *units_[awaiting_replicate_[done]];
+    if (!wait_for_all && !unit.scattered->completed()) break;
+    unit.scattered->wait();
+    auto replicated = unit.replicated;
+    if (unit.scattered->hasError()) {
+      // Every rank still issues the all-reduce: the other replicas' would
+      // otherwise wait for this one until the timeout.
+      replicated->setError(unit.scattered->exception_ptr());
+      at::Tensor zeros = at::zeros({unit.shard.numel()}, unit.shard.options().dtype(unit.replicate_dtype));
+      CollectiveTag tag("fsdp unit '" + unit.name + "' all-reduce across replicas");
+      replicate_group_->all_reduce_async(zeros);
+      unit.scattered.reset();
+      continue;
+    }
+    const c10::IValue& value = unit.scattered->value();
+    at::Tensor shard = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+    unit.scattered.reset();
+    at::Tensor wire = shard.scalar_type() == unit.replicate_dtype ? shard : shard.to(unit.replicate_dtype);
+    CollectiveTag tag("fsdp unit '" + unit.name + "' all-reduce across replicas");
+    auto work = replicate_group_->all_reduce_async(wire);
+    work->getFuture()->addCallback([replicated, wire, shard](c10::ivalue::Future& all_reduced) {
+      if (all_reduced.hasError()) {
+        replicated->setError(all_reduced.exception_ptr());
+        return;
+      }
+      if (!wire.is_same(shard)) shard.copy_(wire);
+      replicated->markCompleted(shard);
+    });
+  }
+  awaiting_replicate_.erase(awaiting_replicate_.begin(), awaiting_replicate_.begin() + done);
+}
+
+void FsdpRuntime::before_waiting(const std::vector<char>& /*used_locally*/) {
+  if (replicate_group_) launch_replicate_reductions(/*wait_for_all=*/true);
 }
 
 void FsdpRuntime::on_group_complete_without_sync(size_t index) {
@@ -236,7 +292,8 @@ std::string FsdpRuntime::group_label(size_t index) const {
 }
 
 std::string FsdpRuntime::collective_tag(size_t index) const {
-  return "fsdp unit '" + units_[index]->name + (sharded() ? "' reduce-scatter" : "' all-reduce");
+  return "fsdp unit '" + units_[index]->name + (sharded() ? "' reduce-scatter" : "' all-reduce") +
+         (replicate_group_ ? " (then across replicas)" : "");
 }
 
 }  // namespace ddp::detail

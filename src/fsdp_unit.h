@@ -9,6 +9,7 @@
 #include <ddp/fully_sharded_data_parallel.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <memory>
@@ -36,6 +37,12 @@ struct FsdpRuntime::Unit {
   // dtype), by `hook`.
   at::ScalarType reduce_dtype = at::kFloat;
   std::shared_ptr<CommHook> hook;
+  // HSDP: the dtype of the replicate all-reduce, the shard group's
+  // reduction in flight and what the engine waits for (its result
+  // all-reduced across the replicas).
+  at::ScalarType replicate_dtype = at::kFloat;
+  c10::intrusive_ptr<c10::ivalue::Future> scattered;
+  c10::intrusive_ptr<c10::ivalue::Future> replicated;
   // One backward pass.
   bool reduced = false;
   bool pre_backward_ran = false;

@@ -43,7 +43,10 @@ ShardingStrategy parse_sharding_strategy(const std::string& name) {
   if (lower == "full_shard") return ShardingStrategy::kFullShard;
   if (lower == "shard_grad_op") return ShardingStrategy::kShardGradOp;
   if (lower == "no_shard") return ShardingStrategy::kNoShard;
-  DDP_CHECK(false, "ddp: unknown sharding strategy '", name, "'; use full_shard, shard_grad_op or no_shard");
+  if (lower == "hybrid_shard") return ShardingStrategy::kHybridShard;
+  if (lower == "hybrid_shard_zero2" || lower == "_hybrid_shard_zero2") return ShardingStrategy::kHybridShardZero2;
+  DDP_CHECK(false, "ddp: unknown sharding strategy '", name,
+            "'; use full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2");
 }
 
 std::string to_string(ShardingStrategy strategy) {
@@ -51,6 +54,8 @@ std::string to_string(ShardingStrategy strategy) {
     case ShardingStrategy::kFullShard: return "full_shard";
     case ShardingStrategy::kShardGradOp: return "shard_grad_op";
     case ShardingStrategy::kNoShard: return "no_shard";
+    case ShardingStrategy::kHybridShard: return "hybrid_shard";
+    case ShardingStrategy::kHybridShardZero2: return "hybrid_shard_zero2";
   }
   return "?";
 }
@@ -76,29 +81,57 @@ void allocate_storage(const at::Tensor& tensor) {
 
 bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbytes() > 0; }
 
+bool is_hybrid(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kHybridShard || strategy == ShardingStrategy::kHybridShardZero2;
+}
+
 }  // namespace
 
-FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
-                         FSDPOptions options)
-    : root_(std::move(root)), group_(std::move(group)), options_(std::move(options)) {
+FsdpGroups fsdp_groups(std::shared_ptr<ProcessGroup> group, const FSDPOptions& options) {
+  DDP_CHECK(group, "ddp: FullyShardedDataParallel needs a process group");
+  if (!is_hybrid(options.sharding_strategy())) return {group, nullptr, group, false};
+  // PyTorch's HYBRID_SHARD without process groups: shard within the node,
+  // replicate across nodes.
+  return fsdp_groups(DeviceMesh::from_launcher(group));
+}
+
+FsdpGroups fsdp_groups(const DeviceMesh& mesh) {
+  if (mesh.ndim() == 1) return {mesh.group(0), nullptr, mesh.process_group(), false};
+  return {mesh.group(1), mesh.group(0), mesh.process_group(), true};
+}
+
+FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups groups, FSDPOptions options)
+    : root_(std::move(root)),
+      group_(std::move(groups.shard)),
+      replicate_group_(std::move(groups.replicate)),
+      whole_group_(std::move(groups.whole)),
+      hybrid_(groups.hybrid),
+      options_(std::move(options)) {
   check_options();
-  if (options_.sync_module_states() && group_->size() > 1) {
-    verify_replicas_match(*root_, *group_);
-    broadcast_module_state(*root_, *group_, /*parameters=*/true, /*buffers=*/true);
+  // The whole model's ranks, replicas included, start from rank 0's values.
+  if (options_.sync_module_states() && whole_group_->size() > 1) {
+    verify_replicas_match(*root_, *whole_group_);
+    broadcast_module_state(*root_, *whole_group_, /*parameters=*/true, /*buffers=*/true);
   }
   build_units();
   finish_construction();
 }
 
 FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
-                         std::shared_ptr<ProcessGroup> group, FSDPOptions options)
-    : root_(root), group_(std::move(group)), options_(std::move(options)), built_deferred_(true) {
+                         FsdpGroups groups, FSDPOptions options)
+    : root_(root),
+      group_(std::move(groups.shard)),
+      replicate_group_(std::move(groups.replicate)),
+      whole_group_(std::move(groups.whole)),
+      hybrid_(groups.hybrid),
+      options_(std::move(options)),
+      built_deferred_(true) {
   check_options();
   DDP_CHECK(options_.min_num_params() == 0 && options_.units().empty(),
             "ddp: with deferred construction (DeferredSequential) every child is a unit of its own; leave "
             "FSDPOptions::min_num_params and ::units unset, and make one factory build what one unit should hold");
   DDP_CHECK(root->size() == 0, "ddp: deferred construction builds its Sequential itself; it must start empty");
-  const bool sync = options_.sync_module_states() && group_->size() > 1;
+  const bool sync = options_.sync_module_states() && whole_group_->size() > 1;
   for (const auto& [name, make_child] : children.children()) {
     // Only this child is ever whole: it is sharded and its storage freed
     // (add_unit) before the next factory runs.
@@ -110,7 +143,7 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const 
                 "ddp: the DeferredSequential child '", name, "' contains an fsdp_unit wrapper; with deferred "
                 "construction each child is already a unit, so build it without ddp::fsdp_unit");
     }
-    if (sync) verify_replicas_match(*module, *group_);
+    if (sync) verify_replicas_match(*module, *whole_group_);
     root->push_back(name, std::move(child));
     const auto names = parameter_names(*module, name + ".");
     for (const auto& [impl, param_name] : names) {
@@ -125,7 +158,7 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const 
       std::vector<at::Tensor> replicated;
       for (size_t i = frozen_before; i < frozen_.size(); ++i) replicated.push_back(frozen_[i].second);
       for (const auto& buffer : module->buffers(/*recurse=*/true)) replicated.push_back(buffer);
-      broadcast_tensors(replicated, *group_);
+      broadcast_tensors(replicated, *whole_group_);
     }
     sequential_groups_.push_back({root->size() - 1});
     sequential_unit_of_group_.push_back(params.empty() ? SIZE_MAX : units_.size());
@@ -135,6 +168,20 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const 
 }
 
 void FsdpRuntime::check_options() {
+  DDP_CHECK(group_ && whole_group_, "ddp: FullyShardedDataParallel needs a process group");
+  DDP_CHECK(group_->is_member() && whole_group_->is_member(), "ddp: global rank ", whole_group_->global_rank(),
+            " is not a member of the process group FullyShardedDataParallel was given; build the model only on ",
+            "the group's ranks");
+  // A hybrid strategy means its within-node strategy on the shard group;
+  // the replication is the replicate group's.
+  if (options_.sharding_strategy() == ShardingStrategy::kHybridShard) {
+    options_.sharding_strategy(ShardingStrategy::kFullShard);
+  } else if (options_.sharding_strategy() == ShardingStrategy::kHybridShardZero2) {
+    options_.sharding_strategy(ShardingStrategy::kShardGradOp);
+  }
+  // One replica: plain FSDP over the shard group.
+  if (replicate_group_ && replicate_group_->size() == 1) replicate_group_.reset();
+  hybrid_ = replicate_group_ != nullptr;
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
@@ -241,6 +288,16 @@ FsdpRuntime::~FsdpRuntime() {
 }
 
 bool FsdpRuntime::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
+
+ShardingStrategy FsdpRuntime::sharding_strategy() const {
+  if (!hybrid_ || !sharded()) return options_.sharding_strategy();
+  return options_.sharding_strategy() == ShardingStrategy::kFullShard ? ShardingStrategy::kHybridShard
+                                                                      : ShardingStrategy::kHybridShardZero2;
+}
+
+int64_t FsdpRuntime::data_parallel_size() const {
+  return group_->size() * (replicate_group_ ? replicate_group_->size() : 1);
+}
 
 std::map<const at::TensorImpl*, std::string> FsdpRuntime::parameter_names(const torch::nn::Module& module,
                                                                           const std::string& prefix) {
@@ -350,7 +407,7 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
   }
   if (broadcast_from_rank0) {
     CollectiveTag tag("fsdp unit '" + unit->name + "' broadcast of rank 0's values");
-    group_->broadcast(master, 0);
+    whole_group_->broadcast(master, 0);
   }
   const at::ScalarType compute = mixed_ ? *options_.param_dtype() : first.scalar_type();
   unit->full = mixed_ ? master.to(compute, /*non_blocking=*/false, /*copy=*/true) : master;
@@ -372,6 +429,8 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
   // arithmetic (divide, cast, sum, cast back), as DDP's hooks do it.
   unit->reduce_dtype = compute;
   const auto wanted = options_.reduce_dtype();
+  // HSDP all-reduces the shard across replicas in the dtype on the wire.
+  unit->replicate_dtype = wanted ? *wanted : compute;
   if (options_.comm_hook()) {
     unit->hook = options_.comm_hook();
   } else if (!wanted || *wanted == compute) {

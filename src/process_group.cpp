@@ -11,6 +11,7 @@
 #include "backends.h"
 #include "checked_backend.h"
 #include "duration_text.h"
+#include "file_rendezvous.h"
 #include "fnv1a.h"
 #include "rendezvous.h"
 #include "ring_collectives.h"
@@ -132,8 +133,21 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::minutes(30);
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGroupOptions options) {
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, ProcessGroupOptions options) {
   DDP_CHECK(options.timeout().count() > 0, "ddp: the process group timeout must be positive");
+  // Checked for every backend, so a mistyped DDP_INIT_METHOD never passes
+  // unnoticed. tcp:// names the store's address instead of MASTER_*; under
+  // file:// there is no master (SLURM's first host may not even resolve),
+  // and Gloo picks its interface without one.
+  const InitMethod init = parse_init_method(options.init_method());
+  const World world = [&] {
+    World w = launched;
+    if (init.kind != InitMethod::Kind::kEnv) {
+      w.master_addr = init.host;
+      w.master_port = init.port;
+    }
+    return w;
+  }();
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
   group->world_ = world;
   group->global_rank_ = world.rank;
@@ -150,15 +164,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
 
   const std::chrono::milliseconds timeout = options.timeout();
   if (kind == BackendKind::kMpi) {
-    // MPI's launcher already wired the ranks together: no TCPStore. The store
-    // is this process's own; ddp's collectives never need a shared one.
+    // MPI's launcher already wired the ranks together: no TCPStore and no
+    // store file, whatever the init method says. The store is this
+    // process's own; ddp's collectives never need a shared one.
     DDP_CHECK(device.is_cpu() && !options.device().is_cuda(), "ddp: the mpi backend moves CPU tensors; ",
               "use nccl for ", options.device().str());
     group->store_ = c10::make_intrusive<c10d::HashStore>();
     group->backend_ = detail::make_mpi_backend(group->world_, timeout);
     return group;
   }
-  require_master(world);
+  if (init.kind != InitMethod::Kind::kFile) require_master(world);
   // Cuts the store's connection when a wait of c10d's outlives the
   // rendezvous deadline (see StoreDeadline); unused for one process.
   std::optional<detail::StoreDeadline> store_deadline;
@@ -167,6 +182,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& world, ProcessGr
       // One process: a private in-memory store; collectives are still real
       // (the backend runs them over a group of one), so code paths match.
       group->store_ = c10::make_intrusive<c10d::HashStore>();
+    } else if (init.kind == InitMethod::Kind::kFile) {
+      group->store_ = detail::file_rendezvous(world, init.path, options.run_id(), timeout);
     } else {
       store_deadline.emplace(world.master_port);
       group->store_ = detail::rendezvous(world, options.run_id(), timeout, *store_deadline);

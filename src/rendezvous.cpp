@@ -90,13 +90,15 @@ bool env_true(const char* name) {
   return v == "1" || v == "true" || v == "True" || v == "TRUE" || v == "yes";
 }
 
-// torchrun's restart count: with torchrun's store, which lives across
-// restarts, each attempt keeps its keys apart (as Python's env:// does).
+}  // namespace
+
 int restart_count() {
   const char* text = std::getenv(launch_env::kRestartCount);
   if (text == nullptr || *text == '\0') return 0;
   return parse_int_env(launch_env::kRestartCount, text);
 }
+
+namespace {
 
 std::string address_of(const World& world) { return world.master_addr + ":" + std::to_string(world.master_port); }
 

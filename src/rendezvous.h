@@ -68,6 +68,11 @@ class StoreDeadline {
 c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, const std::string& run_id,
                                            std::chrono::milliseconds timeout, StoreDeadline& deadline);
 
+// torchrun's restart count (TORCHELASTIC_RESTART_COUNT, 0 when unset): a
+// store that lives across restarts (torchrun's, or a store file) keeps each
+// attempt's keys apart under "ddp/attempt_<count>", as Python's env:// does.
+int restart_count();
+
 // What a rank says when `deadline` had to cut a wait of c10d's (`cause` is
 // c10d's error that followed): a PeerFailure naming what it waited for.
 [[noreturn]] void throw_store_did_not_answer(const World& world, std::chrono::milliseconds timeout,

@@ -84,6 +84,7 @@ gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY
 # against DDP, checkpoints, gradients, reduction and mixed precision.
 add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict.cpp test_fsdp_ranks.cpp
   test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp test_clip_grad.cpp)
+target_sources(ddp_fsdp_rank_tests PRIVATE test_hsdp.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
@@ -134,4 +135,8 @@ target_sources(ddp_integration_rank_tests PRIVATE test_subgroups.cpp)
 target_sources(ddp_integration_rank_tests PRIVATE test_powersgd.cpp)
 add_dependencies(ddp_integration_rank_tests digits_ddp)
 target_sources(ddp_integration_rank_tests PRIVATE test_device_mesh.cpp)
+target_sources(ddp_integration_rank_tests PRIVATE test_file_store.cpp)
 target_sources(ddp_mpi_tests PRIVATE test_subgroups_mpi.cpp)
+# ProcessGroup's collectives against torch.distributed (tests/python/collectives_reference.py).
+target_sources(ddp_integration_rank_tests PRIVATE test_collectives.cpp)
+target_sources(ddp_mpi_tests PRIVATE test_collectives_mpi.cpp)

@@ -5,6 +5,9 @@
 //   zero1         DDP, with Adam's moments sharded (ZeroRedundancyOptimizer)
 //   fsdp-full     FullyShardedDataParallel, FULL_SHARD (ZeRO-3)
 //   fsdp-grad-op  FullyShardedDataParallel, SHARD_GRAD_OP (ZeRO-2)
+//   hsdp          FullyShardedDataParallel, HYBRID_SHARD: FULL_SHARD within each
+//                 node, replicated across nodes (2-D mesh from the launcher)
+//   hsdp-grad-op  the same with SHARD_GRAD_OP within each node
 // The training loop is the same for all of them. Checkpoints are too (the
 // full model's state dict, gathered on rank 0), and so are snapshots:
 // sharded ones, every rank writing its own part with no gather, in PyTorch
@@ -114,6 +117,10 @@ class FsdpStrategy : public Strategy {
   FsdpStrategy(SimpleNN model, std::shared_ptr<ddp::ProcessGroup> group, ddp::ShardingStrategy sharding)
       : fsdp_model(model, group, ddp::FSDPOptions().sharding_strategy(sharding)),
         optimizer(fsdp_model.parameters(), torch::optim::AdamOptions(1e-3)) {}
+  // HSDP: sharded along the mesh's "shard" dimension, replicated along "replicate".
+  FsdpStrategy(SimpleNN model, const ddp::DeviceMesh& mesh, ddp::ShardingStrategy sharding)
+      : fsdp_model(model, mesh, ddp::FSDPOptions().sharding_strategy(sharding)),
+        optimizer(fsdp_model.parameters(), torch::optim::AdamOptions(1e-3)) {}
   at::Tensor forward(const at::Tensor& features) override { return fsdp_model.forward(features); }
   void zero_grad() override { optimizer.zero_grad(); }
   void step() override { optimizer.step(); }
@@ -147,7 +154,14 @@ inline std::unique_ptr<Strategy> make_strategy(const std::string& name, SimpleNN
   if (name == "zero1") return std::make_unique<ZeroStrategy>(model, group);
   if (name == "fsdp-full") return std::make_unique<FsdpStrategy>(model, group, ddp::ShardingStrategy::kFullShard);
   if (name == "fsdp-grad-op") return std::make_unique<FsdpStrategy>(model, group, ddp::ShardingStrategy::kShardGradOp);
-  TORCH_CHECK(false, "--strategy must be ddp, zero1, fsdp-full or fsdp-grad-op, got '", name, "'");
+  if (name == "hsdp" || name == "hsdp-grad-op") {
+    // Nodes x local ranks, from the launcher's variables: {"replicate", "shard"}.
+    auto mesh = ddp::DeviceMesh::from_launcher(group);
+    auto within_node = name == "hsdp" ? ddp::ShardingStrategy::kFullShard : ddp::ShardingStrategy::kShardGradOp;
+    return std::make_unique<FsdpStrategy>(model, mesh, within_node);
+  }
+  TORCH_CHECK(false, "--strategy must be ddp, zero1, fsdp-full, fsdp-grad-op, hsdp or hsdp-grad-op, got '", name,
+              "'");
 }
 
 }  // namespace wine

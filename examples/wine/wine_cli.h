@@ -16,7 +16,7 @@ struct Args : examples::TrainingFlags {
   std::string test_csv;
   std::string init_state;
   std::string on_nonfinite = "abort";  // or "skip" (wine_ddp, wine_sharded)
-  std::string strategy = "ddp";        // ddp, zero1, fsdp-full, fsdp-grad-op (wine_sharded)
+  std::string strategy = "ddp";        // ddp, zero1, fsdp-full, fsdp-grad-op, hsdp, hsdp-grad-op (wine_sharded)
   bool strategy_given = false;
   int64_t workers = 0;                 // data-loader worker threads (wine_ddp, wine_sharded)
   std::string device = "cpu";          // cpu, cuda or auto
@@ -57,10 +57,13 @@ inline void add_flags(CLI::App& app, Args& args) {
       ->type_name("N")
       ->transform(examples::non_negative_integer("--workers"));
   app.add_option("--strategy", args.strategy,
-                 "ddp, zero1 (Adam's state sharded), fsdp-full or\n"
-                 "fsdp-grad-op (FullyShardedDataParallel); wine_sharded only")
+                 "ddp, zero1 (Adam's state sharded), fsdp-full,\n"
+                 "fsdp-grad-op (FullyShardedDataParallel), hsdp or\n"
+                 "hsdp-grad-op (sharded within a node, replicated\n"
+                 "across nodes); wine_sharded only")
       ->type_name("NAME")
-      ->check(examples::one_of("--strategy", {"ddp", "zero1", "fsdp-full", "fsdp-grad-op"}));
+      ->check(examples::one_of("--strategy",
+                               {"ddp", "zero1", "fsdp-full", "fsdp-grad-op", "hsdp", "hsdp-grad-op"}));
   app.add_option("--device", args.device,
                  "the CPU, this rank's GPU (cuda:LOCAL_RANK; NCCL for\nwine_ddp), or the GPU when there is one")
       ->type_name("cpu|cuda|auto")

@@ -1,6 +1,7 @@
 // wine_ddp with a choice of how the model and Adam are spread over the ranks
-// (--strategy ddp, zero1, fsdp-full or fsdp-grad-op; see strategies.h). The
-// training loop is the same for every strategy, and so are the checkpoints.
+// (--strategy ddp, zero1, fsdp-full, fsdp-grad-op, hsdp or hsdp-grad-op; see
+// strategies.h). The training loop is the same for every strategy, and so
+// are the checkpoints.
 // Snapshots are sharded (every rank writes its part, no gather) and resume
 // under another strategy or world size, mid-epoch too: the rest of the
 // epoch is split over the ranks there are now (--snapshot-every-steps).

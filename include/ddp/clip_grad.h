@@ -61,8 +61,10 @@ double clip_grad_norm_(DistributedDataParallel<M>& model, double max_norm, doubl
 template <typename M>
 double clip_grad_norm_(FullyShardedDataParallel<M>& model, double max_norm, double norm_type = 2.0,
                        NonFinitePolicy policy = NonFinitePolicy::kSkipStep) {
+  // Under HSDP the replicas hold the same shards: the norm is summed over
+  // one shard group only.
   ProcessGroup* shard_group =
-      model.sharding_strategy() == ShardingStrategy::kNoShard ? nullptr : model.process_group().get();
+      model.sharding_strategy() == ShardingStrategy::kNoShard ? nullptr : model.shard_group().get();
   return detail::clip_grad_norm(model.parameters(), shard_group, max_norm, norm_type, policy);
 }
 

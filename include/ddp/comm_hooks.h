@@ -88,6 +88,21 @@ std::shared_ptr<CommHook> fp16_compress_hook();
 /// The same with bfloat16: fewer mantissa bits, float32's range.
 std::shared_ptr<CommHook> bf16_compress_hook();
 
+class DeviceMesh;
+/// Hierarchical all-reduce for DDP (Horovod's, and NCCL's trees, in spirit):
+/// each bucket is reduced to the first rank of its node, all-reduced between
+/// those node leaders, and broadcast back within the node, so only one copy
+/// per node crosses the links between nodes. `mesh` is
+/// DeviceMesh::from_launcher(group) (or any 2-D mesh whose second dimension
+/// holds each node's ranks) over DDP's own group. The three steps run in
+/// order on a thread of the hook's own, so buckets still overlap backward.
+/// The result equals the flat all-reduce's within float rounding (the sum is
+/// taken in another order).
+///
+///   auto mesh = ddp::DeviceMesh::from_launcher(group);
+///   ddp::DistributedDataParallel model(net, group, ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh)));
+std::shared_ptr<CommHook> hierarchical_allreduce_hook(const DeviceMesh& mesh);
+
 /// PowerSGD (Vogels et al., 2019) with the options of PyTorch's
 /// powerSGD_hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook).
 ///

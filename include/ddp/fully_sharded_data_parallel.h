@@ -54,6 +54,7 @@
 #include <ddp/error.h>
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
+#include <ddp/device_mesh.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
@@ -84,10 +85,17 @@ enum class ShardingStrategy {
   kFullShard,    ///< ZeRO-3: parameters, gradients, optimizer state; gathered per unit, freed after use
   kShardGradOp,  ///< ZeRO-2: as kFullShard, but parameters stay gathered from forward to backward
   kNoShard,      ///< DDP: everything replicated, gradients all-reduced
+  /// HSDP: kFullShard within each node, replicated across nodes (gradients
+  /// reduce-scattered in the node, then all-reduced between the nodes).
+  /// Given with a plain process group, the nodes are the launcher's
+  /// (DeviceMesh::from_launcher); given with a 2-D DeviceMesh, the mesh's.
+  kHybridShard,
+  kHybridShardZero2,  ///< HSDP with kShardGradOp within each node
 };
 
-/// "full_shard", "shard_grad_op" or "no_shard" (PyTorch's upper-case names
-/// too); throws on anything else.
+/// "full_shard", "shard_grad_op", "no_shard", "hybrid_shard" or
+/// "hybrid_shard_zero2" (PyTorch's upper-case names, and its
+/// "_hybrid_shard_zero2", too); throws on anything else.
 ShardingStrategy parse_sharding_strategy(const std::string& name);
 std::string to_string(ShardingStrategy strategy);
 
@@ -390,10 +398,23 @@ class FullyShardedDataParallel {
   /// Checks that all ranks built the same model, copies rank 0's weights,
   /// forms the units and keeps only this rank's shard of each. Collective.
   FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
-      : module_(std::move(module)),
-        group_(group),
-        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(group), options)),
-        sharding_strategy_(group_->size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy()) {}
+      : FullyShardedDataParallel(std::move(module), detail::fsdp_groups(std::move(group), options), options) {}
+
+  /// HSDP on a 2-D mesh, as FSDP2's fully_shard(mesh=...): each unit is
+  /// sharded along the mesh's second dimension ("shard": the ranks of one
+  /// node, from DeviceMesh::from_launcher) and replicated along its first
+  /// ("replicate"): a gradient is reduce-scattered within its shard group,
+  /// then its shard all-reduced across the replicate group, so the heavy
+  /// all-gathers and reduce-scatters stay inside a node and only 1/shard-size
+  /// of the gradients crosses between nodes. Every strategy applies within
+  /// the shard dimension (kHybridShard means kFullShard here, and
+  /// kHybridShardZero2 kShardGradOp); every option works as with one group.
+  /// A 1-D mesh is plain FSDP over its group. Collective over the mesh.
+  ///
+  ///   auto mesh = ddp::DeviceMesh::from_launcher(world);   // nodes x local ranks
+  ///   ddp::FullyShardedDataParallel<Net> model(net, mesh);
+  FullyShardedDataParallel(ModuleType module, const DeviceMesh& mesh, FSDPOptions options = {})
+      : FullyShardedDataParallel(std::move(module), detail::fsdp_groups(mesh), options) {}
 
   /// Deferred construction (see the top of this file): builds the
   /// Sequential's children one at a time, each a unit, sharding and freeing
@@ -409,8 +430,13 @@ class FullyShardedDataParallel {
                            FSDPOptions options = {})
       : module_(empty_sequential()),
         group_(group),
-        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children, std::move(group), options)),
-        sharding_strategy_(group_->size() == 1 ? ShardingStrategy::kNoShard : options.sharding_strategy()) {}
+        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children,
+                                                       detail::fsdp_groups(std::move(group), options), options)) {}
+  /// Deferred construction on a mesh (HSDP, as above).
+  FullyShardedDataParallel(const DeferredSequential& children, const DeviceMesh& mesh, FSDPOptions options = {})
+      : module_(empty_sequential()),
+        group_(mesh.process_group()),
+        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children, detail::fsdp_groups(mesh), options)) {}
 
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
@@ -498,12 +524,25 @@ class FullyShardedDataParallel {
   ShardedMemory memory() const { return runtime_->memory(); }
   /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
   void reset_peak_memory() { runtime_->reset_peak_memory(); }
+  /// Every rank of the model: the group (or the mesh's) it was built with.
   const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
-  /// The strategy in force: kNoShard on one rank whatever was asked, since
-  /// one rank holds everything.
-  ShardingStrategy sharding_strategy() const { return sharding_strategy_; }
+  /// The ranks each unit is sharded over: process_group() itself, or under
+  /// HSDP this rank's shard group (the mesh's second dimension).
+  const std::shared_ptr<ProcessGroup>& shard_group() const { return runtime_->shard_group(); }
+  /// Under HSDP the ranks holding the same shards (the mesh's first
+  /// dimension); null otherwise.
+  const std::shared_ptr<ProcessGroup>& replicate_group() const { return runtime_->replicate_group(); }
+  /// The strategy in force: kNoShard when the shard group has one rank
+  /// whatever was asked, since one rank then holds everything; kHybridShard
+  /// or kHybridShardZero2 under HSDP.
+  ShardingStrategy sharding_strategy() const { return runtime_->sharding_strategy(); }
 
  private:
+  FullyShardedDataParallel(ModuleType module, detail::FsdpGroups groups, const FSDPOptions& options)
+      : module_(std::move(module)),
+        group_(groups.whole),
+        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(groups), options)) {}
+
   template <typename... Args>
   auto run(Args&&... args) {
     if constexpr (std::is_same_v<ModuleType, torch::nn::Sequential> && sizeof...(Args) == 1) {
@@ -522,7 +561,6 @@ class FullyShardedDataParallel {
   ModuleType module_;
   std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<detail::FsdpRuntime> runtime_;
-  ShardingStrategy sharding_strategy_;
 };
 
 /// Writes `state` (a sharded_state_dict) to DIR/shard_<rank>_of_<world>.pt

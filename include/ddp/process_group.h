@@ -6,6 +6,7 @@
 #include <ddp/collective_trace.h>
 #include <ddp/env.h>
 #include <ddp/error_file.h>  // record_error(), for main()'s catch blocks
+#include <ddp/init_method.h>
 
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -89,9 +90,30 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
   /// Identifies the job: ranks whose run ids differ refuse to form a group.
   TORCH_ARG(std::string, run_id) = default_run_id();
+  /// How the ranks find each other (init_method.h): "env://" (rank 0 hosts
+  /// the store at MASTER_ADDR:MASTER_PORT), "tcp://HOST:PORT", or
+  /// "file:///shared/path" (a store file on a shared file system; no
+  /// address needed). Default: DDP_INIT_METHOD, else "env://". The mpi
+  /// backend checks it but meets through MPI; one process needs no store.
+  TORCH_ARG(std::string, init_method) = default_init_method();
   /// kDetail compares every collective's fingerprint across ranks before it
   /// runs, so a desync is an error naming both sides instead of a hang.
   TORCH_ARG(DebugLevel, debug) = default_debug_level();
+};
+
+/// One send or receive of ProcessGroup::batch_isend_irecv, like
+/// torch.distributed.P2POp:
+///
+///   group->batch_isend_irecv({ddp::P2POp(ddp::P2POp::kIsend, out, (rank + 1) % size),
+///                             ddp::P2POp(ddp::P2POp::kIrecv, in, (rank + size - 1) % size)});
+struct P2POp {
+  enum Kind { kIsend, kIrecv };
+  P2POp(Kind kind, at::Tensor tensor, int peer, int tag = 0)
+      : kind(kind), tensor(std::move(tensor)), peer(peer), tag(tag) {}
+  Kind kind;
+  at::Tensor tensor;  ///< sent, or received into; keep it alive until its work is waited for
+  int peer;           ///< a rank of the group
+  int tag;            ///< matches a send with a receive, as send_async's tag
 };
 
 /// A process group: the ranks of one job and the collectives between them.
@@ -99,8 +121,9 @@ struct ProcessGroupOptions {
 class ProcessGroup {
  public:
   /// Rendezvous with the other ranks of `world` and connect the backend.
-  /// Rank 0 hosts the store on MASTER_ADDR:MASTER_PORT; a busy port, an
-  /// unreachable master or a missing peer fails after `timeout`.
+  /// Rank 0 hosts the store on MASTER_ADDR:MASTER_PORT (or the ranks meet
+  /// as options.init_method() says); a busy port, an unreachable master, a
+  /// stale store file or a missing peer fails within `timeout`.
   static std::shared_ptr<ProcessGroup> create(const World& world, ProcessGroupOptions options = {});
   ~ProcessGroup();
 
@@ -153,8 +176,13 @@ class ProcessGroup {
   /// Returns when every rank has reached it.
   void barrier();
 
-  /// The c10d backend itself, for what this class does not wrap (and for
-  /// benchmarks that compare its collectives with the rings above).
+  /// The c10d backend itself, for benchmarks that compare its collectives
+  /// with the rings above (bench/memory_bench.cpp). Collectives issued on it
+  /// bypass this class: they get no sequence number, no trace record, no
+  /// DDP_DEBUG=detail desync check and no explain_stall report, and take
+  /// the backend's own ranks. Every collective has a traced method here
+  /// (reduce, gather, scatter, all_to_all, batch_isend_irecv, ... below);
+  /// use those in programs.
   const c10::intrusive_ptr<c10d::Backend>& c10d_backend() const { return backend_; }
 
   /// Waits for `work`; on failure throws an error that names `operation`,
@@ -236,6 +264,81 @@ class ProcessGroup {
   std::string trace_path() const;
   /// Writes the trace to trace_path(); returns the path, or "" if none.
   std::string write_trace() const;
+
+  // ---- More collectives (src/process_group_collectives.cpp) ---------------
+  //
+  // The rest of torch.distributed's collectives, each traced and checked
+  // like the ones above (a sequence number, a trace record, the
+  // DDP_DEBUG=detail desync check), on Gloo, NCCL and MPI. Roots and peers
+  // are ranks of this group; a rank outside it gets require_usable's error.
+  // tests/python/collectives_reference.py runs the same calls in Python.
+
+  /// Starts reducing every rank's `tensor` into `root`'s, in place there
+  /// (torch.distributed.reduce). Elsewhere `tensor` may be changed.
+  c10::intrusive_ptr<c10d::Work> reduce_async(at::Tensor& tensor, int root,
+                                              c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// Reduces every rank's `tensor` into `root`'s, and waits.
+  void reduce(at::Tensor& tensor, int root = 0, c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// On `root`: every rank's `input`, indexed by rank (shapes must match).
+  /// Elsewhere: an empty vector (torch.distributed.gather).
+  std::vector<at::Tensor> gather(const at::Tensor& input, int root = 0);
+  /// Starts sending `inputs[r]` from `root` to rank r's `output`
+  /// (torch.distributed.scatter). `inputs` has size() tensors on the root,
+  /// shaped like `output`, and is empty on every other rank. `output` must
+  /// be contiguous.
+  c10::intrusive_ptr<c10d::Work> scatter_async(at::Tensor& output, const std::vector<at::Tensor>& inputs,
+                                               int root = 0);
+  /// As scatter_async, and waits.
+  void scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, int root = 0);
+  /// Starts an all-to-all along dimension 0, as
+  /// torch.distributed.all_to_all_single: `input`'s rows are cut into
+  /// size() consecutive chunks, of input_split_sizes[r] rows each (equal
+  /// chunks when empty), chunk r going to rank r; `output` receives rank
+  /// r's chunk for this rank at row sum(output_split_sizes[0..r)). Both
+  /// contiguous, same dtype and row shape.
+  c10::intrusive_ptr<c10d::Work> all_to_all_async(at::Tensor& output, at::Tensor& input,
+                                                  std::vector<int64_t> output_split_sizes = {},
+                                                  std::vector<int64_t> input_split_sizes = {});
+  /// As all_to_all_async, and waits.
+  void all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t> output_split_sizes = {},
+                  std::vector<int64_t> input_split_sizes = {});
+  /// Starts every send and receive of `ops` and returns their works, in the
+  /// same order (torch.distributed.batch_isend_irecv). Each is traced as a
+  /// send or recv, tagged "batch_isend_irecv"; not a collective, so only the
+  /// peers named must take part.
+  std::vector<c10::intrusive_ptr<c10d::Work>> batch_isend_irecv(std::vector<P2POp> ops);
+  /// A barrier that names who is missing (torch.distributed.monitored_barrier):
+  /// rank 0 waits up to `timeout` (the group's when not given) for every
+  /// other rank to arrive, through the store (Gloo, NCCL) or point-to-point
+  /// messages (MPI). If some did not, rank 0 throws an error naming the
+  /// first missing rank, or every missing rank with `wait_all_ranks`, and
+  /// tells the ranks that arrived, which throw naming them too. The others
+  /// wait for rank 0's verdict up to `timeout` plus a grace of at most 5 s
+  /// (rank 0 may arrive after them), then throw saying rank 0 gave none. No
+  /// rank waits longer. Unlike the other collectives it has no desync check,
+  /// which would wait for the missing ranks itself. A rank that skipped a
+  /// failed monitored_barrier is one call behind the others: use a new
+  /// group afterwards, as the error says.
+  void monitored_barrier(std::optional<std::chrono::milliseconds> timeout = std::nullopt,
+                         bool wait_all_ranks = false);
+  /// Copies `value` from `root` into every rank's `value`
+  /// (torch.distributed.broadcast_object_list of one object). Strings,
+  /// numbers, booleans, None, tensors (arriving on the CPU), lists, tuples
+  /// and dicts keyed by strings or ints travel: serialised as torch.save
+  /// does (checkpoint.h's serialize_value), the size broadcast first, then
+  /// the bytes, and read back by the weights-only unpickler, so bytes from
+  /// a peer can never run code.
+  void broadcast_object(c10::IValue& value, int root = 0);
+  /// Every rank's `value`, indexed by rank (torch.distributed.all_gather_object):
+  /// the sizes are all-gathered first, then the bytes padded to the largest.
+  /// The same values travel as for broadcast_object.
+  std::vector<c10::IValue> all_gather_object(const c10::IValue& value);
+
+ private:
+  // Issues a broadcast that the trace records as `op` (broadcast_object).
+  void broadcast_as(const char* op, at::Tensor& tensor, int root);
+  // How many monitored_barriers this rank has entered: their MPI tags.
+  int64_t monitored_barriers_ = 0;
 
  private:
   ProcessGroup();

@@ -9,6 +9,7 @@
 
 #include <ddp/checkpoint.h>
 #include <ddp/clip_grad.h>
+#include <ddp/device_mesh.h>
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
@@ -81,6 +82,14 @@ struct TrainSpec {
   bool clip_with_libtorch = false;
   /// FSDP's param_dtype (mixed precision); undefined: the parameters' own.
   std::optional<at::ScalarType> param_dtype;
+  /// FSDP's reduce_dtype; undefined: the gradients' own.
+  std::optional<at::ScalarType> reduce_dtype;
+  /// A 2-D mesh {replicate, shard}: the FSDP strategies run as HSDP on it,
+  /// and zero1 shards the optimizer over the shard dimension only (DDP over
+  /// the whole group). Empty: the group alone.
+  std::vector<int> mesh_shape;
+  /// FSDP built from factories (DeferredSequential); "seq" model only.
+  bool deferred = false;
 };
 
 /// What training left.
@@ -153,11 +162,12 @@ struct PlainTrainer : Trainer {
 
 template <typename M>
 struct DdpTrainer : Trainer {
-  DdpTrainer(M model, std::shared_ptr<ddp::ProcessGroup> group, const std::string& optim, bool zero)
+  DdpTrainer(M model, std::shared_ptr<ddp::ProcessGroup> group, const std::string& optim, bool zero,
+             std::shared_ptr<ddp::ProcessGroup> zero_group = nullptr)
       : ddp(model, group) {
     if (zero) {
       zero_optimizer = std::make_unique<ddp::ZeroRedundancyOptimizer>(
-          ddp->parameters(), group,
+          ddp->parameters(), zero_group ? zero_group : group,
           [optim](std::vector<at::Tensor> shard) { return make_trainer_optimizer(optim, shard); });
     } else {
       plain = make_trainer_optimizer(optim, ddp->parameters());
@@ -202,6 +212,12 @@ template <typename M>
 struct FsdpTrainer : Trainer {
   FsdpTrainer(M model, std::shared_ptr<ddp::ProcessGroup> group, const std::string& optim, ddp::FSDPOptions options)
       : fsdp(model, group, options), plain(make_trainer_optimizer(optim, fsdp.parameters())) {}
+  FsdpTrainer(M model, const ddp::DeviceMesh& mesh, const std::string& optim, ddp::FSDPOptions options)
+      : fsdp(model, mesh, options), plain(make_trainer_optimizer(optim, fsdp.parameters())) {}
+  template <typename Groups>
+  FsdpTrainer(const ddp::DeferredSequential& children, const Groups& groups, const std::string& optim,
+              ddp::FSDPOptions options)
+      : fsdp(children, groups, options), plain(make_trainer_optimizer(optim, fsdp.parameters())) {}
   at::Tensor forward(const at::Tensor& x) override { return fsdp.forward(x); }
   void step() override { plain->step(); }
   void zero_grad() override { plain->zero_grad(); }
@@ -235,16 +251,24 @@ struct FsdpTrainer : Trainer {
   std::unique_ptr<torch::optim::Optimizer> plain;
 };
 
-template <typename M>
-std::unique_ptr<Trainer> make_trainer(M model, const std::string& strategy, const std::shared_ptr<ddp::ProcessGroup>& group,
-                                      const std::string& optim, ddp::FSDPOptions fsdp_options) {
-  if (strategy == "single") return std::make_unique<PlainTrainer<M>>(model, optim);
-  if (strategy == "ddp") return std::make_unique<DdpTrainer<M>>(model, group, optim, false);
-  if (strategy == "zero1") return std::make_unique<DdpTrainer<M>>(model, group, optim, true);
+inline ddp::ShardingStrategy trainer_sharding(const std::string& strategy) {
   std::string kind = strategy.substr(0, 5) == "fsdp-" ? strategy.substr(5) : strategy;
   if (kind == "full") kind = "full_shard";
   if (kind == "grad-op") kind = "shard_grad_op";
-  fsdp_options.sharding_strategy(ddp::parse_sharding_strategy(kind));
+  return ddp::parse_sharding_strategy(kind);
+}
+
+template <typename M>
+std::unique_ptr<Trainer> make_trainer(M model, const std::string& strategy, const std::shared_ptr<ddp::ProcessGroup>& group,
+                                      const std::string& optim, ddp::FSDPOptions fsdp_options,
+                                      const std::optional<ddp::DeviceMesh>& mesh = std::nullopt) {
+  if (strategy == "single") return std::make_unique<PlainTrainer<M>>(model, optim);
+  if (strategy == "ddp") return std::make_unique<DdpTrainer<M>>(model, group, optim, false);
+  if (strategy == "zero1") {
+    return std::make_unique<DdpTrainer<M>>(model, group, optim, true, mesh ? mesh->group("shard") : nullptr);
+  }
+  fsdp_options.sharding_strategy(trainer_sharding(strategy));
+  if (mesh) return std::make_unique<FsdpTrainer<M>>(model, *mesh, optim, fsdp_options);
   return std::make_unique<FsdpTrainer<M>>(model, group, optim, fsdp_options);
 }
 
@@ -256,22 +280,42 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
   torch::manual_seed(spec.init_seed);
   ddp::FSDPOptions fsdp_options;
   if (spec.param_dtype) fsdp_options.param_dtype(*spec.param_dtype).output_dtype(at::kFloat);
+  if (spec.reduce_dtype) fsdp_options.reduce_dtype(*spec.reduce_dtype);
+  std::optional<ddp::DeviceMesh> mesh;
+  if (!spec.mesh_shape.empty()) mesh.emplace(group, spec.mesh_shape, std::vector<std::string>{"replicate", "shard"});
   std::unique_ptr<detail::Trainer> trainer;
-  if (spec.model == "seq") {
+  if (spec.model == "seq" && spec.deferred) {
+    // The same children, each a unit (as min_num_params(1) makes them). The
+    // whole Sequential below draws its children in the order the compiler
+    // evaluates constructor arguments, so the factories' own draws differ:
+    // the weights come from a copy built as the "seq" model is.
+    auto whole = torch::nn::Sequential(torch::nn::Linear(10, 33), torch::nn::ReLU(), torch::nn::Linear(33, 17),
+                                       torch::nn::Tanh(), torch::nn::Linear(17, 5));
+    ddp::DeferredSequential children;
+    children.add([] { return torch::nn::Linear(10, 33); }).add([] { return torch::nn::ReLU(); });
+    children.add([] { return torch::nn::Linear(33, 17); }).add([] { return torch::nn::Tanh(); });
+    children.add([] { return torch::nn::Linear(17, 5); });
+    fsdp_options.sharding_strategy(detail::trainer_sharding(spec.strategy));
+    using Deferred = detail::FsdpTrainer<torch::nn::Sequential>;
+    auto deferred = mesh ? std::make_unique<Deferred>(children, *mesh, spec.optimizer, fsdp_options)
+                         : std::make_unique<Deferred>(children, group, spec.optimizer, fsdp_options);
+    deferred->fsdp.load_full_state_dict(ddp::state_dict(*whole));
+    trainer = std::move(deferred);
+  } else if (spec.model == "seq") {
     fsdp_options.min_num_params(200);
     auto model = torch::nn::Sequential(torch::nn::Linear(10, 33), torch::nn::ReLU(), torch::nn::Linear(33, 17),
                                        torch::nn::Tanh(), torch::nn::Linear(17, 5));
     model->to(device);
-    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options);
+    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options, mesh);
   } else if (spec.model == "tiny") {
     fsdp_options.min_num_params(1);
     auto model = torch::nn::Sequential(torch::nn::Linear(10, 1), torch::nn::Tanh(), torch::nn::Linear(1, 1));
     model->to(device);
-    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options);
+    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options, mesh);
   } else if (spec.model == "wrapped") {
     WrappedNet model;
     model->to(device);
-    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options);
+    trainer = detail::make_trainer(model, spec.strategy, group, spec.optimizer, fsdp_options, mesh);
   } else {
     throw std::invalid_argument("the model must be seq, tiny or wrapped, not '" + spec.model + "'");
   }

@@ -10,6 +10,7 @@
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/detail/reduction_policy.h>
+#include <ddp/device_mesh.h>
 #include <ddp/process_group.h>
 
 #include <torch/nn/module.h>
@@ -32,17 +33,36 @@ namespace ddp::detail {
 struct FlatLayout;          // src/optimizer_state.h
 class GradientSyncEngine;  // src/gradient_sync_engine.h
 
+/// The groups FSDP runs over. Units are sharded over `shard`; under HSDP
+/// each shard's gradient is then all-reduced over `replicate` (null
+/// otherwise). `whole` is every rank of the model (both together): module
+/// states are made rank 0's over it, and "rank 0" means its rank 0.
+struct FsdpGroups {
+  std::shared_ptr<ProcessGroup> shard;
+  std::shared_ptr<ProcessGroup> replicate;
+  std::shared_ptr<ProcessGroup> whole;
+  /// What the strategy became: a hybrid one named on a 1-D group turns into
+  /// its within-node strategy here.
+  bool hybrid = false;
+};
+/// One group: plain FSDP, or with a hybrid strategy the launcher's nodes x
+/// local ranks (DeviceMesh::from_launcher, collective).
+FsdpGroups fsdp_groups(std::shared_ptr<ProcessGroup> group, const FSDPOptions& options);
+/// A 1-D mesh is plain FSDP over its group; a 2-D one is HSDP, dimension 0
+/// replicating and dimension 1 sharding (FSDP2's layout).
+FsdpGroups fsdp_groups(const DeviceMesh& mesh);
+
 /// FullyShardedDataParallel, independent of the module type: units, their
 /// gathering and freeing, and state dicts. As the gradient engine's reduction
 /// policy (detail/reduction_policy.h), a unit is a group: when its gradients are
 /// final it is flattened and reduce-scattered into the shard.
 class FsdpRuntime : private ReductionPolicy {
  public:
-  FsdpRuntime(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group, FSDPOptions options);
+  FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups groups, FSDPOptions options);
   /// Deferred construction: builds `children` into the empty `root` one at
   /// a time, each child a unit, sharded and freed before the next is built.
   FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
-              std::shared_ptr<ProcessGroup> group, FSDPOptions options);
+              FsdpGroups groups, FSDPOptions options);
   ~FsdpRuntime() override;
   FsdpRuntime(const FsdpRuntime&) = delete;
   FsdpRuntime& operator=(const FsdpRuntime&) = delete;
@@ -73,6 +93,11 @@ class FsdpRuntime : private ReductionPolicy {
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
   c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer);
   void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer);
+
+  const std::shared_ptr<ProcessGroup>& shard_group() const { return group_; }
+  const std::shared_ptr<ProcessGroup>& replicate_group() const { return replicate_group_; }
+  /// The strategy in force (see FullyShardedDataParallel::sharding_strategy).
+  ShardingStrategy sharding_strategy() const;
 
   void gather_all();
   void free_all();
@@ -116,10 +141,18 @@ class FsdpRuntime : private ReductionPolicy {
   void on_gradient_ready(size_t /*param*/, bool /*has_gradient*/) override {}
   c10::intrusive_ptr<c10::ivalue::Future> launch_group(size_t unit) override;
   void on_group_complete_without_sync(size_t unit) override;
+  void before_waiting(const std::vector<char>& used_locally) override;
   void finish_group(size_t unit, const at::Tensor& result) override;
   void on_round_end(bool synchronised) override;
   std::string group_label(size_t unit) const override;
   std::string collective_tag(size_t unit) const override;
+
+  /// HSDP: starts the replicate all-reduces of units whose reduce-scatter
+  /// has finished, in launch order (so in the same order on every rank), up
+  /// to the first unfinished one; with `wait_for_all`, of every unit.
+  void launch_replicate_reductions(bool wait_for_all);
+  /// The ranks a gradient is averaged over: shard x replicate.
+  int64_t data_parallel_size() const;
 
   bool sharded() const;
   /// The shard is the unit's flat tensor itself: nothing is ever freed or
@@ -135,7 +168,13 @@ class FsdpRuntime : private ReductionPolicy {
   std::vector<std::pair<std::string, at::Tensor>> replicated() const;
 
   std::shared_ptr<torch::nn::Module> root_;
-  std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<ProcessGroup> group_;             // the shard group
+  std::shared_ptr<ProcessGroup> replicate_group_;  // HSDP only
+  std::shared_ptr<ProcessGroup> whole_group_;
+  bool hybrid_ = false;
+  // HSDP: units whose reduce-scatter was launched and whose replicate
+  // all-reduce was not yet, in launch order.
+  std::vector<size_t> awaiting_replicate_;
   FSDPOptions options_;
   // requires_grad false: not sharded. Their values in their own dtype (the
   // module's tensors themselves, or their originals under param_dtype).
