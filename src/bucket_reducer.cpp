@@ -49,6 +49,9 @@ BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::st
     DDP_CHECK(p.layout() == c10::kStrided, "ddp: parameter '", names_[i],
                 "' is not dense; sparse parameters are not supported");
   }
+  DDP_CHECK(!(options_.carry_loss() && options_.comm_hook()), "ddp: DDPOptions::carry_loss rides on the default "
+            "all-reduce, which a comm hook replaces; drop one of them (with a hook, check the loss with "
+            "ddp::check_loss_is_finite(loss, group, ...), one small all-reduce)");
   comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
   world_size_ = at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble);
   detail::EngineOptions sync;
@@ -85,7 +88,9 @@ void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assign
       bucket.offsets.push_back(total);
       total += params_[i].numel();
     }
-    bucket.flat = at::zeros({total}, params_[assignment[b].front()].options().requires_grad(false));
+    const int64_t rider = options_.carry_loss() ? group_->size() + 1 : 0;
+    bucket.sent = at::zeros({total + rider}, params_[assignment[b].front()].options().requires_grad(false));
+    bucket.flat = rider ? bucket.sent.narrow(0, 0, total) : bucket.sent;
     buckets_.push_back(std::move(bucket));
   }
   engine_->set_groups(assignment);
@@ -173,8 +178,49 @@ std::vector<at::Tensor> BucketReducer::gradient_views(size_t b, const at::Tensor
   return views;
 }
 
+void BucketReducer::note_loss(const at::Tensor& loss) {
+  DDP_CHECK(options_.carry_loss(), "ddp: note_loss needs DDPOptions().carry_loss(true)");
+  DDP_CHECK(loss.numel() == 1, "ddp: note_loss takes the loss itself, one element; got ", loss.numel());
+  noted_loss_ = loss.detach().reshape({1});
+  if (group_->size() == 1) {
+    // Nothing to reduce with: what the rider would have carried.
+    at::Tensor rider = at::zeros({2}, at::kDouble);
+    write_rider(rider);
+    read_rider(rider);
+  }
+}
+
+// Slots [0, world) are one flag per rank, slot `world` the loss divided by
+// the world size; summed over ranks they are the ranks with a non-finite
+// loss and the average loss. Written on the device, so nothing waits here.
+void BucketReducer::write_rider(const at::Tensor& rider) {
+  rider.zero_();
+  if (!noted_loss_.defined()) return;
+  const int world = group_->size();
+  at::Tensor loss = noted_loss_.to(rider.device(), rider.scalar_type());
+  at::Tensor finite = at::isfinite(loss);
+  rider.narrow(0, group_->rank(), 1).copy_(finite.logical_not());
+  rider.narrow(0, world, 1).copy_(at::where(finite, loss, at::zeros_like(loss)) / world);
+}
+
+void BucketReducer::read_rider(const at::Tensor& rider) {
+  const int world = group_->size();
+  at::Tensor values = rider.to(at::kCPU, at::kDouble);
+  const double* data = values.data_ptr<double>();
+  reduced_loss_ = ReducedLoss{};
+  reduced_loss_.valid = noted_loss_.defined();
+  for (int r = 0; r < world; ++r) {
+    if (data[r] != 0) reduced_loss_.nonfinite_ranks.push_back(r);
+  }
+  reduced_loss_.average = data[world];
+  noted_loss_.reset();
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
-  GradBucket view(b, buckets_[b].flat, b + 1 == buckets_.size(), {}, &buckets_[b].gradient_views);
+  Bucket& bucket = buckets_[b];
+  if (carries_loss(b)) write_rider(bucket.sent.narrow(0, bucket.flat.numel(), group_->size() + 1));
+  GradBucket view(b, carries_loss(b) ? bucket.sent : bucket.flat, b + 1 == buckets_.size(), {},
+                  &bucket.gradient_views);
   return comm_hook_->run(*group_, view);
 }
 
@@ -201,7 +247,9 @@ void BucketReducer::before_waiting(const std::vector<char>& used_locally) {
 
 void BucketReducer::finish_group(size_t b, const at::Tensor& result) {
   Bucket& bucket = buckets_[b];
-  if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.view_as(bucket.flat));
+  at::Tensor& sent = carries_loss(b) ? bucket.sent : bucket.flat;
+  if (!result.is_same(sent)) sent.copy_(result.view_as(sent));
+  if (carries_loss(b)) read_rider(bucket.sent.narrow(0, bucket.flat.numel(), group_->size() + 1));
   for (size_t i : engine_->groups()[b]) {
     if (used_anywhere_.defined() && used_anywhere_.data_ptr<int32_t>()[i] == 0) continue;
     at::Tensor slot = slot_of(i);
@@ -229,7 +277,8 @@ void BucketReducer::shadow_backward() {
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_shadow_group(size_t b) {
   // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
   // hold this rank's own gradients, which shadowing must leave alone.
-  at::Tensor zeros = at::zeros_like(buckets_[b].flat);
+  // The loss rider too, all zeros: this rank has no loss.
+  at::Tensor zeros = at::zeros_like(carries_loss(b) ? buckets_[b].sent : buckets_[b].flat);
   const std::vector<at::Tensor> views = gradient_views(b, zeros);
   GradBucket view(b, zeros, b + 1 == buckets_.size(), {}, &views);
   return comm_hook_->run(*group_, view);

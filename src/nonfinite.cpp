@@ -31,9 +31,9 @@ std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup&
   return bad;
 }
 
-bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
-                          const std::string& where) {
-  auto bad = ranks_with_nonfinite_loss(loss, group);
+namespace {
+
+bool apply_policy(const std::vector<int>& bad, NonFinitePolicy policy, const std::string& where) {
   if (bad.empty()) return true;
   std::ostringstream ranks;
   for (size_t i = 0; i < bad.size(); ++i) ranks << (i ? ", " : "") << bad[i];
@@ -41,6 +41,19 @@ bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinite
               " at ", where, "; every rank stops. Lower the learning rate, check the data, or pass a ",
               "skip policy to drop such steps.");
   return false;
+}
+
+}  // namespace
+
+bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
+                          const std::string& where) {
+  return apply_policy(ranks_with_nonfinite_loss(loss, group), policy, where);
+}
+
+bool check_loss_is_finite(const ReducedLoss& loss, NonFinitePolicy policy, const std::string& where) {
+  DDP_CHECK(loss.valid, "ddp: no loss rode on the last backward's gradient all-reduce; call model.note_loss(loss) "
+            "before loss.backward(), with DDPOptions().carry_loss(true), outside no_sync()");
+  return apply_policy(loss.nonfinite_ranks, policy, where);
 }
 
 }  // namespace ddp

@@ -84,6 +84,63 @@ TEST(NoHangs, NonFiniteLossAbortsEveryRank) {
   }));
 }
 
+// The same check riding on the gradient all-reduce (DDPOptions::carry_loss):
+// the same skip and abort on every rank, naming the rank and step, and no
+// collective besides the gradient buckets' (one per step for this model).
+TEST(NoHangs, NonFiniteLossRidingOnTheGradientsIsSkippedOnEveryRankWithoutACollectiveOfItsOwn) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    uint64_t riding = 0, separate = 0;
+    EXPECT_EQ(train_with_a_nan(group, ddp::parse_nonfinite_policy("skip"), /*carry_loss=*/true, &riding), 1);
+    EXPECT_EQ(train_with_a_nan(group, ddp::parse_nonfinite_policy("skip"), /*carry_loss=*/false, &separate), 1);
+    // Riding: one bucket all-reduce per step (the NaN step's backward runs
+    // too) and the bucket rebuild's broadcast after the first step. Apart:
+    // 5 checks, 4 bucket all-reduces (the NaN step skips backward) and the
+    // broadcast.
+    EXPECT_EQ(riding, 6u);
+    EXPECT_EQ(separate, 10u);
+  }));
+}
+
+TEST(NoHangs, NonFiniteLossRidingOnTheGradientsAbortsEveryRank) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    const std::string error =
+        error_of([&] { train_with_a_nan(group, ddp::parse_nonfinite_policy("abort"), /*carry_loss=*/true); });
+    EXPECT_NE(error.find("ddp: the loss is not finite on rank(s) 1 at step 2"), std::string::npos) << error;
+  }));
+}
+
+// The loss that rode on the gradients is every rank's loss averaged, the
+// same on every rank, as an all-reduce of the losses gives it.
+TEST(NoHangs, TheLossRidingOnTheGradientsIsTheAverageOverRanks) {
+  expect_all_succeeded(run_on_ranks(3, [](const Group& group) {
+    torch::manual_seed(2);
+    Mlp model;
+    ddp::DistributedDataParallel<Mlp> ddp_model(model, group, ddp::DDPOptions().carry_loss(true));
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(5 + group->rank());
+    for (int step = 0; step < 3; ++step) {
+      at::Tensor x = at::randn({4, 10}, generator);
+      at::Tensor y = at::randint(0, 4, {4}, generator, at::kLong);
+      auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(x), y);
+      ddp_model.note_loss(loss);
+      loss.backward();
+      at::Tensor mean = loss.detach().to(at::kDouble).reshape({1});
+      group->all_reduce(mean);
+      const auto& reduced = ddp_model.reduced_loss();
+      EXPECT_TRUE(reduced.valid);
+      EXPECT_TRUE(reduced.nonfinite_ranks.empty());
+      EXPECT_NEAR(reduced.average, mean.item<double>() / 3, 1e-6) << "step " << step;
+    }
+    // Without a noted loss the next backward carries none, and saying so is an error.
+    auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(at::randn({4, 10}, generator)),
+                                                     at::randint(0, 4, {4}, generator, at::kLong));
+    loss.backward();
+    EXPECT_FALSE(ddp_model.reduced_loss().valid);
+    EXPECT_NE(error_of([&] { ddp::check_loss_is_finite(ddp_model.reduced_loss(), ddp::NonFinitePolicy::kSkipStep, "x"); })
+                  .find("call model.note_loss(loss) before loss.backward()"),
+              std::string::npos);
+  }));
+}
+
 RanksOptions join_options() {
   RanksOptions options;
   options.collective_timeout_seconds = 20;

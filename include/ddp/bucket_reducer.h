@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <ddp/nonfinite.h>
+
 namespace ddp {
 namespace detail {
 class GradientSyncEngine;  // the engine, internal to the library
@@ -46,6 +48,12 @@ struct ReducerOptions {
   TORCH_ARG(bool, overlap_with_backward) = true;
   /// How a bucket is reduced; null means allreduce_hook().
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  /// The last bucket's all-reduce also carries each rank's loss, given to
+  /// note_loss() before backward, as world size + 1 extra elements: a flag
+  /// per rank and the loss divided by the world size. So the non-finite
+  /// check and the loss averaged for the log cost no collective of their own
+  /// (reduced_loss()). Only with the default all-reduce (no comm_hook).
+  TORCH_ARG(bool, carry_loss) = false;
 };
 
 /// Averages the gradients of `params` across `group` during each backward.
@@ -96,6 +104,11 @@ class BucketReducer : private detail::ReductionPolicy {
   int64_t reduced_steps() const { return reduced_steps_; }
   /// Whether the buckets were regrouped after the first iteration.
   bool buckets_rebuilt() const { return buckets_rebuilt_; }
+  /// With ReducerOptions::carry_loss: `loss` (this rank's, a one-element
+  /// tensor) rides on the next synchronised backward's last bucket.
+  void note_loss(const at::Tensor& loss);
+  /// What the last synchronised backward carried (see ReducedLoss).
+  const ReducedLoss& reduced_loss() const { return reduced_loss_; }
   /// The flat gradient buffer of bucket `index` (for inspection and tests).
   const at::Tensor& bucket_buffer(size_t index) const { return buckets_.at(index).flat; }
 
@@ -103,6 +116,9 @@ class BucketReducer : private detail::ReductionPolicy {
   struct Bucket {
     std::vector<int64_t> offsets;  // element offset of each param in `flat`
     at::Tensor flat;               // contiguous gradients of the bucket
+    // `flat` followed by the loss rider's world size + 1 elements
+    // (carry_loss), or `flat` itself.
+    at::Tensor sent;
     std::vector<at::Tensor> gradient_views;  // each parameter's slot of `flat`, in its shape
   };
 
@@ -122,6 +138,10 @@ class BucketReducer : private detail::ReductionPolicy {
   /// Bucket b's gradients as views of `buffer`, in the parameters' shapes.
   std::vector<at::Tensor> gradient_views(size_t b, const at::Tensor& buffer) const;
   void maybe_rebuild_buckets();
+  // carry_loss: the bucket whose all-reduce carries the loss (launched last).
+  bool carries_loss(size_t b) const { return options_.carry_loss() && b + 1 == buckets_.size(); }
+  void write_rider(const at::Tensor& rider);
+  void read_rider(const at::Tensor& rider);
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -139,6 +159,8 @@ class BucketReducer : private detail::ReductionPolicy {
   std::string missing_forward_warning_;
   bool buckets_rebuilt_ = false;
   int64_t reduced_steps_ = 0;
+  at::Tensor noted_loss_;      // carry_loss: this rank's, for the next synchronised backward
+  ReducedLoss reduced_loss_;   // what the last one carried
   std::unique_ptr<detail::GradientSyncEngine> engine_;  // last: its hooks call the members above
 };
 

@@ -74,6 +74,7 @@ struct DDPOptions {
   /// allreduce_hook() (null), fp16_compress_hook(), bf16_compress_hook() or
   /// your own CommHook.
   DDP_REDUCER_ARG(std::shared_ptr<CommHook>, comm_hook)
+  DDP_REDUCER_ARG(bool, carry_loss)
 };
 
 #undef DDP_REDUCER_ARG
@@ -336,6 +337,15 @@ class DistributedDataParallel {
   ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
   ///   loss_of(micro_batch_2).backward();  // all-reduces the sum of both
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(runtime_.reducer()); }
+
+  /// With DDPOptions().carry_loss(true): this rank's `loss` rides on the next
+  /// backward's gradient all-reduce, so that afterwards every rank knows,
+  /// with no collective of its own, which ranks had a non-finite loss and
+  /// the loss averaged over ranks (reduced_loss(); check it with
+  /// ddp::check_loss_is_finite(model.reduced_loss(), policy, where)).
+  void note_loss(const at::Tensor& loss) { runtime_.reducer().note_loss(loss); }
+  /// What the last synchronised backward carried (see note_loss).
+  const ReducedLoss& reduced_loss() const { return runtime_.reducer().reduced_loss(); }
 
   /// Uneven data across ranks: see Join.
   Join join() { return Join(runtime_, *runtime_.group()); }

@@ -34,4 +34,28 @@ std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup&
 bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
                           const std::string& where);
 
+/// A loss that rode on DDP's gradient all-reduce (DDPOptions().carry_loss(true),
+/// model.note_loss(loss) before backward): what every rank knows once
+/// backward has returned, with no collective of its own.
+struct ReducedLoss {
+  /// Whether a loss was noted for the last synchronised backward.
+  bool valid = false;
+  /// The ranks whose loss was NaN or infinite, the same list on every rank.
+  std::vector<int> nonfinite_ranks;
+  /// The loss averaged over the ranks (those with a finite loss count as
+  /// their loss, the others as 0).
+  double average = 0.0;
+};
+
+/// check_loss_is_finite's decision for a loss that rode on the gradient
+/// all-reduce: false (every rank skips the optimizer step; the gradients of
+/// that backward hold the non-finite values and must not be used) or, with
+/// kAbort, the same error on every rank. Local: no collective.
+///
+///   ddp_model.note_loss(loss);
+///   loss.backward();
+///   if (!ddp::check_loss_is_finite(ddp_model.reduced_loss(), policy, where)) continue;
+///   optimizer.step();
+bool check_loss_is_finite(const ReducedLoss& loss, NonFinitePolicy policy, const std::string& where);
+
 }  // namespace ddp

@@ -280,26 +280,42 @@ inline double hook_error(const std::shared_ptr<ProcessGroup>& group, const std::
 
 // Rank 1's loss turns NaN at step 2; all ranks act together. Returns how
 // many steps were skipped.
-inline int train_with_a_nan(const std::shared_ptr<ProcessGroup>& group, ddp::NonFinitePolicy policy) {
+// With `carry_loss`, the check rides on the gradient all-reduce
+// (DDPOptions::carry_loss, note_loss) instead of an all-reduce of its own:
+// backward runs, and the step is skipped after it. `collectives`, when
+// given, receives how many collectives the 5 steps issued.
+inline int train_with_a_nan(const std::shared_ptr<ProcessGroup>& group, ddp::NonFinitePolicy policy,
+                            bool carry_loss = false, uint64_t* collectives = nullptr) {
   torch::manual_seed(2);
   Mlp model;
-  ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group, ddp::DDPOptions().carry_loss(carry_loss));
   torch::optim::Adam optimizer(ddp_model->parameters(), torch::optim::AdamOptions(1e-2));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(5 + group->rank());
   int skipped = 0;
+  const uint64_t first = group->trace().last_entered();
   for (int step = 0; step < 5; ++step) {
     at::Tensor x = at::randn({4, 10}, generator);
     at::Tensor y = at::randint(0, 4, {4}, generator, at::kLong);
     optimizer.zero_grad();
     auto loss = torch::nn::functional::cross_entropy(ddp_model.forward(x), y);
     if (step == 2 && group->rank() == 1) loss = loss * std::nan("");
-    if (!ddp::check_loss_is_finite(loss, *group, policy, "step " + std::to_string(step))) {
-      ++skipped;
-      continue;
+    if (carry_loss) {
+      ddp_model.note_loss(loss);
+      loss.backward();
+      if (!ddp::check_loss_is_finite(ddp_model.reduced_loss(), policy, "step " + std::to_string(step))) {
+        ++skipped;
+        continue;
+      }
+    } else {
+      if (!ddp::check_loss_is_finite(loss, *group, policy, "step " + std::to_string(step))) {
+        ++skipped;
+        continue;
+      }
+      loss.backward();
     }
-    loss.backward();
     optimizer.step();
   }
+  if (collectives) *collectives = group->trace().last_entered() - first;
   at::Tensor weights = flatten_parameters(*model);
   EXPECT_TRUE(at::isfinite(weights).all().item<bool>());
   expect_replicas_identical(group, weights);
