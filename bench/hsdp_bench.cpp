@@ -11,7 +11,8 @@
 // over every rank), hsdp (FULL_SHARD within the node, replicated across
 // nodes: DeviceMesh::from_launcher), hsdp-zero2 (SHARD_GRAD_OP within),
 // ddp-hier (DDP with hierarchical_allreduce_hook: reduce in the node,
-// all-reduce between node leaders, broadcast in the node).
+// all-reduce between node leaders, broadcast in the node), ddp-unused (DDP
+// with find_unused_parameters) and ddp-static (the same with static_graph).
 // The model: --layers Linear(width, width) children, each an FSDP unit.
 //
 // Prints one JSON line (rank 0): the median step time and the bytes all
@@ -110,6 +111,11 @@ std::unique_ptr<Trainer> make_trainer(const Config& c, const std::shared_ptr<ddp
   if (c.strategy == "ddp") {
     return std::make_unique<WrappedTrainer<ddp::DistributedDataParallel<torch::nn::Sequential>>>(make_model(c), world);
   }
+  if (c.strategy == "ddp-unused" || c.strategy == "ddp-static") {
+    return std::make_unique<WrappedTrainer<ddp::DistributedDataParallel<torch::nn::Sequential>>>(
+        make_model(c), world,
+        ddp::DDPOptions().find_unused_parameters(true).static_graph(c.strategy == "ddp-static"));
+  }
   if (c.strategy == "fsdp") return std::make_unique<WrappedTrainer<Fsdp>>(make_model(c), world, options);
   const auto mesh = ddp::DeviceMesh::from_launcher(world);
   if (c.strategy == "ddp-hier") {
@@ -129,7 +135,7 @@ int main(int argc, char** argv) {
   CLI::App app{"HSDP against FSDP and DDP across nodes: step time and bytes sent per step"};
   app.option_defaults()->always_capture_default();
   app.add_option("--strategy", c.strategy, "how the model is spread")
-      ->check(CLI::IsMember({"ddp", "ddp-hier", "fsdp", "hsdp", "hsdp-zero2"}));
+      ->check(CLI::IsMember({"ddp", "ddp-hier", "ddp-unused", "ddp-static", "fsdp", "hsdp", "hsdp-zero2"}));
   app.add_option("--width", c.width, "features of each Linear")->check(CLI::PositiveNumber);
   app.add_option("--layers", c.layers, "Linear(width, width) children")->check(CLI::PositiveNumber);
   app.add_option("--batch", c.batch, "rows per rank")->check(CLI::PositiveNumber);

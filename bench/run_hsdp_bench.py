@@ -25,12 +25,12 @@ END = "<!-- hsdp across nodes: end -->"
 STRATEGIES = ["ddp", "ddp-hier", "fsdp", "hsdp"]
 
 
-def run_once(cluster, build_dir, strategy, port, model_args, steps, warmup):
+def run_once(cluster, build_dir, strategy, port, model_args, steps, warmup, nproc=2):
     ddprun = os.path.join(build_dir, "bin", "ddprun")
     bench = os.path.join(build_dir, "bin", "hsdp_bench")
     procs = []
     for node in range(2):
-        argv = [ddprun, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+        argv = [ddprun, "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"{cluster.addresses[0]}:{port}", bench, "--strategy", strategy, "--steps", str(steps),
                 "--warmup", str(warmup)] + model_args
         env = dict(os.environ, DDP_TIMEOUT_SECONDS="300")

@@ -116,7 +116,13 @@ at::Tensor BucketReducer::slot_of(size_t param_index) {
 }
 
 void BucketReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
-  if (options_.find_unused_parameters()) engine_->find_unreachable(outputs);
+  if (!options_.find_unused_parameters()) return;
+  if (options_.static_graph() && static_unreachable_) {
+    engine_->set_unreachable(*static_unreachable_);
+    return;
+  }
+  engine_->find_unreachable(outputs);
+  if (options_.static_graph()) static_unreachable_ = engine_->unreachable();
 }
 
 void BucketReducer::warn_on_backward_without_forward(std::string warning) {
@@ -234,6 +240,10 @@ std::string BucketReducer::collective_tag(size_t b) const {
 
 void BucketReducer::before_waiting(const std::vector<char>& used_locally) {
   if (!options_.find_unused_parameters()) return;
+  if (options_.static_graph() && static_used_anywhere_.defined()) {
+    used_anywhere_ = static_used_anywhere_;
+    return;
+  }
   // Which parameters got a gradient on any rank: one used nowhere keeps its
   // .grad untouched, as in PyTorch.
   at::Tensor flags = at::empty({static_cast<int64_t>(params_.size())}, at::kInt);
@@ -243,6 +253,7 @@ void BucketReducer::before_waiting(const std::vector<char>& used_locally) {
   CollectiveTag tag("ddp unused-parameter flags");
   group_->all_reduce(sent);
   used_anywhere_ = sent.cpu();
+  if (options_.static_graph()) static_used_anywhere_ = used_anywhere_;
 }
 
 void BucketReducer::finish_group(size_t b, const at::Tensor& result) {

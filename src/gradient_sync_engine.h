@@ -82,6 +82,10 @@ class GradientSyncEngine {
   /// get no gradient, so the next pass marks them ready when it starts and
   /// their groups need not wait for the end of backward.
   void find_unreachable(const std::vector<at::Tensor>& outputs);
+  /// What find_unreachable found for the coming pass (parameter indices).
+  const std::vector<size_t>& unreachable() const { return unreachable_; }
+  /// Instead of find_unreachable: a static graph's set, found once.
+  void set_unreachable(std::vector<size_t> unreachable) { unreachable_ = std::move(unreachable); }
   /// Starts a backward pass now, if none is running.
   void begin_round();
   /// Before a forward: throws if the last backward pass never ended (an

@@ -245,3 +245,43 @@ TEST(DistributedDataParallel, CommunicationHooks) {
 }
 
 }  // namespace
+
+namespace {
+
+// static_graph with find_unused_parameters: the same weights as without it,
+// and after the first iteration no all-reduce of "used" flags (one
+// collective fewer per step; the graph search is skipped too).
+TEST(StaticGraph, KeepsTheFirstIterationsUnusedParametersAndSkipsTheFlagsAllReduce) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    auto train = [&](bool static_graph, uint64_t* collectives) {
+      torch::manual_seed(3);
+      Branchy model;
+      ddp::DistributedDataParallel<Branchy> ddp_model(
+          model, group, ddp::DDPOptions().find_unused_parameters(true).static_graph(static_graph));
+      torch::optim::SGD optimizer(ddp_model->parameters(), torch::optim::SGDOptions(0.1));
+      const at::Tensor x = at::full({2, 4}, 1.0 + group->rank());
+      const uint64_t first = group->trace().last_entered();
+      for (int step = 0; step < 4; ++step) {
+        optimizer.zero_grad();
+        ddp_model.forward(x, /*use_right=*/false).sum().backward();
+        optimizer.step();
+      }
+      *collectives = group->trace().last_entered() - first;
+      // `right` and `never` took no part: no gradient, as in PyTorch.
+      EXPECT_FALSE(model->right->weight.grad().defined());
+      EXPECT_FALSE(model->never->weight.grad().defined());
+      return flatten_parameters(*model);
+    };
+    uint64_t dynamic_count = 0, static_count = 0;
+    const at::Tensor dynamic_weights = train(false, &dynamic_count);
+    const at::Tensor static_weights = train(true, &static_count);
+    EXPECT_TRUE(at::equal(dynamic_weights, static_weights));
+    // Per step a bucket all-reduce, plus the flags' all-reduce (every step,
+    // or only the first under static_graph), plus the bucket rebuild's
+    // broadcast once.
+    EXPECT_EQ(dynamic_count, 4u + 4u + 1u);
+    EXPECT_EQ(static_count, 4u + 1u + 1u);
+  }));
+}
+
+}  // namespace

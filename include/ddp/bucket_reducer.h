@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,14 @@ struct ReducerOptions {
   /// check and the loss averaged for the log cost no collective of their own
   /// (reduced_loss()). Only with the default all-reduce (no comm_hook).
   TORCH_ARG(bool, carry_loss) = false;
+  /// The graph is the same every iteration (PyTorch's static_graph): the
+  /// same parameters take part and their gradients arrive in the same order.
+  /// With find_unused_parameters, the first iteration's findings are then
+  /// kept: later iterations skip the search of the autograd graph for
+  /// parameters the outputs cannot reach and the all-reduce of the
+  /// per-parameter "used" flags. Without find_unused_parameters there is
+  /// nothing to skip (the buckets are rebuilt once either way).
+  TORCH_ARG(bool, static_graph) = false;
 };
 
 /// Averages the gradients of `params` across `group` during each backward.
@@ -159,6 +168,9 @@ class BucketReducer : private detail::ReductionPolicy {
   std::string missing_forward_warning_;
   bool buckets_rebuilt_ = false;
   int64_t reduced_steps_ = 0;
+  // static_graph: the first iteration's unreachable parameters and used flags.
+  std::optional<std::vector<size_t>> static_unreachable_;
+  at::Tensor static_used_anywhere_;
   at::Tensor noted_loss_;      // carry_loss: this rank's, for the next synchronised backward
   ReducedLoss reduced_loss_;   // what the last one carried
   std::unique_ptr<detail::GradientSyncEngine> engine_;  // last: its hooks call the members above

@@ -75,6 +75,7 @@ struct DDPOptions {
   /// your own CommHook.
   DDP_REDUCER_ARG(std::shared_ptr<CommHook>, comm_hook)
   DDP_REDUCER_ARG(bool, carry_loss)
+  DDP_REDUCER_ARG(bool, static_graph)
 };
 
 #undef DDP_REDUCER_ARG
