@@ -11,7 +11,7 @@ CTEST_ARGS ?=
 # per machine in ~/.cache/ddp (or $DDP_CACHE_DIR, or uses $DDP_VENV).
 VENV_FILE := $(BUILD_DIR)/.venv-path
 
-.PHONY: all configure build setup run test bench clean install plot
+.PHONY: all configure build setup run test bench bench-net clean install plot
 
 all: build
 
@@ -56,3 +56,8 @@ clean:
 # Side-by-side benchmark against PyTorch's Python DDP; writes bench/RESULTS.md.
 bench: build
 	$$(cat $(VENV_FILE))/bin/python bench/run_bench.py --build-dir $(BUILD_DIR)
+
+# ddp against Python DDP on an emulated 2-node cluster (network namespaces,
+# tbf-limited links at 1 and 10 Gbit/s); writes bench/NETWORK.md. Needs root.
+bench-net: build
+	$$(cat $(VENV_FILE))/bin/python bench/run_net_bench.py --build-dir $(BUILD_DIR)

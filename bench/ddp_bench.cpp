@@ -11,6 +11,9 @@
 // all gradients after backward), allreduce (communication only), collective
 // (no model: float32 all-reduces of 4 KB, 1 MB, 8 MB and 40 MB).
 //
+// DDP modes also take --bucket-cap-mb and --comm-hook allreduce|fp16|bf16|
+// powersgd (--powersgd-rank r; PowerSGD starts after 2 plain steps).
+//
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
 
 #include "bench_models.h"
@@ -18,6 +21,7 @@
 
 #include "../src/bucket_assignment.h"  // internal: the bucket rule alone
 #include <ddp/collective_trace.h>
+#include <ddp/comm_hooks.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
@@ -47,6 +51,9 @@ struct Config {
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
   std::string backend = "gloo";
+  double bucket_cap_mb = 25.0;       // DDP modes: ReducerOptions::bucket_cap_mb
+  std::string comm_hook = "allreduce";  // DDP modes: allreduce, fp16, bf16 or powersgd
+  int64_t powersgd_rank = 4;          // --comm-hook powersgd: matrix_approximation_rank
 };
 
 // The flags, bound to `c`, each with its default on --help.
@@ -61,6 +68,22 @@ void add_flags(CLI::App& app, Config& c) {
   app.add_option("--batch", c.batch, "samples per rank; 0: the model's default (wine 32, mlp2m 64, transformer 8)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--backend", c.backend, "gloo, nccl or mpi (ranks started by mpirun)");
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "DDP modes: the bucket size cap in MB")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--comm-hook", c.comm_hook,
+                 "DDP modes: how each bucket is reduced (powersgd: warm-up of 2 steps, then compressed)")
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
+  app.add_option("--powersgd-rank", c.powersgd_rank, "--comm-hook powersgd: the matrix approximation rank")
+      ->check(CLI::PositiveNumber);
+}
+
+std::shared_ptr<ddp::CommHook> make_comm_hook(const Config& c) {
+  if (c.comm_hook == "fp16") return ddp::fp16_compress_hook();
+  if (c.comm_hook == "bf16") return ddp::bf16_compress_hook();
+  if (c.comm_hook == "powersgd")
+    return ddp::powersgd_hook(
+        ddp::PowerSGDOptions().matrix_approximation_rank(c.powersgd_rank).start_powerSGD_iter(2));
+  return nullptr;  // allreduce: the engine's own all-reduce
 }
 
 using bench::median;
@@ -164,11 +187,16 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
       auto options = ddp::DDPOptions()
                          .overlap_with_backward(c.mode != "no-overlap")
                          .rebuild_buckets(c.mode != "no-rebuild")
-                         .gradient_as_bucket_view(c.mode == "bucket-view");
+                         .gradient_as_bucket_view(c.mode == "bucket-view")
+                         .bucket_cap_mb(c.bucket_cap_mb)
+                         .comm_hook(make_comm_hook(c));
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
       times = time_steps(c, ddp_model->parameters(),
                          [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); });
       extra["buckets"] = ddp_model.reducer().bucket_assignment().size();
+      extra["bucket_cap_mb"] = c.bucket_cap_mb;
+      extra["comm_hook"] = c.comm_hook;
+      if (c.comm_hook == "powersgd") extra["powersgd_rank"] = c.powersgd_rank;
     }
   }
   int world = group ? group->size() : 1;

@@ -10,11 +10,13 @@ and htb, not netem): egress on the node's end and on the switch's end.
         cluster.tx_bytes(0)                             # what node 0 has sent
 
 Needs root and iproute2. Every namespace (and with it every veth and qdisc)
-is deleted on exit, on an exception, and on SIGINT or SIGTERM.
+is deleted on exit, on an exception, and on SIGINT or SIGTERM, after the
+processes still running in it are ended.
 """
 import os
 import signal
 import subprocess
+import time
 
 SUBNET = "10.213.90"
 
@@ -24,6 +26,15 @@ def _run(argv):
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return done.stdout
+
+
+def _running(pid):
+    """Whether `pid` still runs (a zombie, waiting to be reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _burst(rate):
@@ -93,8 +104,31 @@ class EmulatedCluster:
                 _run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", port, "root"] + tbf)
 
     def remove(self):
+        self._end_processes()
         for ns in self.namespaces + [self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+    def _end_processes(self, grace=3.0):
+        """Ends what still runs inside the nodes (SIGTERM, then SIGKILL after
+        `grace` seconds): a namespace outlives its name while a process is in
+        it, and launchers' workers can run in sessions of their own."""
+        pids = set()
+        for ns in self.namespaces + [self.switch]:
+            done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+            pids.update(int(p) for p in done.stdout.split() if p.isdigit())
+        pids.discard(os.getpid())
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in list(pids):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pids.discard(pid)
+            deadline = time.time() + grace
+            while pids and time.time() < deadline:
+                pids = {pid for pid in pids if _running(pid)}
+                time.sleep(0.05)
+            if not pids:
+                return
 
     # --- use --------------------------------------------------------------
 

@@ -164,33 +164,17 @@ std::string rank_list(const std::vector<int>& ranks) {
 }
 
 // What a rank files when it joins; rank 0's also carries the nonce.
-struct Record {
+struct Record : RankRecord {
   std::string nonce;
-  int world_size = 0;
-  std::string run_id;
-  std::string host;
-  std::string pid;
 
-  std::string encode() const {
-    return nonce + "\n" + std::to_string(world_size) + "\n" + run_id + "\n" + host + "\n" + pid;
-  }
+  std::string encode() const { return nonce + "\n" + RankRecord::encode(); }
   static Record decode(const std::string& text) {
     Record r;
     std::istringstream in(text);
-    std::string size;
     std::getline(in, r.nonce);
-    std::getline(in, size);
-    std::getline(in, r.run_id);
-    std::getline(in, r.host);
-    std::getline(in, r.pid);
-    try {
-      r.world_size = std::stoi(size);
-    } catch (...) {
-      r.world_size = -1;
-    }
+    static_cast<RankRecord&>(r) = RankRecord::read(in);
     return r;
   }
-  std::string where() const { return "host " + host + ", pid " + pid; }
 };
 
 // The meeting in the file (see the top of this file), under one deadline.

@@ -297,34 +297,8 @@ std::string rank_list(const std::vector<int>& ranks) {
   return text;
 }
 
-// What each rank publishes when it joins: its world size and run id, and
-// where it runs, for messages.
-struct Arrival {
-  int world_size = 0;
-  std::string run_id;
-  std::string host;
-  std::string pid;
-
-  std::string encode() const {
-    return std::to_string(world_size) + "\n" + run_id + "\n" + host + "\n" + pid;
-  }
-  static Arrival decode(const std::string& text) {
-    Arrival a;
-    std::istringstream in(text);
-    std::string size;
-    std::getline(in, size);
-    std::getline(in, a.run_id);
-    std::getline(in, a.host);
-    std::getline(in, a.pid);
-    try {
-      a.world_size = std::stoi(size);
-    } catch (...) {
-      a.world_size = -1;
-    }
-    return a;
-  }
-  std::string where() const { return "host " + host + ", pid " + pid; }
-};
+// What each rank publishes when it joins (rendezvous.h).
+using Arrival = RankRecord;
 
 // The rendezvous after the store is connected, all under one deadline:
 //  - the run id (rank 0's, in the unprefixed store) must be this rank's;
@@ -537,6 +511,30 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const World& world, const std::string
   // Every key of this job lives under its run id, so even a foreign
   // process that got past the check could not touch them.
   return c10::make_intrusive<c10d::PrefixStore>("run/" + run_id, attempt);
+}
+
+std::string RankRecord::encode() const {
+  return std::to_string(world_size) + "\n" + run_id + "\n" + host + "\n" + pid;
+}
+
+RankRecord RankRecord::read(std::istream& in) {
+  RankRecord r;
+  std::string size;
+  std::getline(in, size);
+  std::getline(in, r.run_id);
+  std::getline(in, r.host);
+  std::getline(in, r.pid);
+  try {
+    r.world_size = std::stoi(size);
+  } catch (...) {
+    r.world_size = -1;
+  }
+  return r;
+}
+
+RankRecord RankRecord::decode(const std::string& text) {
+  std::istringstream in(text);
+  return read(in);
 }
 
 }  // namespace ddp::detail

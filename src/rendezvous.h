@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <istream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -77,5 +78,23 @@ int restart_count();
 // c10d's error that followed): a PeerFailure naming what it waited for.
 [[noreturn]] void throw_store_did_not_answer(const World& world, std::chrono::milliseconds timeout,
                                              const StoreDeadline& deadline, const c10::Error& cause);
+
+// What each rank publishes when it joins, in both rendezvous (rendezvous.cpp
+// and file_rendezvous.cpp): its world size and run id, and where it runs,
+// for messages. Stored one field a line.
+struct RankRecord {
+  int world_size = 0;
+  std::string run_id;
+  std::string host;
+  std::string pid;
+
+  // "<world size>\n<run id>\n<host>\n<pid>".
+  std::string encode() const;
+  // Reads the four lines encode() writes from `in`; a world size that is no
+  // number reads as -1, a missing line as empty.
+  static RankRecord read(std::istream& in);
+  static RankRecord decode(const std::string& text);
+  std::string where() const { return "host " + host + ", pid " + pid; }
+};
 
 }  // namespace ddp::detail

@@ -7,10 +7,12 @@
 // saying why, where this build has no MPI or mpirun is missing.
 //
 // As in test_subgroups_mpi.cpp, the test re-executes this binary under
-// mpirun with DDP_MPI_COLLECTIVES_CHILD naming the test.
+// mpirun (run_on_mpi_ranks, support/mpi_ranks.h); the ranks find the test's
+// directory in DDP_MPI_COLLECTIVES_DIR.
 
 #include <support/collective_scenarios.h>
 #include <support/launch.h>
+#include <support/mpi_ranks.h>
 #include <support/ranks.h>
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
@@ -21,7 +23,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -32,48 +36,14 @@ namespace {
 
 using Group = std::shared_ptr<ddp::ProcessGroup>;
 
-constexpr const char* kChildVariable = "DDP_MPI_COLLECTIVES_CHILD";
 constexpr const char* kDirVariable = "DDP_MPI_COLLECTIVES_DIR";
 
-#define SKIP_WITHOUT_MPI()                                                                                  \
-  do {                                                                                                      \
-    if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";             \
-    if (run_process({"sh", "-c", "command -v mpirun"}).exit_code != 0)                                      \
-      GTEST_SKIP() << "mpirun (Debian's openmpi-bin) is not installed";                                     \
-  } while (false)
-
-// In a child: runs `body` over an mpi group with the directory the test
-// made, prints a marker, ends the process. In the test process: runs `ranks`
-// children under mpirun.
+// run_on_mpi_ranks whose ranks get the directory the test made.
 ProcessResult on_mpi_ranks(int ranks, const std::string& dir,
                            const std::function<void(const Group&, const std::string&)>& body) {
-  const std::string test = ddp::testing::detail::current_test_name();
-  if (const char* child = std::getenv(kChildVariable); child && test == child) {
-    int code = 0;
-    try {
-      auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
-      body(group, std::getenv(kDirVariable));
-      group->barrier();
-      std::printf("MPI COLLECTIVES BODY DONE on rank %d\n", group->rank());
-    } catch (const std::exception& e) {
-      std::cerr << "rank threw: " << e.what() << "\n";
-      code = 1;
-    }
-    if (::testing::Test::HasFailure()) code = 1;
-    std::fflush(nullptr);
-    std::exit(code);  // exit, not _Exit: MPI_Finalize runs from atexit
-  }
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(ranks),
-                                   "-x", std::string(kChildVariable) + "=" + test,
-                                   "-x", std::string(kDirVariable) + "=" + dir,
-                                   "-x", "DDP_TIMEOUT_SECONDS=60",
-                                   ddp::testing::detail::self_executable(), "--gtest_filter=" + test};
-  return run_process(argv, one_rank({}, std::chrono::seconds(150)));
-}
-
-void expect_bodies_ran(const ProcessResult& r, int ranks) {
-  EXPECT_EQ(r.exit_code, 0) << r.describe();
-  EXPECT_EQ(count_of(r.out, "MPI COLLECTIVES BODY DONE on rank"), ranks) << r.describe();
+  return run_on_mpi_ranks(
+      ranks, [&](const Group& world) { body(world, std::getenv(kDirVariable)); },
+      {{kDirVariable, dir}, {"DDP_TIMEOUT_SECONDS", "60"}}, std::chrono::seconds(150));
 }
 
 void same_as_python_at(int ranks) {
@@ -81,7 +51,7 @@ void same_as_python_at(int ranks) {
   const ProcessResult r = on_mpi_ranks(ranks, dir, [](const Group& world, const std::string& shared) {
     run_reference_scenario(*world, shared);
   });
-  expect_bodies_ran(r, ranks);
+  expect_mpi_bodies_ran(r, ranks);
   if (!::testing::Test::HasFailure()) expect_same_as_python(dir, ranks);
   std::filesystem::remove_all(dir);
 }
@@ -99,7 +69,7 @@ TEST(MpiCollectives, SameAsTorchDistributedAtThreeRanks) {
 TEST(MpiCollectives, MonitoredBarrierWithoutRankZeroEndsAfterItsTimeoutAndGrace) {
   SKIP_WITHOUT_MPI();
   const std::string dir = make_temp_dir("mpi_collectives");
-  expect_bodies_ran(on_mpi_ranks(3, dir, [](const Group& world, const std::string&) {
+  expect_mpi_bodies_ran(on_mpi_ranks(3, dir, [](const Group& world, const std::string&) {
     Group group = world->new_group({0, 1, 2});
     if (world->rank() != 0) {
       const auto start = std::chrono::steady_clock::now();

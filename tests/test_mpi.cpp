@@ -4,9 +4,10 @@
 // skips, saying why, where this build has no MPI or mpirun is missing.
 //
 // Tests whose ranks run code from this file re-execute this binary under
-// mpirun with DDP_MPI_TEST_CHILD set to the test's name (on_mpi_ranks), so
-// the assertion and each rank's code stay together. The training stack's
-// scenarios are the very ones the Gloo tests run (support/ddp_scenarios.h).
+// mpirun with DDP_MPI_TEST_CHILD set to the test's name (run_on_mpi_ranks,
+// support/mpi_ranks.h), so the assertion and each rank's code stay together.
+// The training stack's scenarios are the very ones the Gloo tests run
+// (support/ddp_scenarios.h).
 
 #include <ddp/ddp.h>
 
@@ -14,6 +15,7 @@
 #include <support/ddp_models.h>
 #include <support/ddp_scenarios.h>
 #include <support/launch.h>
+#include <support/mpi_ranks.h>
 #include <support/ranks.h>
 #include <support/subprocess.h>
 #include <support/two_node_network.h>
@@ -34,63 +36,8 @@ using namespace ddp::testing;
 namespace {
 
 using Group = std::shared_ptr<ddp::ProcessGroup>;
-
-constexpr const char* kChildVariable = "DDP_MPI_TEST_CHILD";
-
-bool have_mpirun() { return run_process({"sh", "-c", "command -v mpirun"}).exit_code == 0; }
-
-#define SKIP_WITHOUT_MPI()                                                                      \
-  do {                                                                                          \
-    if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)"; \
-    if (!have_mpirun()) GTEST_SKIP() << "mpirun (Debian's openmpi-bin) is not installed";       \
-  } while (false)
-
-std::vector<std::string> mpirun(int ranks, std::vector<std::string> program,
-                                const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(ranks)};
-  for (const auto& [name, value] : env) {
-    argv.push_back("-x");
-    argv.push_back(name + "=" + value);
-  }
-  argv.insert(argv.end(), program.begin(), program.end());
-  return argv;
-}
-
 using ddp::testing::detail::current_test_name;
 using ddp::testing::detail::self_executable;
-
-// In a child of on_mpi_ranks: runs `body` over an mpi group and ends the
-// process (0 when no assertion failed). In the test process: starts `ranks`
-// children under mpirun and returns what mpirun did.
-ProcessResult on_mpi_ranks(int ranks, const RankBody& body,
-                           std::chrono::seconds timeout = std::chrono::seconds(120),
-                           std::vector<std::pair<std::string, std::string>> env = {}) {
-  const std::string test = current_test_name();
-  if (const char* child = std::getenv(kChildVariable); child && test == child) {
-    int code = 0;
-    try {
-      auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
-      body(group);
-      group->barrier();
-      std::printf("MPI BODY DONE on rank %d of %d\n", group->rank(), group->size());
-    } catch (const std::exception& e) {
-      std::cerr << "rank threw: " << e.what() << "\n";
-      code = 1;
-    }
-    if (::testing::Test::HasFailure()) code = 1;
-    std::fflush(nullptr);
-    std::exit(code);  // exit, not _Exit: MPI_Finalize runs from atexit
-  }
-  env.emplace_back(kChildVariable, test);
-  return run_process(mpirun(ranks, {self_executable(), "--gtest_filter=" + test}, env), one_rank({}, timeout));
-}
-
-// Every rank ran the test's body to its end (so the test cannot pass
-// because nothing ran).
-void expect_bodies_ran(const ProcessResult& r, int ranks) {
-  EXPECT_EQ(r.exit_code, 0) << r.describe();
-  EXPECT_EQ(count_of(r.out, "MPI BODY DONE on rank"), ranks) << r.describe();
-}
 
 std::vector<at::ScalarType> all_dtypes() {
   return {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kByte, at::kBool, at::kHalf, at::kBFloat16};
@@ -175,24 +122,24 @@ void check_every_collective(const Group& ranks_group) {
 
 TEST(Mpi, EveryCollectiveAndDtypeAtTwoRanks) {
   SKIP_WITHOUT_MPI();
-  expect_bodies_ran(on_mpi_ranks(2, check_every_collective), 2);
+  expect_mpi_bodies_ran(run_on_mpi_ranks(2, check_every_collective), 2);
 }
 
 TEST(Mpi, EveryCollectiveAndDtypeAtThreeRanks) {
   SKIP_WITHOUT_MPI();
-  expect_bodies_ran(on_mpi_ranks(3, check_every_collective), 3);
+  expect_mpi_bodies_ran(run_on_mpi_ranks(3, check_every_collective), 3);
 }
 
 TEST(Mpi, LocalRankComesFromTheSharedMemorySplitAndMatchesTheEnvironment) {
   SKIP_WITHOUT_MPI();
-  auto r = on_mpi_ranks(3, [](const Group& group) {
+  auto r = run_on_mpi_ranks(3, [](const Group& group) {
     auto from_env = ddp::world_from_env();
     EXPECT_EQ(group->world().local_rank, from_env.local_rank);
     EXPECT_EQ(group->world().local_world_size, from_env.local_world_size);
     EXPECT_EQ(group->world().local_world_size, 3);  // one host
     EXPECT_EQ(group->backend(), ddp::BackendKind::kMpi);
   });
-  expect_bodies_ran(r, 3);
+  expect_mpi_bodies_ran(r, 3);
 }
 
 double max_difference(const std::string& a, const std::string& b) {
@@ -216,8 +163,9 @@ TEST(Mpi, WineOverMpiEndsWithGloosWeights) {
     fs::create_directories(mpi);
     auto g = run_process(under_ddprun(ranks, "wine_ddp", {"8", "4", "--checkpoint-dir", gloo}), one_rank({}));
     ASSERT_EQ(g.exit_code, 0) << g.describe();
-    auto m = run_process(mpirun(ranks, {bin_path("wine_ddp"), "8", "4", "--backend", "mpi", "--checkpoint-dir", mpi}),
-                         one_rank({}));
+    auto m = run_process(
+        mpirun_argv(ranks, {bin_path("wine_ddp"), "8", "4", "--backend", "mpi", "--checkpoint-dir", mpi}),
+        one_rank({}));
     ASSERT_EQ(m.exit_code, 0) << m.describe();
     EXPECT_EQ(loss_lines(m.out), loss_lines(g.out)) << ranks << " ranks";
     const double diff = max_difference(gloo + "/model_final.pt", mpi + "/model_final.pt");
@@ -236,7 +184,7 @@ TEST(Mpi, WineOverMpiEndsWithGloosWeights) {
 // the non-finite check and ZeRO over mpi: the Gloo tests' own scenarios.
 TEST(Mpi, TheTrainingStackWorksOverMpi) {
   SKIP_WITHOUT_MPI();
-  auto r = on_mpi_ranks(
+  auto r = run_on_mpi_ranks(
       2,
       [](const Group& group) {
         Equivalence small_buckets;
@@ -255,8 +203,8 @@ TEST(Mpi, TheTrainingStackWorksOverMpi) {
         EXPECT_EQ(train_with_a_nan(group, ddp::parse_nonfinite_policy("skip")), 1);
         expect_zero_matches_full_optimizer(group, "adam");
       },
-      std::chrono::seconds(240), {{"DDP_TIMEOUT_SECONDS", "30"}});
-  expect_bodies_ran(r, 2);
+      {{"DDP_TIMEOUT_SECONDS", "30"}}, std::chrono::seconds(240));
+  expect_mpi_bodies_ran(r, 2);
 }
 
 TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
@@ -266,8 +214,8 @@ TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
     auto g = run_process(under_ddprun(2, "ddp_worker", {"train", "--strategy", strategy, "--out", dir + "/g.pt"}),
                          one_rank({}));
     ASSERT_EQ(g.exit_code, 0) << strategy << ": " << g.describe();
-    auto m = run_process(mpirun(2, {bin_path("ddp_worker"), "train", "--strategy", strategy, "--backend", "mpi", "--out",
-                                    dir + "/m.pt"}),
+    auto m = run_process(mpirun_argv(2, {bin_path("ddp_worker"), "train", "--strategy", strategy, "--backend", "mpi",
+                                         "--out", dir + "/m.pt"}),
                          one_rank({}));
     ASSERT_EQ(m.exit_code, 0) << strategy << ": " << m.describe();
     EXPECT_LE(max_difference(dir + "/g.pt", dir + "/m.pt"), 1e-6) << strategy;
@@ -277,7 +225,7 @@ TEST(Mpi, FsdpStrategiesOverMpiMatchGloo) {
 
 TEST(Mpi, MismatchedReplicasAreReportedOverMpi) {
   SKIP_WITHOUT_MPI();
-  auto r = on_mpi_ranks(2, [](const Group& group) {
+  auto r = run_on_mpi_ranks(2, [](const Group& group) {
     Mlp model(group->rank() == 1 ? 5 : 4);
     ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
     ADD_FAILURE() << "no error";
@@ -291,7 +239,7 @@ TEST(Mpi, MismatchedReplicasAreReportedOverMpi) {
 TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
   SKIP_WITHOUT_MPI();
   const auto start = std::chrono::steady_clock::now();
-  auto r = on_mpi_ranks(
+  auto r = run_on_mpi_ranks(
       2,
       [](const Group& group) {
         at::Tensor t = at::ones({4});
@@ -300,7 +248,7 @@ TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
         if (group->rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
         group->all_reduce(t);
       },
-      std::chrono::seconds(60), {{"DDP_TIMEOUT_SECONDS", "3"}});
+      {{"DDP_TIMEOUT_SECONDS", "3"}}, std::chrono::seconds(60));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(r.exit_code, 0) << r.describe();
   EXPECT_FALSE(r.timed_out) << r.describe();
@@ -314,7 +262,7 @@ TEST(Mpi, AStalledPeerEndsTheJobWithinTheTimeout) {
 TEST(Mpi, ARankThatExitsBeforeMpiStartsEndsTheOthersWithinTheTimeout) {
   SKIP_WITHOUT_MPI();
   const std::string test = current_test_name();
-  if (const char* child = std::getenv(kChildVariable); child && test == child) {
+  if (in_mpi_rank_process()) {
     try {
       ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
       std::printf("MPI STARTED WITHOUT RANK 1\n");
@@ -327,10 +275,10 @@ TEST(Mpi, ARankThatExitsBeforeMpiStartsEndsTheOthersWithinTheTimeout) {
   const auto start = std::chrono::steady_clock::now();
   // Rank 1 is a shell that exits before rank 0 has even loaded: mpirun
   // notices a rank leaving without MPI only once another rank started MPI.
-  auto r = run_process(mpirun(2,
-                              {"sh", "-c", "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && exit 0; exec \"$0\" \"$@\"",
-                               self_executable(), "--gtest_filter=" + test},
-                              {{kChildVariable, test}, {"DDP_TIMEOUT_SECONDS", "3"}}),
+  auto r = run_process(mpirun_argv(2,
+                                   {"sh", "-c", "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && exit 0; exec \"$0\" \"$@\"",
+                                    self_executable(), "--gtest_filter=" + test},
+                                   {{kMpiRanksChildVariable, test}, {"DDP_TIMEOUT_SECONDS", "3"}}),
                        one_rank({}, std::chrono::seconds(60)));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(r.exit_code, 0) << r.describe();
@@ -344,7 +292,7 @@ TEST(Mpi, ARankThatExitsBeforeMpiStartsEndsTheOthersWithinTheTimeout) {
 TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
   SKIP_WITHOUT_MPI();
   const auto start = std::chrono::steady_clock::now();
-  auto r = on_mpi_ranks(
+  auto r = run_on_mpi_ranks(
       2,
       [](const Group& group) {
         at::Tensor t = at::ones({4});
@@ -352,14 +300,14 @@ TEST(Mpi, AKilledRankEndsTheJobFastWithNoOrphans) {
         if (group->rank() == 1) ::kill(::getpid(), SIGKILL);
         for (int i = 0; i < 1000; ++i) group->all_reduce(t);
       },
-      std::chrono::seconds(60));
+      {}, std::chrono::seconds(60));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(r.exit_code, 0) << r.describe();
   EXPECT_FALSE(r.timed_out) << r.describe();
   EXPECT_LT(seconds, 10.0) << r.describe();
   // No rank of that job is left: no process carries its marker.
   int survivors = 0;
-  const std::string wanted = std::string(kChildVariable) + "=" + current_test_name();
+  const std::string wanted = std::string(kMpiRanksChildVariable) + "=" + current_test_name();
   for (const auto& entry : fs::directory_iterator("/proc")) {
     std::ifstream environ(entry.path() / "environ", std::ios::binary);
     std::string all((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());

@@ -3,11 +3,12 @@
 // all-reduce at the same time without mixing, non-members are refused. Skips,
 // saying why, where this build has no MPI or mpirun is missing.
 //
-// As in test_mpi.cpp, the test re-executes this binary under mpirun with
-// DDP_MPI_SUBGROUP_CHILD naming the test, so each rank's code and the
+// As in test_mpi.cpp, the test re-executes this binary under mpirun
+// (run_on_mpi_ranks, support/mpi_ranks.h), so each rank's code and the
 // assertion stay together.
 
 #include <support/launch.h>
+#include <support/mpi_ranks.h>
 #include <support/ranks.h>
 #include <support/torch_errors.h>
 #include <support/subprocess.h>
@@ -28,48 +29,9 @@ namespace {
 
 using Group = std::shared_ptr<ddp::ProcessGroup>;
 
-constexpr const char* kChildVariable = "DDP_MPI_SUBGROUP_CHILD";
-
-#define SKIP_WITHOUT_MPI()                                                                                  \
-  do {                                                                                                      \
-    if (!ddp::mpi_available()) GTEST_SKIP() << "this build of ddp has no MPI (libopenmpi-dev)";             \
-    if (run_process({"sh", "-c", "command -v mpirun"}).exit_code != 0)                                      \
-      GTEST_SKIP() << "mpirun (Debian's openmpi-bin) is not installed";                                     \
-  } while (false)
-
-// In a child: runs `body` over an mpi group, prints a marker, ends the
-// process. In the test process: runs `ranks` children under mpirun.
-ProcessResult on_mpi_ranks(int ranks, const RankBody& body) {
-  const std::string test = ddp::testing::detail::current_test_name();
-  if (const char* child = std::getenv(kChildVariable); child && test == child) {
-    int code = 0;
-    try {
-      auto group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::BackendKind::kMpi));
-      body(group);
-      group->barrier();
-      std::printf("MPI SUBGROUP BODY DONE on rank %d\n", group->rank());
-    } catch (const std::exception& e) {
-      std::cerr << "rank threw: " << e.what() << "\n";
-      code = 1;
-    }
-    if (::testing::Test::HasFailure()) code = 1;
-    std::fflush(nullptr);
-    std::exit(code);  // exit, not _Exit: MPI_Finalize runs from atexit
-  }
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(ranks),
-                                   "-x", std::string(kChildVariable) + "=" + test, "-x", "DDP_TIMEOUT_SECONDS=60",
-                                   ddp::testing::detail::self_executable(), "--gtest_filter=" + test};
-  return run_process(argv, one_rank({}, std::chrono::seconds(120)));
-}
-
-void expect_bodies_ran(const ProcessResult& r, int ranks) {
-  EXPECT_EQ(r.exit_code, 0) << r.describe();
-  EXPECT_EQ(count_of(r.out, "MPI SUBGROUP BODY DONE on rank"), ranks) << r.describe();
-}
-
 TEST(MpiSubgroups, NewGroupSplitAndConcurrentDisjointPairs) {
   SKIP_WITHOUT_MPI();
-  expect_bodies_ran(on_mpi_ranks(4, [](const Group& world) {
+  expect_mpi_bodies_ran(run_on_mpi_ranks(4, [](const Group& world) {
     const int me = world->rank();
     Group odd = world->new_group({3, 1});
     EXPECT_EQ(odd->global_ranks(), (std::vector<int>{1, 3}));
@@ -113,7 +75,7 @@ TEST(MpiSubgroups, NewGroupSplitAndConcurrentDisjointPairs) {
     at::Tensor column = at::full({2}, me + 1.0);
     mesh.group("replicate")->all_reduce(column);
     EXPECT_TRUE(column.equal(at::full({2}, 2.0 * (me % 2) + 4.0))) << column;
-  }), 4);
+  }, {{"DDP_TIMEOUT_SECONDS", "60"}}), 4);
 }
 
 }  // namespace

@@ -72,6 +72,23 @@ inline std::string compare_state_dicts(const std::string& a, const std::string& 
   return r.out.substr(0, r.out.find('\n'));
 }
 
+/// The largest |a - b| over every tensor of two torch.save'd state dicts with
+/// the same keys, or a negative number when Python could not say (`why`, if
+/// given, then holds its error).
+inline double max_state_dict_difference(const std::string& a, const std::string& b, std::string* why = nullptr) {
+  auto r = run_process({DDP_PYTHON, "-c",
+                        "import sys, torch\n"
+                        "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
+                        "assert a.keys() == b.keys(), (list(a), list(b))\n"
+                        "print(repr(max((a[k] - b[k]).abs().max().item() for k in a)))\n",
+                        a, b});
+  if (r.exit_code != 0) {
+    if (why) *why = r.describe();
+    return -1;
+  }
+  return std::stod(r.out);
+}
+
 /// The pid of the worker with global rank `rank` among `launcher_pid`'s
 /// children (ddprun's or torchrun's), found through /proc, or -1.
 inline int worker_pid(int launcher_pid, int rank) {
