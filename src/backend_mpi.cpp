@@ -2,9 +2,11 @@
 // when CMake finds it (DDP_WITH_MPI); otherwise every entry point says how
 // to get it.
 //
-// Execution: every MPI call runs on the one progress thread of
-// mpi_runtime.h, in the order the collectives were issued, so work returns
-// at once and DDP's buckets overlap backward as they do over Gloo.
+// Execution: MPI calls run on the one progress thread of mpi_runtime.h, in
+// the order the collectives were issued, so work returns at once and DDP's
+// buckets overlap backward as they do over Gloo. The exception is a small
+// collective issued while that thread is idle: the caller runs it itself,
+// since waking the thread and being woken back costs more than the call.
 // Point-to-point transfers are posted non-blocking (a blocking send would
 // wait for the peer's receive, which may sit behind a send of its own) and
 // completed by polling between jobs. MPI has no timeouts: the runtime's
@@ -52,9 +54,7 @@ std::string mpi_error_text(int code) {
 class MpiWork : public c10d::Work {
  public:
   MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      : c10d::Work(rank, type), outputs_(std::move(outputs)), future_(c10::make_intrusive<c10::ivalue::Future>(list_type())) {}
 
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -99,6 +99,11 @@ class MpiWork : public c10d::Work {
   }
 
  private:
+  static const c10::TypePtr& list_type() {
+    static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+    return type;
+  }
+
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   mutable std::mutex mutex_;
@@ -167,6 +172,15 @@ class MpiBackend : public c10d::Backend {
     // measures both (DDP_MPI_NONBLOCKING=1 posts MPI_Iallreduce instead).
     const char* nonblocking = std::getenv("DDP_MPI_NONBLOCKING");
     nonblocking_ = nonblocking && std::string(nonblocking) == "1";
+    // Collectives this small run on the caller's thread when the progress
+    // thread is idle (MpiRuntime::try_run_here): the hand-off to that
+    // thread and back cost 12-16 us, several times a 4 KB MPI_Allreduce.
+    // Larger ones keep to the progress thread so that DDP's backward goes
+    // on while they travel. DDP_MPI_INLINE_BYTES=0 turns this off
+    // (bench/run_bench.py --only-collectives measures both).
+    if (const char* limit = std::getenv("DDP_MPI_INLINE_BYTES")) {
+      run_here_max_bytes_ = std::stoll(limit);
+    }
   }
 
   ~MpiBackend() override {
@@ -614,21 +628,22 @@ class MpiBackend : public c10d::Backend {
     return tensors[0];
   }
 
-  std::string describe(const char* what) const {
-    return std::string(what) + " #" + std::to_string(issued_) + " on rank " + std::to_string(rank_) + " of " +
-           std::to_string(size_) + " (mpi)";
-  }
+  MpiRuntime::CollectiveName name_of(const char* what) const { return {what, issued_, rank_, size_}; }
+  std::string describe(const char* what) const { return name_of(what).text(); }
 
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<at::Tensor> outputs, const char* what,
                                         std::function<void()> body) {
     ++issued_;
+    int64_t bytes = 0;
+    for (const at::Tensor& t : outputs) bytes += static_cast<int64_t>(t.nbytes());
     auto work = c10::make_intrusive<MpiWork>(rank_, type, std::move(outputs));
-    auto label = std::make_shared<std::string>(describe(what));
+    const MpiRuntime::CollectiveName name = name_of(what);
     const auto timeout = timeout_;
-    MpiRuntime::get().enqueue([work, body = std::move(body), label, timeout] {
+    auto execute = [](MpiWork& work, const std::function<void()>& body, const MpiRuntime::CollectiveName& name,
+                      std::chrono::milliseconds timeout) {
       auto& runtime = MpiRuntime::get();
       const uint64_t id = runtime.next_id();
-      runtime.watch(id, *label, timeout);
+      runtime.watch(id, name, timeout);
       std::exception_ptr error;
       try {
         body();
@@ -636,8 +651,14 @@ class MpiBackend : public c10d::Backend {
         error = std::current_exception();
       }
       runtime.unwatch(id);
-      work->finish(error);
-    });
+      work.finish(error);
+    };
+    auto& runtime = MpiRuntime::get();
+    // Here: nothing is copied to the heap for the job (std::ref fits in
+    // std::function's own storage).
+    auto here = [&] { execute(*work, body, name, timeout); };
+    if (bytes <= run_here_max_bytes_ && runtime.try_run_here(std::ref(here))) return work;
+    runtime.enqueue([work, body = std::move(body), name, timeout, execute] { execute(*work, body, name, timeout); });
     return work;
   }
 
@@ -686,6 +707,7 @@ class MpiBackend : public c10d::Backend {
   MPI_Comm comm_;
   std::chrono::milliseconds timeout_;
   bool nonblocking_ = false;
+  int64_t run_here_max_bytes_ = 64 << 10;
   int64_t issued_ = 0;
 };
 

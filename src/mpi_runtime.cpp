@@ -53,6 +53,17 @@ void MpiRuntime::enqueue(std::function<void()> job) {
   cv_.notify_one();
 }
 
+bool MpiRuntime::try_run_here(const std::function<void()>& job) {
+  if (!callers_may_run_) return false;
+  std::unique_lock<std::mutex> queue_lock(mutex_);
+  if (progress_busy_ || !queue_.empty()) return false;
+  // Free: the progress thread takes it only after marking itself busy.
+  std::lock_guard<std::mutex> calls(mpi_calls_);
+  queue_lock.unlock();
+  job();
+  return true;
+}
+
 void MpiRuntime::add_pending(MPI_Request request, std::function<void(int)> done) {
   pending_requests_.push_back(request);
   pending_done_.push_back(std::move(done));
@@ -60,7 +71,17 @@ void MpiRuntime::add_pending(MPI_Request request, std::function<void(int)> done)
 
 void MpiRuntime::watch(uint64_t id, const std::string& what, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(watch_mutex_);
-  watched_[id] = Watched{what, Clock::now(), timeout};
+  watched_[id] = Watched{what, CollectiveName{}, Clock::now(), timeout};
+}
+
+void MpiRuntime::watch(uint64_t id, const CollectiveName& what, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(watch_mutex_);
+  watched_[id] = Watched{std::string(), what, Clock::now(), timeout};
+}
+
+std::string MpiRuntime::CollectiveName::text() const {
+  return std::string(op) + " #" + std::to_string(number) + " on rank " + std::to_string(rank) + " of " +
+         std::to_string(size) + " (mpi)";
 }
 
 void MpiRuntime::unwatch(uint64_t id) {
@@ -83,13 +104,14 @@ MpiRuntime::MpiRuntime(std::chrono::milliseconds setup_timeout) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided_);
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided_);
       std::atexit([] { MpiRuntime::get().finalize(); });
     } else {
       MPI_Query_thread(&provided_);
     }
     mpi_initialized_ = true;
   });
+  callers_may_run_ = provided_ >= MPI_THREAD_SERIALIZED;
   unwatch(init_id);
   DDP_CHECK(provided_ >= MPI_THREAD_FUNNELED, "ddp: the MPI library granted thread level ", provided_,
             " but ddp's MPI backend needs MPI_THREAD_FUNNELED (", MPI_THREAD_FUNNELED,
@@ -123,10 +145,16 @@ void MpiRuntime::progress_loop() {
       if (!queue_.empty()) {
         job = std::move(queue_.front());
         queue_.pop_front();
+        progress_busy_ = true;
       }
     }
-    if (job) job();
-    poll_pending();
+    {
+      std::lock_guard<std::mutex> calls(mpi_calls_);
+      if (job) job();
+      poll_pending();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    progress_busy_ = !pending_requests_.empty();
   }
 }
 
@@ -170,7 +198,9 @@ void MpiRuntime::watchdog_loop() {
         }
       }
     }
-    if (overdue) end_overdue_job(overdue->what, overdue->timeout);
+    if (overdue) {
+      end_overdue_job(overdue->what.empty() ? overdue->collective.text() : overdue->what, overdue->timeout);
+    }
   }
 }
 

@@ -130,6 +130,43 @@ TEST(Mpi, EveryCollectiveAndDtypeAtThreeRanks) {
   expect_mpi_bodies_ran(run_on_mpi_ranks(3, check_every_collective), 3);
 }
 
+// Small collectives run on the caller's thread when the progress thread is
+// idle; one issued while larger ones are queued or running must wait its
+// turn, or the ranks would match different collectives (wrong sums or a
+// hang) and two threads would call MPI at once. Ranks issue in different
+// rhythms (rank 1 pauses) so that on one rank the progress thread is busy
+// where on the other it is idle.
+TEST(Mpi, SmallCollectivesRunHereOnlyWhenNothingIsAheadOfThem) {
+  SKIP_WITHOUT_MPI();
+  auto r = run_on_mpi_ranks(2, [](const Group& group) {
+    const int n = group->size();
+    const float total = static_cast<float>(n * (n + 1) / 2);
+    for (int i = 0; i < 100; ++i) {
+      at::Tensor large = at::full({256 << 10}, static_cast<float>(group->rank() + 1));  // 1 MB: queued
+      auto in_flight = group->all_reduce_async(large);
+      if (group->rank() == 1 && i % 2 == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));
+      std::vector<at::Tensor> smalls;
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (int k = 0; k < 3; ++k) {
+        smalls.push_back(at::full({1024}, static_cast<float>(k * (group->rank() + 1))));  // 4 KB
+        works.push_back(group->all_reduce_async(smalls.back()));
+      }
+      group->wait(in_flight, "all_reduce");
+      // Nothing ahead of these on a rank whose large one is done.
+      at::Tensor right_away = at::full({8}, static_cast<float>(i + group->rank()));
+      group->all_reduce(right_away);
+      for (auto& work : works) group->wait(work, "all_reduce");
+      at::Tensor after = at::full({8}, static_cast<float>(group->rank()));
+      group->all_reduce(after, c10d::ReduceOp::MAX);
+      EXPECT_TRUE(large.equal(at::full({256 << 10}, total))) << "step " << i;
+      for (int k = 0; k < 3; ++k) EXPECT_TRUE(smalls[k].equal(at::full({1024}, k * total))) << "step " << i;
+      EXPECT_TRUE(right_away.equal(at::full({8}, static_cast<float>(n * i + n * (n - 1) / 2)))) << "step " << i;
+      EXPECT_TRUE(after.equal(at::full({8}, static_cast<float>(n - 1)))) << "step " << i;
+    }
+  });
+  expect_mpi_bodies_ran(r, 2);
+}
+
 TEST(Mpi, LocalRankComesFromTheSharedMemorySplitAndMatchesTheEnvironment) {
   SKIP_WITHOUT_MPI();
   auto r = run_on_mpi_ranks(3, [](const Group& group) {
