@@ -32,7 +32,7 @@ target_compile_definitions(ddp_unit_tests PRIVATE
   DDP_LIBRARY_PATH="$<TARGET_FILE:ddp>"
   DDP_TORCH_LIB_DIR="${DDP_TORCH_ROOT}/lib")
 gtest_discover_tests(ddp_unit_tests PROPERTIES LABELS "unit" TIMEOUT 120
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # Real processes talking over real sockets, each run under a timeout.
 add_executable(ddp_process_tests
@@ -42,7 +42,7 @@ add_executable(ddp_process_tests
 target_link_libraries(ddp_process_tests PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(ddp_process_tests ddp_worker ddprun wine_ddp wine_single wine_sharded digits_ddp train_scripted)
 gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # Real cluster launchers: mpirun, a single-host Slurm, two network-namespace
 # nodes. Each test skips with its reason where its tools are missing.
@@ -51,7 +51,7 @@ target_link_libraries(ddp_cluster_tests PRIVATE ddp::ddp ddp_test_support GTest:
 ddp_reuse_precompiled_header(ddp_cluster_tests)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
-                     RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST)
+                     RUN_SERIAL TRUE DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # One strategy's training for the launcher tests (mpirun, ddprun on the GPU).
 
@@ -72,13 +72,13 @@ if(TARGET gpt_bench)
   add_dependencies(ddp_gpu_path_process_tests gpt_bench)
 endif()
 gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 add_executable(ddp_gpu_tests test_gpu.cpp)
 target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_gpu_tests)
 add_dependencies(ddp_gpu_tests gpu_worker ddp_worker ddprun)
-gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST)
+gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 # FSDP and ZeRO on real ranks, each rank's code in the test file
 # (support/ranks.h re-executes the test binary once per rank): strategies
 # against DDP, checkpoints, gradients, reduction and mixed precision.
@@ -88,7 +88,7 @@ target_sources(ddp_fsdp_rank_tests PRIVATE test_hsdp.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # ddp inside LibTorch programs, on several ranks (support/ranks.h): the
 # process group's rendezvous and its faults, DDP against one process, Join,
@@ -104,7 +104,7 @@ ddp_reuse_precompiled_header(ddp_integration_rank_tests)
 # ddprun's own tests here launch the tiny worker.
 add_dependencies(ddp_integration_rank_tests ddp_worker ddprun)
 gtest_discover_tests(ddp_integration_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # torchrun (python -m torch.distributed.run) launching ddp programs: its own
 # store on MASTER_PORT, standalone and static rendezvous, restarts.
@@ -112,7 +112,7 @@ add_executable(ddp_torchrun_tests test_torchrun.cpp)
 target_link_libraries(ddp_torchrun_tests PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(ddp_torchrun_tests ddp_worker ddprun wine_ddp)
 gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # The mpi backend under a real mpirun (each test skips without MPI).
 add_executable(ddp_mpi_tests test_mpi.cpp)
@@ -120,7 +120,7 @@ target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gte
 ddp_reuse_precompiled_header(ddp_mpi_tests)
 add_dependencies(ddp_mpi_tests ddp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
-                     DISCOVERY_MODE PRE_TEST)
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # When a job hangs or ranks disagree: the collective trace, stall reports,
 # the desync check, the trace analyser and stack dumps.
@@ -128,7 +128,7 @@ add_executable(ddp_trace_tests test_collective_trace.cpp)
 target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_trace_tests)
 add_dependencies(ddp_trace_tests ddprun ddp_worker)
-gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST)
+gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_fsdp_deferred.cpp)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_distributed_checkpoint.cpp)
 target_sources(ddp_integration_rank_tests PRIVATE test_subgroups.cpp)
