@@ -54,6 +54,7 @@ struct Config {
   double bucket_cap_mb = 25.0;       // DDP modes: ReducerOptions::bucket_cap_mb
   std::string comm_hook = "allreduce";  // DDP modes: allreduce, fp16, bf16 or powersgd
   int64_t powersgd_rank = 4;          // --comm-hook powersgd: matrix_approximation_rank
+  bool only_4kb = false;              // collective mode: the 4 KB all-reduce alone
 };
 
 // The flags, bound to `c`, each with its default on --help.
@@ -68,6 +69,7 @@ void add_flags(CLI::App& app, Config& c) {
   app.add_option("--batch", c.batch, "samples per rank; 0: the model's default (wine 32, mlp2m 64, transformer 8)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--backend", c.backend, "gloo, nccl or mpi (ranks started by mpirun)");
+  app.add_flag("--only-4kb", c.only_4kb, "collective mode: only the 4 KB all-reduce, 100000 times (for perf)");
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "DDP modes: the bucket size cap in MB")
       ->check(CLI::PositiveNumber);
   app.add_option("--comm-hook", c.comm_hook,
@@ -231,7 +233,9 @@ int collectives(const Config& c) {
   };
   std::vector<int64_t> sizes;
   std::vector<double> medians;
-  for (Size size : {Size{4 << 10, 1000}, Size{1 << 20, 100}, Size{8 << 20, 30}, Size{40 << 20, 10}}) {
+  std::vector<Size> sweep = {Size{4 << 10, 1000}, Size{1 << 20, 100}, Size{8 << 20, 30}, Size{40 << 20, 10}};
+  if (c.only_4kb) sweep = {Size{4 << 10, 100000}};
+  for (Size size : sweep) {
     at::Tensor t = at::ones({size.bytes / 4});
     std::vector<double> times;
     for (int i = 0; i < size.iterations + 3; ++i) {
@@ -247,12 +251,25 @@ int collectives(const Config& c) {
     sizes.push_back(size.bytes);
     medians.push_back(m.item<double>());
   }
+  // Back to back: 1000 4 KB all-reduces timed together, so no barrier's
+  // exit skew sits in the figure; per call, median of 7 batches.
+  std::vector<double> batches;
+  at::Tensor small = at::ones({1024});
+  for (int batch = 0; batch < 8; ++batch) {
+    group->barrier();
+    auto start = Clock::now();
+    for (int i = 0; i < 1000; ++i) group->all_reduce(small);
+    if (batch > 0) batches.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count() / 1000);
+  }
+  at::Tensor back_to_back = at::full({1}, median(batches), at::kDouble);
+  group->all_reduce(back_to_back, c10d::ReduceOp::MAX);
   if (group->rank() == 0) {
     bench::print_json_line({{"impl", "cpp"},
                             {"mode", "collective"},
                             {"backend", c.backend},
                             {"bytes", sizes},
-                            {"median_ms", significant(medians)}});
+                            {"median_ms", significant(medians)},
+                            {"back_to_back_4kb_ms", significant(back_to_back.item<double>())}});
   }
   group->barrier();
   return 0;

@@ -61,7 +61,22 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke test)")
     parser.add_argument("--render-only", action="store_true", help="rewrite RESULTS.md from results.json")
     parser.add_argument("--no-mpi", action="store_true", help="leave out ddp over MPI")
+    parser.add_argument("--only-collectives", action="store_true",
+                        help="rerun only the raw all-reduce sweep (gloo, ddp-mpi, plain MPI) into results.json")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the --only-collectives sweep")
     args = parser.parse_args()
+    if args.only_collectives:
+        bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
+        with open(os.path.join(args.out, "results.json")) as f:
+            results = json.load(f)
+        measure_collectives(results, [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"],
+                            mpirun_command(), bin_dir,
+                            dict(os.environ, OMP_NUM_THREADS="1"), args.rounds)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        write_results_md(args.out, render(results))
+        chart(results, os.path.join(args.out, "RESULTS.png"))
+        return
     if args.render_only:
         with open(os.path.join(args.out, "results.json")) as f:
             results = json.load(f)
@@ -73,8 +88,7 @@ def main():
     ddprun = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"]
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # ddp over MPI: Open MPI's own launcher, one intra-op thread per rank too.
-    mpirun = ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) + [
-        "--oversubscribe", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+    mpirun = mpirun_command()
     with_mpi = not args.no_mpi and shutil.which("mpirun") is not None
     cpp_bench = os.path.join(bin_dir, "ddp_bench")
     py_bench = os.path.join(HERE, "python_ddp_bench.py")
@@ -166,25 +180,8 @@ def main():
     results["trace_us_per_collective"] = run_json([cpp_bench, "--mode", "trace-cost"], env)["us_per_collective"]
     results["commands"]["trace_cost"] = "build/bin/ddp_bench --mode trace-cost"
 
-    # Raw all-reduce by message size, gloo against mpi, rounds interleaved.
     if with_mpi:
-        rounds = 1 if args.quick else 3
-        sweep = {"gloo": [], "mpi": []}
-        commands = {"gloo": ddprun + [cpp_bench, "--mode", "collective", "--backend", "gloo"],
-                    "mpi": mpirun + [cpp_bench, "--mode", "collective", "--backend", "mpi"]}
-        for _ in range(rounds):
-            for backend, command in commands.items():
-                result = run_json(command, env)
-                sweep[backend].append(result["median_ms"])
-                sizes = result["bytes"]
-        results["collectives"] = {
-            "bytes": sizes,
-            "median_ms": {b: [statistics.median(r[i] for r in runs) for i in range(len(sizes))] for b, runs in sweep.items()},
-            "rounds": rounds,
-        }
-        for backend, command in commands.items():
-            results["commands"][f"collective_{backend}"] = " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
-                                                                   for c in command)
+        measure_collectives(results, ddprun, mpirun, bin_dir, env, 1 if args.quick else 3)
 
     # End to end: the whole Wine job, process start included.
     wine_runs = 1 if args.quick else 3
@@ -215,6 +212,45 @@ def main():
     write_results_md(args.out, render(results))
     chart(results, os.path.join(args.out, "RESULTS.png"))
     print(render(results))
+
+
+def mpirun_command():
+    return ["mpirun"] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) + [
+        "--oversubscribe", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+
+
+def measure_collectives(results, ddprun, mpirun, bin_dir, env, rounds):
+    """Raw all-reduce by message size, rounds interleaved: gloo, ddp's mpi
+    backend (small calls on the caller's thread, the default), the same with
+    every call handed to its progress thread, and bare MPI_Allreduce."""
+    cpp_bench = os.path.join(bin_dir, "ddp_bench")
+    commands = {"gloo": ddprun + [cpp_bench, "--mode", "collective", "--backend", "gloo"],
+                "mpi": mpirun + [cpp_bench, "--mode", "collective", "--backend", "mpi"],
+                "mpi_handoff": mpirun + ["-x", "DDP_MPI_INLINE_BYTES=0", cpp_bench, "--mode", "collective",
+                                         "--backend", "mpi"]}
+    plain = os.path.join(bin_dir, "plain_mpi_allreduce")
+    if os.path.exists(plain):
+        commands["plain_mpi"] = mpirun + [plain]
+    sweep = {name: [] for name in commands}
+    back_to_back = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, command in commands.items():
+            result = run_json(command, env)
+            sweep[name].append(result["median_ms"])
+            back_to_back[name].append(result["back_to_back_4kb_ms"])
+            sizes = result["bytes"]
+    results["collectives"] = {
+        "bytes": sizes,
+        "median_ms": {b: [statistics.median(r[i] for r in runs) for i in range(len(sizes))] for b, runs in sweep.items()},
+        "back_to_back_4kb_ms": {b: statistics.median(runs) for b, runs in back_to_back.items()},
+        "rounds": rounds,
+        # The sweep can be rerun alone (--only-collectives), so it keeps its own date.
+        "measured": datetime.date.today().isoformat(),
+        "load_average_before": round(os.getloadavg()[0], 2),
+    }
+    for name, command in commands.items():
+        results["commands"][f"collective_{name}"] = " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
+                                                            for c in command)
 
 
 # Sections other scripts own (run_memory_bench.py, gpu_check.sh results)
@@ -363,13 +399,44 @@ def render(r):
             f"Raw float32 all-reduce, 2 ranks, median of each size's iterations (slowest rank), medians of "
             f"{c['rounds']} interleaved rounds:",
             "",
-            "| size | gloo ms | mpi ms | mpi / gloo |",
-            "|---|---|---|---|",
+            "| size | gloo ms | ddp-mpi ms | plain MPI_Allreduce ms | ddp-mpi − plain µs | ddp-mpi / plain | "
+            "ddp-mpi, every call handed to the progress thread, ms | mpi / gloo |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for i, size in enumerate(c["bytes"]):
-            g, m = c["median_ms"]["gloo"][i], c["median_ms"]["mpi"][i]
+            med = c["median_ms"]
+            g, m = med["gloo"][i], med["mpi"][i]
+            p = med["plain_mpi"][i] if "plain_mpi" in med else None
+            h = med["mpi_handoff"][i] if "mpi_handoff" in med else None
             label = f"{size // 1024} KB" if size < (1 << 20) else f"{size // (1 << 20)} MB"
-            lines.append(f"| {label} | {g:.4f} | {m:.4f} | **{m / g:.2f}** |")
+            plain_cells = f"{p:.4f} | {1000 * (m - p):.1f} | **{m / p:.2f}**" if p else "– | – | –"
+            handoff_cell = f"{h:.4f}" if h else "–"
+            lines.append(f"| {label} | {g:.4f} | {m:.4f} | {plain_cells} | {handoff_cell} | {m / g:.2f} |")
+        b2b = c.get("back_to_back_4kb_ms", {})
+        if "plain_mpi" in b2b:
+            lines += [
+                "",
+                "4 KB all-reduces back to back (1000 per batch, per call, median of 7 batches, then of the rounds), "
+                "no barrier between them:",
+                "",
+                "| gloo µs | ddp-mpi µs | plain MPI_Allreduce µs | ddp-mpi − plain µs | ddp-mpi, every call handed to "
+                "the progress thread, µs |",
+                "|---|---|---|---|---|",
+                f"| {1000 * b2b['gloo']:.1f} | {1000 * b2b['mpi']:.1f} | {1000 * b2b['plain_mpi']:.1f} | "
+                f"**{1000 * (b2b['mpi'] - b2b['plain_mpi']):.1f}** | {1000 * b2b['mpi_handoff']:.1f} |",
+            ]
+        lines += [
+            "",
+            "Every all-reduce follows a barrier and is timed alone on each rank; plain MPI_Allreduce is "
+            "`bench/plain_mpi_allreduce.c` under the same mpirun, with the same sizes, iterations and statistic. "
+            "ddp-mpi runs a collective of at most 64 KB on the calling thread when its progress thread is idle "
+            "(`DDP_MPI_INLINE_BYTES`, 0 turns it off: the hand-off column)."
+            + (f" Measured {c['measured']}"
+               + (f" (load average {c['load_average_before']} before)" if "load_average_before" in c else "")
+               + ", apart from the rest of "
+               "this page: `python bench/run_bench.py --only-collectives --rounds N` reruns only this sweep."
+               if "measured" in c else ""),
+        ]
     w = r["wine_end_to_end_s"]
     models = r["models"]
     goals = [
@@ -394,6 +461,19 @@ def render(r):
             ("ddp-mpi DDP overhead, (c) transformer", models["transformer"]["ratios"]["mpi_ddp_overhead"], 1.10),
             ("raw 8 MB all-reduce, mpi / gloo", c["mpi"][eight] / c["gloo"][eight], 0.35),
         ]
+        b2b = r["collectives"].get("back_to_back_4kb_ms", {})
+        if "plain_mpi" in b2b:
+            goals.append(("raw 4 KB all-reduce, ddp-mpi − plain MPI_Allreduce (µs), back to back",
+                          1000 * (b2b["mpi"] - b2b["plain_mpi"]), 5.0))
+        if "plain_mpi" in c:
+            sizes = r["collectives"]["bytes"]
+            four, forty = sizes.index(4 << 10), sizes.index(40 << 20)
+            goals += [
+                ("raw 4 KB all-reduce, ddp-mpi − plain MPI_Allreduce (µs), each after a barrier",
+                 1000 * (c["mpi"][four] - c["plain_mpi"][four]), 5.0),
+                ("raw 8 MB all-reduce, ddp-mpi / plain MPI_Allreduce", c["mpi"][eight] / c["plain_mpi"][eight], 1.1),
+                ("raw 40 MB all-reduce, ddp-mpi / plain MPI_Allreduce", c["mpi"][forty] / c["plain_mpi"][forty], 1.1),
+            ]
     lines += [
         "",
         "No-comm runs the same two processes with the same per-rank batch and no process group. "
