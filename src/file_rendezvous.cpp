@@ -284,24 +284,12 @@ class FileMeeting {
   }
 
   void gather_everyone() {
-    std::vector<bool> seen(static_cast<size_t>(world_.world_size), false);
-    seen[0] = true;
-    int still_missing = world_.world_size - 1;
-    while (true) {
-      check_stop(/*on_arrival=*/false);
-      for (int r = 1; r < world_.world_size; ++r) {
-        if (seen[static_cast<size_t>(r)] || !store_.check({rank_key(r)})) continue;
-        seen[static_cast<size_t>(r)] = true;
-        --still_missing;
-      }
-      if (still_missing == 0) return;
-      if (Clock::now() >= deadline_) {
-        std::vector<int> arrived, missing;
-        for (int r = 0; r < world_.world_size; ++r) (seen[static_cast<size_t>(r)] ? arrived : missing).push_back(r);
-        stop(not_all_joined(arrived, missing), /*peer_failure=*/true);
-      }
-      sleep_a_little();
-    }
+    wait_for_every_rank(
+        world_.world_size, deadline_, [&](int r) { return store_.check({rank_key(r)}); },
+        [&] { check_stop(/*on_arrival=*/false); }, [&] { sleep_a_little(); },
+        [&](const std::vector<int>& arrived, const std::vector<int>& missing) {
+          stop(not_all_joined(arrived, missing), /*peer_failure=*/true);
+        });
   }
 
   Record wait_for_opening() {
@@ -340,11 +328,6 @@ class FileMeeting {
   const std::chrono::milliseconds timeout_;
   Record me_;
 };
-
-std::chrono::milliseconds remaining(Clock::time_point deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(left, std::chrono::milliseconds(1));
-}
 
 }  // namespace
 

@@ -72,11 +72,6 @@ int listen_on(const std::string& host, int port) {
 // waited for; StoreDeadline only catches reads that c10d makes without a limit.
 constexpr std::chrono::milliseconds kGuardGrace{1000};
 
-std::chrono::milliseconds remaining(Clock::time_point deadline) {
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(left, std::chrono::milliseconds(1));
-}
-
 std::string host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "?";
@@ -431,26 +426,18 @@ class WorldCheck {
   }
 
   void gather_everyone() {
-    std::vector<bool> seen(static_cast<size_t>(world_.world_size), false);
-    seen[0] = true;
-    int still_missing = world_.world_size - 1;
-    while (true) {
-      check_abort();
-      for (int r = 1; r < world_.world_size; ++r) {
-        if (seen[static_cast<size_t>(r)] || !store_.check({rank_key(r)})) continue;
-        Arrival theirs = Arrival::decode(text_of(store_.get(rank_key(r))));
-        if (theirs.world_size != world_.world_size) abort(world_size_mismatch(r, theirs), /*peer_failure=*/false);
-        seen[static_cast<size_t>(r)] = true;
-        --still_missing;
-      }
-      if (still_missing == 0) break;
-      if (Clock::now() >= deadline_) {
-        std::vector<int> arrived, missing;
-        for (int r = 0; r < world_.world_size; ++r) (seen[static_cast<size_t>(r)] ? arrived : missing).push_back(r);
-        abort(not_all_joined(arrived, missing), /*peer_failure=*/true);
-      }
-      sleep_a_little();
-    }
+    wait_for_every_rank(
+        world_.world_size, deadline_,
+        [&](int r) {
+          if (!store_.check({rank_key(r)})) return false;
+          Arrival theirs = Arrival::decode(text_of(store_.get(rank_key(r))));
+          if (theirs.world_size != world_.world_size) abort(world_size_mismatch(r, theirs), /*peer_failure=*/false);
+          return true;
+        },
+        [&] { check_abort(); }, [&] { sleep_a_little(); },
+        [&](const std::vector<int>& arrived, const std::vector<int>& missing) {
+          abort(not_all_joined(arrived, missing), /*peer_failure=*/true);
+        });
     store_.set(kComplete, bytes_of("1"));
   }
 
@@ -535,6 +522,36 @@ RankRecord RankRecord::read(std::istream& in) {
 RankRecord RankRecord::decode(const std::string& text) {
   std::istringstream in(text);
   return read(in);
+}
+
+std::chrono::milliseconds remaining(std::chrono::steady_clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
+void wait_for_every_rank(int world_size, std::chrono::steady_clock::time_point deadline,
+                         const std::function<bool(int)>& has_arrived, const std::function<void()>& check_stop,
+                         const std::function<void()>& sleep,
+                         const std::function<void(const std::vector<int>&, const std::vector<int>&)>& at_deadline) {
+  std::vector<bool> seen(static_cast<size_t>(world_size), false);
+  seen[0] = true;
+  int still_missing = world_size - 1;
+  while (still_missing > 0) {
+    check_stop();
+    for (int r = 1; r < world_size; ++r) {
+      if (seen[static_cast<size_t>(r)] || !has_arrived(r)) continue;
+      seen[static_cast<size_t>(r)] = true;
+      --still_missing;
+    }
+    if (still_missing == 0) return;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::vector<int> arrived, missing;
+      for (int r = 0; r < world_size; ++r) (seen[static_cast<size_t>(r)] ? arrived : missing).push_back(r);
+      at_deadline(arrived, missing);
+      TORCH_CHECK(false, "ddp: internal error: the rendezvous went on past its deadline");
+    }
+    sleep();
+  }
 }
 
 }  // namespace ddp::detail

@@ -16,10 +16,12 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <istream>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace ddp::detail {
 
@@ -96,5 +98,20 @@ struct RankRecord {
   static RankRecord decode(const std::string& text);
   std::string where() const { return "host " + host + ", pid " + pid; }
 };
+
+// Time left until `deadline`, at least 1 ms: a store call given 0 would wait
+// without limit.
+std::chrono::milliseconds remaining(std::chrono::steady_clock::time_point deadline);
+
+// Rank 0's wait, in both rendezvous, for the records of ranks 1..world_size-1.
+// Each round starts with `check_stop` (which throws if the rendezvous was
+// called off), then asks `has_arrived(r)` for each rank not yet seen (it may
+// check the record and throw), then `sleep`s. At the deadline
+// `at_deadline(arrived, missing)` reports who came, rank 0 counted as
+// arrived; it must throw.
+void wait_for_every_rank(int world_size, std::chrono::steady_clock::time_point deadline,
+                         const std::function<bool(int)>& has_arrived, const std::function<void()>& check_stop,
+                         const std::function<void()>& sleep,
+                         const std::function<void(const std::vector<int>&, const std::vector<int>&)>& at_deadline);
 
 }  // namespace ddp::detail
