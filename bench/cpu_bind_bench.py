@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 
-from run_bench import HERE, ROOT, machine, run_json
+from run_bench import HERE, ROOT, machine, run_json, write_results_section
 
 BEGIN = "<!-- cpu binding: begin (bench/cpu_bind_bench.py) -->"
 END = "<!-- cpu binding: end -->"
@@ -23,18 +23,6 @@ MODELS = {
     "mlp2m": (40, 5, 5, "(b) MLP 512-1024-1024-512-10 (2.1M parameters), batch 64 per rank"),
 }
 SIDES = {"unpinned": [], "pinned": ["--cpu-bind", "cores"]}
-
-
-def write_section(text):
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path).read() if os.path.exists(path) else ""
-    section = BEGIN + "\n" + text.rstrip("\n") + "\n" + END
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(new)
 
 
 def main():
@@ -91,7 +79,7 @@ def main():
         lines += ["", "The machine was busy during this run (load average above half its cores): other processes "
                       "competed for the cores, so this measures pinning under contention, where a pinned rank cannot "
                       "move to an idle core. Rerun on a quiet machine for the pinning alone."]
-    write_section("\n".join(lines))
+    write_results_section(BEGIN, END, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -261,6 +261,20 @@ KEPT_SECTIONS = [("<!-- memory benchmark: begin", "<!-- memory benchmark: end --
                  ("<!-- hsdp across nodes: begin", "<!-- hsdp across nodes: end -->")]
 
 
+def write_results_section(begin, end, text, out_dir=HERE):
+    """Writes `text` between the markers `begin` and `end` in RESULTS.md, in
+    place if they are there, appended if not; the rest of the page stays."""
+    path = os.path.join(out_dir, "RESULTS.md")
+    old = open(path).read() if os.path.exists(path) else ""
+    section = begin + "\n" + text.rstrip("\n") + "\n" + end
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
 def write_results_md(out_dir, text):
     path = os.path.join(out_dir, "RESULTS.md")
     old = open(path).read() if os.path.exists(path) else ""

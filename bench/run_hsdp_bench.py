@@ -18,6 +18,7 @@ import statistics
 import sys
 
 from emulated_cluster import EmulatedCluster
+from run_bench import write_results_section
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN = "<!-- hsdp across nodes: begin (bench/run_hsdp_bench.py) -->"
@@ -115,15 +116,7 @@ def main():
         f"--layers {args.layers} --steps {args.steps} --rounds {args.rounds}`",
     ]
     text = "\n".join(lines)
-    path = os.path.join(HERE, "RESULTS.md")
-    old = open(path).read() if os.path.exists(path) else ""
-    section = BEGIN + "\n" + text + "\n" + END
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    write_results_section(BEGIN, END, text)
     print(text)
 
 
