@@ -141,6 +141,20 @@ void meet_through_a_file_and_train_like_env(int world) {
   std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
 }
 
+// Starts a rank on `path`, a file some earlier run left: it must fail well
+// before its 60 s timeout, naming the file and how to clear it. Returns
+// the seconds it took.
+double expect_stopped_by_the_stale_file(const std::string& path) {
+  use_file(path, "60");
+  const auto start = Clock::now();
+  const std::string error = error_of([] { ddp::init_process_group(); });
+  const double seconds = seconds_since(start);
+  EXPECT_NE(error.find("the rendezvous file " + path + " is stale"), std::string::npos) << error;
+  EXPECT_NE(error.find("Delete it (rm " + path + ")"), std::string::npos) << error;
+  EXPECT_LT(seconds, 15.0) << "the stale file was found only after " << seconds << " s: " << error;
+  return seconds;
+}
+
 }  // namespace
 
 TEST(FileStore, TwoRanksMeetThroughAFileWithoutMasterAddressAndTrainLikeEnv) {
@@ -174,13 +188,7 @@ TEST(FileStore, AFileLeftByACrashedRunStopsEveryRankOfTheNextNamingTheFile) {
                   }},
        RanksPhase{2, [&](const Group&) {
                     ASSERT_TRUE(std::filesystem::exists(path)) << "the crashed run left no file";
-                    use_file(path, "60");
-                    const auto start = Clock::now();
-                    const std::string error = error_of([] { ddp::init_process_group(); });
-                    const double seconds = seconds_since(start);
-                    EXPECT_NE(error.find("the rendezvous file " + path + " is stale"), std::string::npos) << error;
-                    EXPECT_NE(error.find("Delete it (rm " + path + ")"), std::string::npos) << error;
-                    EXPECT_LT(seconds, 15.0) << "the stale file was found only after " << seconds << " s: " << error;
+                    const double seconds = expect_stopped_by_the_stale_file(path);
                     // Left for the user to look at: a failed start removes nothing.
                     EXPECT_TRUE(std::filesystem::exists(path));
                     std::printf("[ measured ] stale file after a crash: rank %s failed after %.2f s\n",
@@ -211,13 +219,7 @@ TEST(FileStore, ARankLeftFromAnInterruptedRendezvousStopsEveryRankOfTheNext) {
                     EXPECT_TRUE(std::filesystem::exists(path));
                   }},
        RanksPhase{2, [&](const Group&) {
-                    use_file(path, "60");
-                    const auto start = Clock::now();
-                    const std::string error = error_of([] { ddp::init_process_group(); });
-                    const double seconds = seconds_since(start);
-                    EXPECT_NE(error.find("the rendezvous file " + path + " is stale"), std::string::npos) << error;
-                    EXPECT_NE(error.find("Delete it (rm " + path + ")"), std::string::npos) << error;
-                    EXPECT_LT(seconds, 15.0) << error;
+                    expect_stopped_by_the_stale_file(path);
                   }}},
       ranks_within(120));
   expect_phases_succeeded(phases, 2);
