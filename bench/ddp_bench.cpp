@@ -96,20 +96,40 @@ double ms_since(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
+// Per measured step, the step's parts: what an overlap of communication
+// with backward can hide at most (bench/PROFILE.md's bound).
+struct StepParts {
+  std::vector<double> forward, backward, optimizer;
+};
+
 // Times optimizer steps of `forward_loss` (which runs forward and returns the
-// loss) over `parameters`.
+// loss) over `parameters`; with `parts`, also forward, backward and the
+// optimizer apart (zero_grad counts to the optimizer).
 template <typename ForwardLoss>
-std::vector<double> time_steps(const Config& c, std::vector<at::Tensor> parameters, ForwardLoss forward_loss) {
+std::vector<double> time_steps(const Config& c, std::vector<at::Tensor> parameters, ForwardLoss forward_loss,
+                               StepParts* parts = nullptr) {
   torch::optim::Adam optimizer(parameters, torch::optim::AdamOptions(1e-3));
   std::vector<double> times;
   for (int64_t s = 0; s < c.warmup + c.steps; ++s) {
     auto start = Clock::now();
     optimizer.zero_grad();
+    auto forward_start = Clock::now();
     at::Tensor loss = forward_loss();
+    auto backward_start = Clock::now();
     loss.backward();
+    auto optimizer_start = Clock::now();
     optimizer.step();
-    double ms = ms_since(start);
-    if (s >= c.warmup) times.push_back(ms);
+    auto end = Clock::now();
+    if (s < c.warmup) continue;
+    auto between = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    times.push_back(between(start, end));
+    if (parts) {
+      parts->forward.push_back(between(forward_start, backward_start));
+      parts->backward.push_back(between(backward_start, optimizer_start));
+      parts->optimizer.push_back(between(start, forward_start) + between(optimizer_start, end));
+    }
   }
   return times;
 }
@@ -123,7 +143,13 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
   std::vector<double> times;
   auto extra = nlohmann::ordered_json::object();  // the mode's own keys, after the common ones
   if (c.mode == "local") {
-    times = time_steps(c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); });
+    StepParts parts;
+    times = time_steps(
+        c, model->parameters(), [&] { return make_loss([&](const at::Tensor& x) { return model->forward(x); }); },
+        &parts);
+    extra["forward_ms_median"] = significant(median(parts.forward));
+    extra["backward_ms_median"] = significant(median(parts.backward));
+    extra["optimizer_ms_median"] = significant(median(parts.optimizer));
   } else {
     group = ddp::init_process_group(ddp::ProcessGroupOptions().backend(ddp::parse_backend(c.backend)));
     if (c.mode == "manual") {
