@@ -81,6 +81,18 @@ class Transformer(torch.nn.Module):
         return self.head(self.ln(x))
 
 
+def register_comm_hook(model, args):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    if args.comm_hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif args.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp2m", choices=["wine", "mlp2m", "transformer"])
@@ -88,6 +100,10 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--comm-hook", default="allreduce", choices=["allreduce", "fp16", "bf16", "powersgd"],
+                        help="as ddp_bench's: powersgd starts after 2 plain steps")
+    parser.add_argument("--powersgd-rank", type=int, default=4)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -119,7 +135,9 @@ def main():
     if args.mode != "local":
         dist.init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
-        forward = DistributedDataParallel(model, gradient_as_bucket_view=args.mode == "bucket-view")
+        forward = DistributedDataParallel(model, gradient_as_bucket_view=args.mode == "bucket-view",
+                                          bucket_cap_mb=args.bucket_cap_mb)
+        register_comm_hook(forward, args)
     optimizer = torch.optim.Adam(forward.parameters(), lr=1e-3)
 
     times = []
@@ -142,6 +160,7 @@ def main():
             "tensors": len(list(model.parameters())), "threads": torch.get_num_threads(),
             "step_ms_median": round(median, 4), "samples_per_s": round(1000.0 * world * batch / median, 2),
             "step_ms": [round(t, 4) for t in times],
+            "bucket_cap_mb": args.bucket_cap_mb, "comm_hook": args.comm_hook,
         }), flush=True)
     if args.mode != "local":
         dist.barrier()

@@ -37,10 +37,11 @@ using namespace ddp::testing;
 
 // 4 SGD steps of a 12 -> 10 -> 6 MLP under DDP with `hook` on this rank's
 // rows of fixed batches; the final weights, flattened.
-at::Tensor train_with(const Group& group, std::shared_ptr<ddp::CommHook> hook) {
+at::Tensor train_with(const Group& group, std::shared_ptr<ddp::CommHook> hook,
+                      ddp::DDPOptions options = ddp::DDPOptions()) {
   torch::manual_seed(3);
   auto net = torch::nn::Sequential(torch::nn::Linear(12, 10), torch::nn::Tanh(), torch::nn::Linear(10, 6));
-  ddp::DistributedDataParallel<torch::nn::Sequential> model(net, group, ddp::DDPOptions().comm_hook(hook));
+  ddp::DistributedDataParallel<torch::nn::Sequential> model(net, group, options.comm_hook(hook));
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
   for (int64_t step = 0; step < 4; ++step) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>(50 + step);
@@ -82,6 +83,32 @@ TEST(PowerSGD, AtFullRankEqualsThePlainAllReduce) {
   };
   auto phases = run_phases_on_ranks({{2, body}, {3, body}});
   expect_phases_succeeded(phases, 2);
+}
+
+// The hook's collectives run on its own thread while the autograd thread
+// goes on; with find_unused_parameters DDP all-reduces its "used" flags on
+// its group meanwhile. Were the hook's P and Q on that same group, the flags
+// would come between them in a different place on different ranks (wrong
+// sizes, wrong sums or a hang). One bucket per parameter makes 4 buckets of
+// P/Q pairs and plain all-reduces to interleave with, over 4 steps.
+TEST(PowerSGD, ItsCollectivesDoNotMixWithDdpsOwn) {
+  auto body = [](const Group& group) {
+    auto options = [] {
+      return ddp::DDPOptions().find_unused_parameters(true).bucket_cap_mb(1e-6).first_bucket_cap_mb(1e-6);
+    };
+    const at::Tensor plain = train_with(group, ddp::allreduce_hook(), options());
+    auto hook = ddp::powersgd_hook(ddp::PowerSGDOptions()
+                                       .matrix_approximation_rank(16)
+                                       .min_compression_rate(0)
+                                       .start_powerSGD_iter(0)
+                                       .use_error_feedback(false)
+                                       .warm_start(false));
+    const at::Tensor compressed = train_with(group, hook, options());
+    EXPECT_LE((compressed - plain).abs().max().item<double>(), 1e-5) << "at " << group->size() << " ranks";
+    EXPECT_GT(hook->compression_stats().first, 0);
+  };
+  auto phases = run_phases_on_ranks({{3, body}});
+  expect_phases_succeeded(phases, 1);
 }
 
 TEST(PowerSGD, RefusesOptionsThatCannotWork) {

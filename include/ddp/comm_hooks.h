@@ -133,10 +133,11 @@ struct PowerSGDOptions {
   TORCH_ARG(bool, batched) = false;
 };
 
-/// PowerSGD as a CommHook, for DDP (not FSDP's reduce-scatter). Its three
-/// collectives per bucket (uncompressed gradients, P, Q) depend on each
-/// other and are waited for inside run(), so on every rank they are issued in
-/// the same order; only the first overlaps the rest of backward.
+/// PowerSGD as a CommHook, for DDP (not FSDP's reduce-scatter). A bucket's
+/// three collectives (uncompressed gradients, P, Q) depend on each other, so
+/// they run one after the other on a thread of the hook's own, over a copy of
+/// DDP's group that the hook makes at its first compressed bucket, while
+/// backward goes on. One hook serves one DDP model.
 class PowerSGDHook : public CommHook {
  public:
   explicit PowerSGDHook(PowerSGDOptions options);
