@@ -57,7 +57,9 @@ clean:
 bench: build
 	$$(cat $(VENV_FILE))/bin/python bench/run_bench.py --build-dir $(BUILD_DIR)
 
-# ddp against Python DDP on an emulated 2-node cluster (network namespaces,
-# tbf-limited links at 1 and 10 Gbit/s); writes bench/NETWORK.md. Needs root.
+# ddp against Python DDP on an emulated cluster (network namespaces,
+# tbf-limited links at 1 and 10 Gbit/s): 2 nodes (bench/NETWORK.md), then 4
+# nodes with the 2M MLP (bench/NETWORK_4NODES.md). Needs root.
 bench-net: build
 	$$(cat $(VENV_FILE))/bin/python bench/run_net_bench.py --build-dir $(BUILD_DIR)
+	$$(cat $(VENV_FILE))/bin/python bench/run_net_bench.py --build-dir $(BUILD_DIR) --nodes 4 --models mlp2m

@@ -1,19 +1,24 @@
-"""ddp against PyTorch's Python DDP on an emulated cluster of 2 nodes, one
-rank per node (bench/emulated_cluster.py: network namespaces joined by a
-bridge, each node's link limited with tbf in both directions), at 1 Gbit/s
-and 10 Gbit/s. Writes bench/NETWORK.md, bench/network.json, bench/NETWORK.png.
+"""ddp against PyTorch's Python DDP on an emulated cluster of 2 (or, with
+--nodes, N) nodes, one rank per node (bench/emulated_cluster.py: network
+namespaces joined by a bridge, each node's link limited with tbf in both
+directions), at 1 Gbit/s and 10 Gbit/s. Writes bench/NETWORK.md,
+bench/network.json, bench/NETWORK.png.
 
     sudo python bench/run_net_bench.py --build-dir build      # needs root
     make bench-net                                            # the same
+    sudo python bench/run_net_bench.py --nodes 4 --variants python,ddp,ddp-mpi --out-dir /tmp/net4
 
 ddp runs under ddprun's c10d rendezvous, Python DDP under torchrun's, both
 hosted on node 0; backend gloo, GLOO_SOCKET_IFNAME=eth0 and OMP_NUM_THREADS=1
 on every node for both. Variants (rounds interleave them, so each sees the
-same machine): ddp, Python DDP, ddp without overlap, ddp's compute-only step
+same machine): ddp, Python DDP, ddp without overlap, ddp over MPI (one
+mpirun in node 0's namespace, starting the other nodes' ranks through a
+launch agent that enters their namespaces, as ssh would enter a host; only
+where mpirun exists and ddp was built with MPI), ddp's compute-only step
 (--mode local: no process group), the bucket-size sweep, and the comm hooks.
 
 Bytes on the wire per step come from the interfaces' tx_bytes counters of
-both nodes, read before and after each run: every variant is run twice, with
+all nodes, read before and after each run: every variant is run twice, with
 S and with 2 S timed steps (same warm-up), and the difference of the two
 runs' bytes is divided by S, so that start-up (rendezvous, DDP's parameter
 broadcast, warm-up steps, teardown) cancels out. Step times are the median
@@ -24,13 +29,16 @@ import json
 import os
 import platform
 import re
+import shlex
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-from emulated_cluster import EmulatedCluster
+from emulated_cluster import SUBNET, EmulatedCluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,9 +54,22 @@ VARIANTS = {
     "fp16": ("cpp", ["--mode", "ddp", "--comm-hook", "fp16"]),
     "bf16": ("cpp", ["--mode", "ddp", "--comm-hook", "bf16"]),
     "powersgd-4": ("cpp", ["--mode", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "4"]),
+    "python-bf16": ("py", ["--mode", "ddp", "--comm-hook", "bf16"]),
+    "python-powersgd-4": ("py", ["--mode", "ddp", "--comm-hook", "powersgd", "--powersgd-rank", "4"]),
+    "ddp-mpi": ("mpi", ["--mode", "ddp", "--backend", "mpi"]),
 }
-CORE = ["ddp", "python", "no-overlap"]
+# Run in every round; the others only in the first `extra_rounds`.
+CORE = ["ddp", "python", "no-overlap", "ddp-mpi"]
+LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp (25 MB buckets, overlap)",
+          "no-overlap": "ddp, no overlap", "ddp-mpi": "ddp, mpi backend (mpirun, btl tcp)",
+          "bucket-1": "ddp, 1 MB buckets", "bucket-5": "ddp, 5 MB buckets", "bucket-100": "ddp, 100 MB buckets",
+          "fp16": "ddp, fp16_compress_hook", "bf16": "ddp, bf16_compress_hook",
+          "powersgd-4": "ddp, powersgd_hook rank 4", "python-bf16": "Python DDP, bf16_compress_hook",
+          "python-powersgd-4": "Python DDP, powerSGD_hook rank 4"}
+ORDER = ["python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-5", "bucket-100", "fp16", "bf16",
+         "python-bf16", "powersgd-4", "python-powersgd-4"]
 MODELS = {"mlp2m": "2M MLP", "transformer": "10.5M transformer"}
+MODELS_ALL = list(MODELS)  # MODELS loses what --models leaves out
 
 _children = []  # process groups this script started, killed on interrupt
 
@@ -78,55 +99,133 @@ def _rate_bits(rate):
     raise ValueError(rate)
 
 
+def mpi_missing(bin_dir):
+    """Why ddp-mpi cannot run here, or None."""
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (openmpi-bin)"
+    if not os.path.exists(os.path.join(bin_dir, "plain_mpi_allreduce")):
+        return f"this build of ddp has no MPI ({os.path.join(bin_dir, 'plain_mpi_allreduce')} is missing)"
+    if shutil.which("unshare") is None:
+        return "unshare is not on PATH (util-linux)"
+    return None
+
+
+# Open MPI's launch agent: HOST COMMAND..., run inside HOST's namespace. Each
+# node gets a host name of its own, since Open MPI groups ranks into nodes by
+# host name and all namespaces share the machine's.
+AGENT = """#!/bin/sh
+host=$1; shift
+case $host in
+{cases}
+  *) echo "unknown host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $name; $*"
+"""
+
+
 class Runner:
     def __init__(self, args):
         self.args = args
         self.port = 29700
         self.bin = os.path.join(os.path.abspath(args.build_dir), "bin")
         self.commands = {}
+        self.agent = None  # the launch agent of the current cluster, for ddp-mpi
+
+    def write_agent(self, cluster, directory):
+        def cases(namespaces):
+            return "\n".join(f"  {a}) ns={ns}; name=node{i} ;;" for i, (a, ns) in
+                             enumerate(zip(cluster.addresses, namespaces)))
+
+        self.agent = os.path.join(directory, "enter_node.sh")
+        with open(self.agent, "w") as f:
+            f.write(AGENT.format(cases=cases(cluster.namespaces)))
+        os.chmod(self.agent, 0o700)
+        self.commands.setdefault("ddp-mpi AGENT", AGENT.format(
+            cases=cases([f"NODE{i}" for i in range(cluster.nodes)])))
 
     def argv(self, cluster, node, impl, model, extra, steps, warmup):
         endpoint = f"{cluster.addresses[0]}:{self.port}"
+        nnodes = str(cluster.nodes)
         bench = ["--model", model, "--steps", str(steps), "--warmup", str(warmup)] + extra
         if impl == "cpp":
-            return [os.path.join(self.bin, "ddprun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+            return [os.path.join(self.bin, "ddprun"), "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend",
                     "c10d", "--rdzv-endpoint", endpoint, os.path.join(self.bin, "ddp_bench")] + bench
-        argv = [self.args.python, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        if impl == "mpi":
+            return self.mpirun_argv(cluster, self.agent, os.path.join(self.bin, "ddp_bench"), bench)
+        argv = [self.args.python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--local-addr", cluster.addresses[node]]
         if node == 0:
             argv += ["--rdzv-conf", "is_host=true"]
         return argv + [os.path.join(HERE, "python_ddp_bench.py")] + bench
 
+    @staticmethod
+    def mpirun_argv(cluster, agent, program, bench):
+        """One mpirun for all nodes, to run in node 0's namespace. btl tcp,self
+        and pml ob1: no shared memory between the "nodes" (one machine) and
+        no UCX, which would pick its own transports, so every byte crosses
+        the links. --bind-to none: each namespace looks like the whole
+        machine to Open MPI, which would bind every node's rank to core 0.
+        mpi_yield_when_idle: a rank waiting on the network yields its core
+        instead of spinning; on a real node it would spin on a core of its
+        own, here it would spin on the one core the other node's rank
+        computes on (measured: 262 against 222 ms per step on 4 nodes)."""
+        subnet = f"{SUBNET}.0/24"
+        mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(cluster.nodes),
+                  "--host", ",".join(f"{a}:1" for a in cluster.addresses),
+                  "--mca", "plm_rsh_agent", agent, "--mca", "plm_rsh_no_tree_spawn", "1",
+                  "--mca", "btl", "tcp,self", "--mca", "pml", "ob1",
+                  "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
+                  "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "-x", "OMP_NUM_THREADS=1", "-x", "DDP_TIMEOUT_SECONDS=300", program] + bench
+        return ["unshare", "--uts", "/bin/sh", "-c", "hostname node0; exec " + shlex.join(mpirun)]
+
     def env(self, cluster):
         return dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS="1", DDP_TIMEOUT_SECONDS="300")
 
+    def _record(self, key, prefix, argv):
+        def short(a):
+            a = a.replace(self.agent, "AGENT") if self.agent else a
+            return re.sub(re.escape(ROOT) + "/", "", a)
+
+        self.commands.setdefault(key, " ".join([prefix] + [shlex.quote(short(a)) for a in argv]))
+
     def run(self, cluster, name, model, steps, warmup):
-        """One run of a variant on both nodes: (rank 0's JSON, bytes sent by node 0, by node 1)."""
+        """One run of a variant on every node: (rank 0's JSON, [bytes sent by node 0, 1, ...])."""
         impl, extra = VARIANTS[name]
         self.port += 1
-        before = [cluster.tx_bytes(n) for n in range(2)]
+        before = [cluster.tx_bytes(n) for n in range(cluster.nodes)]
         procs = []
-        for node in range(2):
+        # mpirun starts every node's rank itself; the launchers run one per node.
+        for node in range(1 if impl == "mpi" else cluster.nodes):
             argv = self.argv(cluster, node, impl, model, extra, steps, warmup)
-            self.commands.setdefault(f"{name} {model} node {node}", " ".join(
-                ["GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODE%d" % node] +
-                [os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in argv]))
-            p = cluster.popen(node, argv, env=self.env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
+            if impl == "mpi":
+                self._record(f"{name} {model}", "ip netns exec NODE0", argv)
+            else:
+                self._record(f"{name} {model} node {node}",
+                             "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODE%d" % node, argv)
+            p = cluster.popen(node, argv, env=self.env(cluster), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
             _children.append(p)
             procs.append(p)
-            if node == 0:
+            if node == 0 and impl != "mpi":
                 time.sleep(1.0)  # node 0 hosts the rendezvous store
+            elif 0 < node < cluster.nodes - 1:
+                # ddprun's store ranks the other nodes by arrival: in node
+                # order, the same in the run of S and of 2 S steps, so that
+                # each node's start-up traffic (rank 0's broadcast) cancels.
+                time.sleep(0.3)
         outs = [p.communicate(timeout=600) for p in procs]
         _children.clear()
-        after = [cluster.tx_bytes(n) for n in range(2)]
+        after = [cluster.tx_bytes(n) for n in range(cluster.nodes)]
         for node, (p, (out, err)) in enumerate(zip(procs, outs)):
             if p.returncode != 0:
                 raise RuntimeError(f"{name} {model}: node {node} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
-        match = re.search(r"(\{.*\"step_ms_median\".*\})", outs[0][0])
-        if not match:
-            raise RuntimeError(f"{name} {model}: no result on node 0:\n{outs[0][0]}\n{outs[0][1][-3000:]}")
-        return json.loads(match.group(1)), after[0] - before[0], after[1] - before[1]
+        # Rank 0 prints it: the c10d rendezvous need not make node 0 rank 0.
+        for out, _ in outs:
+            match = re.search(r"(\{.*\"step_ms_median\".*\})", out)
+            if match:
+                return json.loads(match.group(1)), [a - b for a, b in zip(after, before)]
+        raise RuntimeError(f"{name} {model}: no result on any node:\n" +
+                           "\n".join(f"{out}\n{err[-3000:]}" for out, err in outs))
 
     def local(self, model, steps, warmup):
         """ddp_bench --mode local: the compute-only step, no process group (on the host)."""
@@ -162,7 +261,7 @@ def machine_facts():
     return facts
 
 
-def measure(args, runner):
+def measure(args, runner, selected):
     rates = args.rates.split(",")
     results = {"rates": {}, "local": {}}
     for model in MODELS:
@@ -171,69 +270,94 @@ def measure(args, runner):
         results["local"][model] = {"ms": [r["step_ms_median"] for r in locals_], "parameters": locals_[0]["parameters"]}
         print("local", model, results["local"][model], flush=True)
     for rate in rates:
-        with EmulatedCluster(nodes=2, rate=rate) as cluster:
+        with EmulatedCluster(nodes=args.nodes, rate=rate) as cluster:
+            agent_dir = tempfile.mkdtemp(prefix="ddp_net_mpi_")
             try:
+                runner.write_agent(cluster, agent_dir)
                 for model in MODELS:
                     s, w = ((args.transformer_steps, args.transformer_warmup) if model == "transformer"
                             else (args.steps, args.warmup))
                     for rnd in range(args.rounds):
                         # Sweep and hooks only in the first `extra_rounds` rounds; the core in every round.
-                        names = list(VARIANTS) if rnd < args.extra_rounds else CORE
+                        names = [n for n in (VARIANTS if rnd < args.extra_rounds else CORE) if n in selected]
                         for name in names:
                             t0 = time.time()
-                            short, b0s, b1s = runner.run(cluster, name, model, s, w)
-                            long_, b0l, b1l = runner.run(cluster, name, model, 2 * s, w)
+                            short, bs = runner.run(cluster, name, model, s, w)
+                            long_, bl = runner.run(cluster, name, model, 2 * s, w)
                             e = results["rates"].setdefault(rate, {}).setdefault(model, {}).setdefault(
-                                name, {"ms": [], "bytes_node0": [], "bytes_node1": [], "buckets": None})
+                                name, {"ms": [], **{f"bytes_node{n}": [] for n in range(cluster.nodes)},
+                                       "buckets": None})
                             e["ms"] += [short["step_ms_median"], long_["step_ms_median"]]
-                            e["bytes_node0"].append((b0l - b0s) / s)
-                            e["bytes_node1"].append((b1l - b1s) / s)
+                            for n in range(cluster.nodes):
+                                e[f"bytes_node{n}"].append((bl[n] - bs[n]) / s)
                             e["buckets"] = long_.get("buckets")
+                            per_node = [(l - b) / s / 1e6 for l, b in zip(bl, bs)]
                             print(f"{rate} {model} {name}: {short['step_ms_median']:.1f} / {long_['step_ms_median']:.1f}"
-                                  f" ms, {(b0l - b0s + b1l - b1s) / s / 1e6:.2f} MB/step ({time.time() - t0:.0f} s)", flush=True)
+                                  f" ms, {sum(per_node):.2f} MB/step, busiest node {max(per_node):.2f}"
+                                  f" ({time.time() - t0:.0f} s)", flush=True)
             finally:
                 _kill_children()  # before the namespaces go, so none outlives them
+                shutil.rmtree(agent_dir, ignore_errors=True)
     return results
 
 
-def summarize(results, rates):
+def ring_mb_per_node(parameters, nodes):
+    """What each rank sends per all-reduce of fp32 gradients in a ring:
+    2 (N - 1) / N of them (reduce-scatter, then all-gather)."""
+    return 2 * (nodes - 1) / nodes * parameters * 4 / 1e6
+
+
+def summarize(results, rates, nodes=2):
     """Medians, ratios and the bound, per rate and model."""
     summary = {}
     for rate in rates:
         for model in MODELS:
             by = results["rates"][rate][model]
             compute = statistics.median(results["local"][model]["ms"])
+            ring_mb = ring_mb_per_node(results["local"][model]["parameters"], nodes)
             rows = {}
             for name, e in by.items():
-                b0, b1 = statistics.median(e["bytes_node0"]), statistics.median(e["bytes_node1"])
-                rows[name] = {"ms": statistics.median(e["ms"]), "mb_per_step": (b0 + b1) / 1e6,
-                              "mb_per_node": max(b0, b1) / 1e6, "buckets": e["buckets"]}
-            wire_ms = rows["ddp"]["mb_per_node"] * 1e6 * 8 / _rate_bits(rate) * 1000
+                per_node = [statistics.median(v) for k, v in e.items() if k.startswith("bytes_node")]
+                rows[name] = {"ms": statistics.median(e["ms"]), "mb_per_step": sum(per_node) / 1e6,
+                              "mb_per_node": max(per_node) / 1e6, "buckets": e["buckets"]}
+            # Every node sends its share of the ring on its own link, all at
+            # once: the wire time is the busiest link's bytes / rate. ddp's
+            # measured bytes (2 (N - 1) / N of the gradients plus TCP/IP
+            # headers); the ring's volume alone where ddp was not run.
+            wire_mb = rows["ddp"]["mb_per_node"] if "ddp" in rows else ring_mb
+            wire_ms = wire_mb * 1e6 * 8 / _rate_bits(rate) * 1000
             bound = max(compute, wire_ms)
+
+            def ratio(a, b):
+                return rows[a]["ms"] / rows[b]["ms"] if a in rows and b in rows else None
+
             summary.setdefault(rate, {})[model] = {
                 "rows": rows, "compute_ms": compute, "wire_ms": wire_ms, "bound_ms": bound,
-                "ddp_over_python": rows["ddp"]["ms"] / rows["python"]["ms"],
-                "no_overlap_over_overlap": rows["no-overlap"]["ms"] / rows["ddp"]["ms"],
-                "ddp_over_bound": rows["ddp"]["ms"] / bound,
-                "powersgd_over_ddp": rows["powersgd-4"]["ms"] / rows["ddp"]["ms"] if "powersgd-4" in rows else None,
+                "ring_mb_per_node": ring_mb,
+                "ddp_over_python": ratio("ddp", "python"),
+                "no_overlap_over_overlap": ratio("no-overlap", "ddp"),
+                "ddp_over_bound": rows["ddp"]["ms"] / bound if "ddp" in rows else None,
+                "powersgd_over_ddp": ratio("powersgd-4", "ddp"),
+                "powersgd_over_python_powersgd": ratio("powersgd-4", "python-powersgd-4"),
+                "bf16_over_python_bf16": ratio("bf16", "python-bf16"),
+                "mpi_over_gloo": ratio("ddp-mpi", "ddp"),
             }
     return summary
 
 
-def chart(summary, rates, path):
+def chart(summary, rates, path, nodes=2):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["python", "ddp", "no-overlap", "bucket-1", "bucket-5", "bucket-100", "fp16", "bf16", "powersgd-4"]
     fig, axes = plt.subplots(len(rates), len(MODELS), figsize=(13, 4.2 * len(rates)), squeeze=False)
     for i, rate in enumerate(rates):
         for j, model in enumerate(MODELS):
             ax = axes[i][j]
             s = summary[rate][model]
-            shown = [n for n in names if n in s["rows"]]
+            shown = [n for n in ORDER if n in s["rows"]]
             values = [s["rows"][n]["ms"] for n in shown]
-            colors = ["tab:orange" if n == "python" else "tab:blue" for n in shown]
+            colors = [{"python": "tab:orange", "ddp-mpi": "tab:purple"}.get(n, "tab:blue") for n in shown]
             bars = ax.bar(range(len(shown)), values, color=colors)
             ax.bar_label(bars, labels=[f"{v:.0f} ms\n{s['rows'][n]['mb_per_step']:.1f} MB" for n, v in
                                        zip(shown, values)], fontsize=7)
@@ -247,21 +371,28 @@ def chart(summary, rates, path):
             ax.set_xticks(range(len(shown)), shown, rotation=30, fontsize=8)
             ax.set_ylabel("median ms per step (labels: MB on the wire per step)")
             ax.set_ylim(0, max(values + [serial]) * 1.3)
-            ax.set_title(f"{MODELS[model]}, {rate}/s links, 2 nodes x 1 rank, gloo", fontsize=10)
+            ax.set_title(f"{MODELS[model]}, {rate}/s links, {nodes} nodes x 1 rank, gloo"
+                         + (" (ddp-mpi: mpi)" if "ddp-mpi" in shown else ""), fontsize=10)
             ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
 def noise_note(results, rates):
-    """How far apart ddp's own runs were: what a difference must exceed to mean something."""
+    """How far apart ddp's own runs (or the first core variant's) were: what a difference must exceed to mean
+    something."""
     spreads = []
     for rate in rates:
         for model in MODELS:
-            ms = results["rates"][rate][model]["ddp"]["ms"]
-            spreads.append((max(ms) / min(ms) - 1, rate, model, len(ms)))
+            by = results["rates"][rate][model]
+            name = next((n for n in CORE + list(VARIANTS) if n in by), None)
+            if name:
+                ms = by[name]["ms"]
+                spreads.append((max(ms) / min(ms) - 1, rate, model, len(ms), name))
+    if not spreads:
+        return ""
     worst = max(spreads)
-    return (f"Noise: ddp's own runs (same settings, {worst[3]} per cell) spread by up to {worst[0] * 100:.0f}% "
+    return (f"Noise: {worst[4]}'s own runs (same settings, {worst[3]} per cell) spread by up to {worst[0] * 100:.0f}% "
             f"(max / min, {worst[2]} at {worst[1]}); the sweep and the hooks have one round, so differences "
             "of that size between them are not significant.")
 
@@ -271,6 +402,12 @@ def verdict(ok):
 
 
 def render(args, results, summary, rates, facts, runner, elapsed):
+    n = args.nodes
+    nodes = ", ".join(str(i) for i in range(n))
+    all_nodes = "both nodes" if n == 2 else f"all {n} nodes"
+    measured = [name for name in ORDER if any(name in by for r in rates for by in results["rates"][r].values())]
+    mpi = "ddp-mpi" in measured
+    ring = " ".join(f"{MODELS[m]} {ring_mb_per_node(results['local'][m]['parameters'], n):.1f} MB;" for m in MODELS)
     lines = [
         "# ddp on an emulated cluster network",
         "",
@@ -279,38 +416,52 @@ def render(args, results, summary, rates, facts, runner, elapsed):
         "",
         "## Set-up",
         "",
-        "- 2 nodes, one rank each. Each node is a network namespace with address 10.213.90.N on `eth0`, a veth "
-        "whose other end is a port of a bridge in a third namespace (the switch). Each link is limited in both "
+        f"- {n} nodes, one rank each. Each node is a network namespace with address 10.213.90.N on `eth0`, a veth "
+        "whose other end is a port of a bridge in a namespace of its own (the switch). Each link is limited in both "
         "directions with `tc qdisc ... tbf rate R burst max(256 KB, 1 ms of R) latency 100ms` (this kernel has tbf, "
         "not netem: no added delay). Everything is deleted on exit, on an exception, on SIGINT and SIGTERM "
         "(bench/emulated_cluster.py); the benchmark's processes are killed first.",
-        "- ddp: `ddprun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT "
-        "build/bin/ddp_bench ...`. Python DDP: `python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 "
+        f"- ddp: `ddprun --nnodes {n} --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT "
+        f"build/bin/ddp_bench ...`. Python DDP: `python -m torch.distributed.run --nnodes {n} --nproc-per-node 1 "
         "--rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT --local-addr 10.213.90.N [--rdzv-conf is_host=true on "
         "node 0] bench/python_ddp_bench.py ...`. Both with `GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1`, backend gloo, "
-        "the same model, data, seeds, batch (mlp2m 64, transformer 8 per rank) and Adam; one intra-op thread per rank.",
+        "the same model, data, seeds, batch (mlp2m 64, transformer 8 per rank) and Adam; one intra-op thread per rank."
+        + (" ddp-mpi: the same `ddp_bench` with `--backend mpi`, one rank per node started by one `mpirun` in node "
+           "0's namespace (under `unshare --uts`, host name node0) whose launch agent enters the other nodes' "
+           "namespaces, each with a host name of its own; `--mca btl tcp,self --mca pml ob1` so that no shared "
+           "memory or UCX carries bytes between the nodes, `--bind-to none` (each namespace looks like the whole "
+           "machine to Open MPI), `--mca mpi_yield_when_idle 1` (a waiting rank yields the core it shares with "
+           "another node's rank here, where on a real node it would spin on a core of its own) and `-x OMP_NUM_THREADS=1` (commands below)." if mpi else ""),
         f"- Steps: mlp2m {args.warmup} warm-up + S = {args.steps} (and 2 S) timed; transformer "
         f"{args.transformer_warmup} warm-up + S = {args.transformer_steps} (and 2 S) timed, fewer to keep the "
-        f"whole run near 15 minutes. {args.rounds} rounds for ddp, Python DDP and no-overlap, interleaved; "
+        f"whole run near 15 minutes. {args.rounds} rounds for ddp, Python DDP"
+        + (", no-overlap and ddp-mpi" if mpi else " and no-overlap") + ", interleaved; "
         f"{args.extra_rounds} for the sweep and the hooks (interleaved with the others in that round).",
         "- **ms per step**: the median over runs of each run's median step (rank 0's clock). "
         + noise_note(results, rates),
-        "- **MB per step**: what both nodes sent (`/sys/class/net/eth0/statistics/tx_bytes`, so TCP/IP headers "
+        f"- **MB per step**: what {all_nodes} sent (`/sys/class/net/eth0/statistics/tx_bytes`, so TCP/IP headers "
         "included, read in each node's namespace before and after each run), as the difference between a run of "
         "2 S steps and a run of S steps, divided by S: start-up (rendezvous, the parameter broadcast, warm-up, "
-        "teardown) cancels out. Median over rounds. **per node** is the larger node's share.",
+        "teardown) cancels out. Median over rounds. **per node** is the "
+        + ("larger" if n == 2 else "largest") + " node's share.",
         "- **compute only**: `ddp_bench --mode local` (no process group, no communication), on the host, same "
         "threads. **wire**: ddp's measured bytes per node per step ÷ link rate (each node's link carries its own "
-        "share at the same time). **bound** = max(compute only, wire).",
+        f"share at the same time; a ring all-reduce over {n} ranks sends 2 ({n} - 1) / {n} = {2 * (n - 1) / n:g} "
+        "times the gradients from "
+        f"each rank: {ring} the measured bytes add TCP/IP headers). **bound** = max(compute only, wire).",
         f"- Machine: {facts.get('cpus')} CPUs ({facts.get('cpu', '?')}), {facts.get('memory_gb', '?')} GB, "
         f"Linux {facts.get('kernel')}, torch {facts.get('torch', '?')}, Python {facts.get('python')}. "
-        "Both ranks share these 2 cores, so compute-only is one rank alone; with two ranks the cores are shared "
-        "with the other rank and with gloo's threads. "
+        + ("Both ranks share" if n == 2 else f"All {n} ranks share")
+        + f" these {facts.get('cpus')} cores, so compute-only is one rank alone; "
+        + ("with two ranks the cores are shared with the other rank" if n == 2 else
+           f"with {n} ranks the cores are shared with the other ranks") + " and with gloo's threads. "
         f"The whole run took {elapsed / 60:.1f} min.",
         "",
     ]
+    for name, why in results.get("skipped", {}).items():
+        lines[-1:-1] = [f"- {name} was not run: {why}."]
     for rate in rates:
-        lines += [f"## {rate}/s links", ""]
+        lines += [f"## {rate}/s links" if n == 2 else f"## {n} nodes, {rate}/s links", ""]
         for model in MODELS:
             s = summary[rate][model]
             params = results["local"][model]["parameters"]
@@ -319,33 +470,33 @@ def render(args, results, summary, rates, facts, runner, elapsed):
                 "",
                 f"compute only {s['compute_ms']:.1f} ms; wire {s['wire_ms']:.1f} ms; bound {s['bound_ms']:.1f} ms.",
                 "",
-                "| variant | ms per step | / ddp | / Python DDP | / bound | MB per step (both nodes) | MB per node | buckets |",
+                f"| variant | ms per step | / ddp | / Python DDP | / bound | MB per step ({all_nodes}) | MB per node "
+                "| buckets |",
                 "|---|---|---|---|---|---|---|---|",
             ]
             rows = s["rows"]
-            for name in ["python", "ddp", "no-overlap", "bucket-1", "bucket-5", "bucket-100", "fp16", "bf16",
-                         "powersgd-4"]:
+
+            def over(r, base):
+                return f"{r['ms'] / rows[base]['ms']:.2f}" if base in rows else ""
+
+            for name in ORDER:
                 if name not in rows:
                     continue
                 r = rows[name]
-                label = {"python": "Python DDP (torchrun)", "ddp": "ddp (25 MB buckets, overlap)",
-                         "no-overlap": "ddp, no overlap", "bucket-1": "ddp, 1 MB buckets",
-                         "bucket-5": "ddp, 5 MB buckets", "bucket-100": "ddp, 100 MB buckets",
-                         "fp16": "ddp, fp16_compress_hook", "bf16": "ddp, bf16_compress_hook",
-                         "powersgd-4": "ddp, powersgd_hook rank 4"}[name]
-                lines.append(f"| {label} | {r['ms']:.1f} | {r['ms'] / rows['ddp']['ms']:.2f} | "
-                             f"{r['ms'] / rows['python']['ms']:.2f} | {r['ms'] / s['bound_ms']:.2f} | "
-                             f"{r['mb_per_step']:.2f} | {r['mb_per_node']:.2f} | {r['buckets'] or ''} |")
-            lines += [
-                "",
-                f"ddp / Python DDP {s['ddp_over_python']:.2f}; no-overlap / overlap {s['no_overlap_over_overlap']:.2f}; "
-                f"ddp / bound {s['ddp_over_bound']:.2f}"
-                + (f"; PowerSGD rank 4 / ddp {s['powersgd_over_ddp']:.2f}" if s["powersgd_over_ddp"] else "") + ".",
-                "",
-            ]
+                lines.append(f"| {LABELS[name]} | {r['ms']:.1f} | {over(r, 'ddp')} | {over(r, 'python')} | "
+                             f"{r['ms'] / s['bound_ms']:.2f} | {r['mb_per_step']:.2f} | {r['mb_per_node']:.2f} | "
+                             f"{r['buckets'] or ''} |")
+            ratios = [(label, s[key]) for label, key in (
+                ("ddp / Python DDP", "ddp_over_python"), ("no-overlap / overlap", "no_overlap_over_overlap"),
+                ("ddp / bound", "ddp_over_bound"), ("PowerSGD rank 4 / ddp", "powersgd_over_ddp"),
+                ("PowerSGD rank 4, ddp / Python", "powersgd_over_python_powersgd"),
+                ("bf16 hook, ddp / Python", "bf16_over_python_bf16"),
+                ("ddp-mpi / ddp (gloo)", "mpi_over_gloo")) if s.get(key)]
+            lines += ["", "; ".join(f"{label} {value:.2f}" for label, value in ratios) + ".", ""]
     g = summary.get("1gbit")
-    lines += ["## Issue 25's goals that this benchmark measures", ""]
-    if g and "transformer" in g and "mlp2m" in g:
+    lines += ["## Issue 25's goals that this benchmark measures" + ("" if n == 2 else f" ({n} nodes)"), ""]
+    if g and "transformer" in g and "mlp2m" in g and all(
+            g["transformer"][k] for k in ("ddp_over_python", "ddp_over_bound", "no_overlap_over_overlap")):
         t, m = g["transformer"], g["mlp2m"]
         lines += [
             "| goal | figure | |",
@@ -364,10 +515,14 @@ def render(args, results, summary, rates, facts, runner, elapsed):
                 f"({m['rows']['powersgd-4']['ms']:.0f} / {m['rows']['ddp']['ms']:.0f} ms) | "
                 f"{verdict(m['powersgd_over_ddp'] <= 0.4)} (step time only; accuracy is the PowerSGD tests' part) |")
         lines.append("")
-    if g and "transformer" in g:
+    else:
+        lines += ["Not all of them: they need ddp, Python DDP and no-overlap on both models at 1gbit.", ""]
+    buckets = [name for name in ("bucket-1", "bucket-5", "bucket-100") if g and name in g.get("transformer", {}).get(
+        "rows", {})]
+    if buckets and "ddp" in g["transformer"]["rows"]:
         t = g["transformer"]
         serial = t["compute_ms"] + t["wire_ms"]
-        best = min((n for n in t["rows"] if n.startswith("bucket-")), key=lambda n: t["rows"][n]["ms"])
+        best = min(buckets, key=lambda name: t["rows"][name]["ms"])
         lines += [
             "Where the transformer's step goes at 1 Gbit/s: compute only plus wire, with nothing overlapped, is "
             f"{t['compute_ms']:.0f} + {t['wire_ms']:.0f} = {serial:.0f} ms, and ddp takes {t['rows']['ddp']['ms']:.0f} ms "
@@ -376,46 +531,75 @@ def render(args, results, summary, rates, facts, runner, elapsed):
             "all-reduce runs after backward has ended (the figures suggest; not traced here). "
             f"The smallest step of the sweep is {best} ({t['rows'][best]['ms']:.0f} ms, "
             f"{t['rows'][best]['ms'] / t['rows']['ddp']['ms']:.2f} of ddp's), more buckets starting earlier. "
-            "Both ranks share the 2 cores with gloo's threads, so the compute-only step (one rank alone) is "
-            "itself optimistic for a step with communication in flight.",
+            f"{'Both' if n == 2 else f'All {n}'} ranks share the {facts.get('cpus')} cores with gloo's threads, so "
+            "the compute-only step (one rank alone) is itself optimistic for a step with communication in flight.",
             "",
         ]
+    missing = ["the wine_ddp per-epoch goal and the MPI small-message goals (other items of issue 25: "
+               "`bench/PROFILE.md`, `bench/RESULTS.md`)"]
+    if n == 2:
+        four = output_paths(".", 4)[0]
+        missing.append(f"4 nodes: [{os.path.basename(four)}]({os.path.basename(four)}) "
+                       "(`--nodes 4`, a run and a page of its own)")
+    if not mpi:
+        missing.append("MPI on the emulated network (variant ddp-mpi)")
+    options = "".join(f" --{key.replace('_', '-')} {getattr(args, key)}" for key, default in (
+        ("nodes", 2), ("variants", "all"), ("models", ",".join(MODELS_ALL))) if getattr(args, key) != default)
     lines += [
-        "Not measured here: the wine_ddp per-epoch goal and the MPI small-message goals (other items of issue 25); "
-        "4-node topologies and MPI on the emulated network.",
+        "Not measured here: " + "; ".join(missing) + ".",
         "",
-        "![step times](NETWORK.png)",
+        f"![step times]({os.path.basename(output_paths('.', n)[2])})",
         "",
         "## Commands",
         "",
         f"`sudo python bench/run_net_bench.py --build-dir build --rates {args.rates} --steps {args.steps} "
         f"--warmup {args.warmup} --transformer-steps {args.transformer_steps} --transformer-warmup "
-        f"{args.transformer_warmup} --rounds {args.rounds} --extra-rounds {args.extra_rounds}` (what `make bench-net` "
-        "runs, with the venv's python). Each run, node 0 started first and given 1 s to host the store (NODEn: the "
+        f"{args.transformer_warmup} --rounds {args.rounds} --extra-rounds {args.extra_rounds}{options}` "
+        + ("(what `make bench-net` runs, with the venv's python)" if not options else "(with the venv's python)")
+        + ". Each run, node 0 started first and given 1 s to host the store (NODEn: the "
         "node's namespace; STEPS: S, then 2 S; WARMUP: 3 for mlp2m, 2 for the transformer; PORT: a fresh one per run; "
         "VENV: the torch venv of build/.venv-path):",
         "",
         "```",
         "# compute only, on the host",
         "OMP_NUM_THREADS=1 build/bin/ddp_bench --model MODEL --mode local --steps STEPS --warmup WARMUP",
-        "# ddp, on node n = 0, 1",
-        "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODEn build/bin/ddprun --nnodes 2 --nproc-per-node 1 "
-        "--rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT build/bin/ddp_bench --model MODEL --steps STEPS "
-        "--warmup WARMUP VARIANT",
-        "# Python DDP, on node n = 0, 1 (10.213.90.1 is node 0, 10.213.90.2 node 1)",
+        f"# ddp, on node n = {nodes}",
+        "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODEn build/bin/ddprun "
+        f"--nnodes {n} --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT build/bin/ddp_bench "
+        "--model MODEL --steps STEPS --warmup WARMUP VARIANT",
+        f"# Python DDP, on node n = {nodes} (10.213.90.<n+1> is node n)",
         "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODEn VENV/bin/python -m torch.distributed.run "
-        "--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT --local-addr "
+        f"--nnodes {n} --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.213.90.1:PORT --local-addr "
         "10.213.90.<n+1> [--rdzv-conf is_host=true: node 0 only] bench/python_ddp_bench.py --model MODEL --steps "
         "STEPS --warmup WARMUP --mode ddp",
+    ]
+    if mpi:
+        example = next((c for key, c in runner.commands.items()
+                        if key.startswith("ddp-mpi ") and key != "ddp-mpi AGENT"), None)
+        lines += ["# ddp-mpi: one mpirun, in node 0's namespace, for every node's rank (this run's mlp2m or "
+                  "transformer command; AGENT below)", example or "(not recorded)",
+                  "# AGENT: Open MPI's launch agent, HOST COMMAND...",
+                  runner.commands.get("ddp-mpi AGENT", "").rstrip()]
+    lines += [
         "```",
         "",
         "| variant | VARIANT |",
         "|---|---|",
     ]
-    for name, (impl, extra) in VARIANTS.items():
-        lines.append(f"| {name} | `{' '.join(extra)}`" + (" (python_ddp_bench.py)" if impl == "py" else "") + " |")
+    for name in [name for name in VARIANTS if name in measured]:
+        impl, extra = VARIANTS[name]
+        lines.append(f"| {name} | `{' '.join(extra)}`" + {"py": " (python_ddp_bench.py)", "mpi": " (under mpirun)"}.get(
+            impl, "") + " |")
     lines += [""]
     return "\n".join(lines)
+
+
+def output_paths(out_dir, nodes):
+    """NETWORK.md, network.json and NETWORK.png for 2 nodes; other sizes get
+    files of their own (NETWORK_4NODES.md, ...), so both can stand."""
+    suffix = "" if nodes == 2 else f"_{nodes}nodes"
+    return (os.path.join(out_dir, f"NETWORK{suffix.upper()}.md"), os.path.join(out_dir, f"network{suffix}.json"),
+            os.path.join(out_dir, f"NETWORK{suffix.upper()}.png"))
 
 
 def main():
@@ -427,12 +611,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--transformer-steps", type=int, default=4)
     parser.add_argument("--transformer-warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of ddp, Python DDP and no-overlap")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of ddp, Python DDP, no-overlap and ddp-mpi")
     parser.add_argument("--extra-rounds", type=int, default=1, help="rounds of the sweep and the hooks")
     parser.add_argument("--models", default=",".join(MODELS), help="a subset, for quick checks")
+    parser.add_argument("--variants", default="all", help="a subset of " + ",".join(VARIANTS) + ", for quick checks")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of the emulated cluster, one rank each")
     parser.add_argument("--out-dir", default=HERE)
     parser.add_argument("--from-json", help="re-render NETWORK.md and NETWORK.png from a network.json, no run")
     args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
     if args.from_json:
         saved = json.load(open(args.from_json))
         for key, value in saved["args"].items():
@@ -444,13 +631,26 @@ def main():
                 del MODELS[name]
         runner = Runner(args)
         runner.commands = saved["commands"]
-        summary = summarize(saved["raw"], rates)
-        chart(summary, rates, os.path.join(args.out_dir, "NETWORK.png"))
-        with open(os.path.join(args.out_dir, "NETWORK.md"), "w") as f:
+        summary = summarize(saved["raw"], rates, args.nodes)
+        md_path, _, png_path = output_paths(args.out_dir, args.nodes)
+        chart(summary, rates, png_path, args.nodes)
+        with open(md_path, "w") as f:
             f.write(render(args, saved["raw"], summary, rates, saved["machine"], runner, saved["elapsed_s"]))
         return
     if os.geteuid() != 0:
         sys.exit("run_net_bench.py creates network namespaces: run it as root (sudo make bench-net)")
+    if args.nodes < 2:
+        parser.error("--nodes: at least 2")
+    selected = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    if set(selected) - set(VARIANTS):
+        parser.error(f"--variants: unknown {','.join(sorted(set(selected) - set(VARIANTS)))}; "
+                     f"known: {','.join(VARIANTS)}")
+    skipped = {}
+    why = mpi_missing(os.path.join(os.path.abspath(args.build_dir), "bin")) if "ddp-mpi" in selected else None
+    if why:
+        print(f"ddp-mpi skipped: {why}", flush=True)
+        selected.remove("ddp-mpi")
+        skipped["ddp-mpi"] = why
     rates = args.rates.split(",")
     for name in list(MODELS):
         if name not in args.models.split(","):
@@ -458,21 +658,24 @@ def main():
     runner = Runner(args)
     start = time.time()
     try:
-        results = measure(args, runner)
+        results = measure(args, runner, selected)
     except KeyboardInterrupt:
         _kill_children()
         sys.exit("interrupted; namespaces removed")
     finally:
         _kill_children()
     elapsed = time.time() - start
-    summary = summarize(results, rates)
+    if skipped:
+        results["skipped"] = skipped
+    summary = summarize(results, rates, args.nodes)
     facts = machine_facts()
-    with open(os.path.join(args.out_dir, "network.json"), "w") as f:
+    md_path, json_path, png_path = output_paths(args.out_dir, args.nodes)
+    with open(json_path, "w") as f:
         json.dump({"args": vars(args), "machine": facts, "elapsed_s": round(elapsed, 1), "raw": results,
                    "summary": summary, "commands": runner.commands}, f, indent=1)
-    chart(summary, rates, os.path.join(args.out_dir, "NETWORK.png"))
+    chart(summary, rates, png_path, args.nodes)
     text = render(args, results, summary, rates, facts, runner, elapsed)
-    with open(os.path.join(args.out_dir, "NETWORK.md"), "w") as f:
+    with open(md_path, "w") as f:
         f.write(text)
     print(text)
 
