@@ -153,16 +153,6 @@ std::string make_nonce() {
   return text.str();
 }
 
-std::string text_of(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<uint8_t> bytes_of(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
-
-std::string rank_list(const std::vector<int>& ranks) {
-  if (ranks.empty()) return "none";
-  std::string text;
-  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
-  return text;
-}
-
 // What a rank files when it joins; rank 0's also carries the nonce.
 struct Record : RankRecord {
   std::string nonce;

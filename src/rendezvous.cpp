@@ -281,17 +281,6 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const World& world, bool agent_
   }
 }
 
-std::string text_of(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<uint8_t> bytes_of(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
-
-// "0, 2, 5", or "none".
-std::string rank_list(const std::vector<int>& ranks) {
-  if (ranks.empty()) return "none";
-  std::string text;
-  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
-  return text;
-}
-
 // What each rank publishes when it joins (rendezvous.h).
 using Arrival = RankRecord;
 
@@ -522,6 +511,16 @@ RankRecord RankRecord::read(std::istream& in) {
 RankRecord RankRecord::decode(const std::string& text) {
   std::istringstream in(text);
   return read(in);
+}
+
+std::string text_of(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> bytes_of(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+std::string rank_list(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "none";
+  std::string text;
+  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
 }
 
 std::chrono::milliseconds remaining(std::chrono::steady_clock::time_point deadline) {

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <cstdint>
 #include <vector>
 
 namespace ddp::detail {
@@ -98,6 +99,12 @@ struct RankRecord {
   static RankRecord decode(const std::string& text);
   std::string where() const { return "host " + host + ", pid " + pid; }
 };
+
+// A store value as text, and text as a store value.
+std::string text_of(const std::vector<uint8_t>& bytes);
+std::vector<uint8_t> bytes_of(const std::string& text);
+// "0, 2, 5", or "none": ranks for a message.
+std::string rank_list(const std::vector<int>& ranks);
 
 // Time left until `deadline`, at least 1 ms: a store call given 0 would wait
 // without limit.
