@@ -183,7 +183,7 @@ void PowerSGDHook::State::compress(ProcessGroup& channel, at::Tensor input, cons
   // divided by the world size, and the result is the sum over ranks, so its
   // own share of the result is result / world size (the errors then sum to
   // the average's compression error, as in PyTorch's hook).
-  if (o.use_error_feedback()) error[index] = before.sub_(input / channel.size());
+  if (o.use_error_feedback()) error[index] = before.sub_(input, 1.0 / channel.size());
 }
 
 PowerSGDHook::PowerSGDHook(PowerSGDOptions options) : state_(std::make_unique<State>(std::move(options))) {
