@@ -65,27 +65,20 @@ def main():
                         help="rerun only the raw all-reduce sweep (gloo, ddp-mpi, plain MPI) into results.json")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the --only-collectives sweep")
     args = parser.parse_args()
-    if args.only_collectives:
-        bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
+    bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
+    ddprun = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"]
+    if args.only_collectives or args.render_only:
         with open(os.path.join(args.out, "results.json")) as f:
             results = json.load(f)
-        measure_collectives(results, [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"],
-                            mpirun_command(), bin_dir,
-                            dict(os.environ, OMP_NUM_THREADS="1"), args.rounds)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        write_results_md(args.out, render(results))
-        chart(results, os.path.join(args.out, "RESULTS.png"))
-        return
-    if args.render_only:
-        with open(os.path.join(args.out, "results.json")) as f:
-            results = json.load(f)
+        if args.only_collectives:
+            measure_collectives(results, ddprun, mpirun_command(), bin_dir, dict(os.environ, OMP_NUM_THREADS="1"),
+                                args.rounds)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
         write_results_md(args.out, render(results))
         chart(results, os.path.join(args.out, "RESULTS.png"))
         return
 
-    bin_dir = os.path.join(os.path.abspath(args.build_dir), "bin")
-    ddprun = [os.path.join(bin_dir, "ddprun"), "--standalone", "--nproc-per-node", "2"]
     torchrun = [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     # ddp over MPI: Open MPI's own launcher, one intra-op thread per rank too.
     mpirun = mpirun_command()

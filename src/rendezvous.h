@@ -16,12 +16,12 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <istream>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <cstdint>
 #include <vector>
 
 namespace ddp::detail {
