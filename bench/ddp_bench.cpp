@@ -11,8 +11,9 @@
 // all gradients after backward), allreduce (communication only), collective
 // (no model: float32 all-reduces of 4 KB, 1 MB, 8 MB and 40 MB).
 //
-// DDP modes also take --bucket-cap-mb and --comm-hook allreduce|fp16|bf16|
-// powersgd (--powersgd-rank r; PowerSGD starts after 2 plain steps).
+// DDP modes also take --bucket-cap-mb, --comm-hook allreduce|fp16|bf16|
+// powersgd (--powersgd-rank r; PowerSGD starts after 2 plain steps) and
+// --step-in-backward (Adam steps each bucket in backward).
 //
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
 
@@ -37,6 +38,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
+#include <functional>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -55,6 +57,7 @@ struct Config {
   std::string comm_hook = "allreduce";  // DDP modes: allreduce, fp16, bf16 or powersgd
   int64_t powersgd_rank = 4;          // --comm-hook powersgd: matrix_approximation_rank
   bool only_4kb = false;              // collective mode: the 4 KB all-reduce alone
+  bool step_in_backward = false;      // DDP modes: the optimizer steps bucket by bucket in backward
 };
 
 // The flags, bound to `c`, each with its default on --help.
@@ -77,6 +80,8 @@ void add_flags(CLI::App& app, Config& c) {
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
   app.add_option("--powersgd-rank", c.powersgd_rank, "--comm-hook powersgd: the matrix approximation rank")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--step-in-backward", c.step_in_backward,
+               "DDP modes: Adam steps each bucket as its all-reduce completes (model.step_in_backward)");
 }
 
 std::shared_ptr<ddp::CommHook> make_comm_hook(const Config& c) {
@@ -104,11 +109,14 @@ struct StepParts {
 
 // Times optimizer steps of `forward_loss` (which runs forward and returns the
 // loss) over `parameters`; with `parts`, also forward, backward and the
-// optimizer apart (zero_grad counts to the optimizer).
+// optimizer apart (zero_grad counts to the optimizer). With
+// `step_in_backward`, backward steps the optimizer that it is handed.
 template <typename ForwardLoss>
 std::vector<double> time_steps(const Config& c, std::vector<at::Tensor> parameters, ForwardLoss forward_loss,
-                               StepParts* parts = nullptr) {
+                               StepParts* parts = nullptr,
+                               const std::function<void(torch::optim::Optimizer&)>& step_in_backward = nullptr) {
   torch::optim::Adam optimizer(parameters, torch::optim::AdamOptions(1e-3));
+  if (step_in_backward) step_in_backward(optimizer);
   std::vector<double> times;
   for (int64_t s = 0; s < c.warmup + c.steps; ++s) {
     auto start = Clock::now();
@@ -118,7 +126,7 @@ std::vector<double> time_steps(const Config& c, std::vector<at::Tensor> paramete
     auto backward_start = Clock::now();
     loss.backward();
     auto optimizer_start = Clock::now();
-    optimizer.step();
+    if (!step_in_backward) optimizer.step();
     auto end = Clock::now();
     if (s < c.warmup) continue;
     auto between = [](Clock::time_point a, Clock::time_point b) {
@@ -219,11 +227,17 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
                          .bucket_cap_mb(c.bucket_cap_mb)
                          .comm_hook(make_comm_hook(c));
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
-      times = time_steps(c, ddp_model->parameters(),
-                         [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); });
+      std::function<void(torch::optim::Optimizer&)> step_in_backward;
+      if (c.step_in_backward) step_in_backward = [&](torch::optim::Optimizer& o) { ddp_model.step_in_backward(o); };
+      times = time_steps(
+          c, ddp_model->parameters(),
+          [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); }, nullptr,
+          step_in_backward);
+      ddp_model.stop_stepping_in_backward();
       extra["buckets"] = ddp_model.reducer().bucket_assignment().size();
       extra["bucket_cap_mb"] = c.bucket_cap_mb;
       extra["comm_hook"] = c.comm_hook;
+      extra["step_in_backward"] = c.step_in_backward;
       if (c.comm_hook == "powersgd") extra["powersgd_rank"] = c.powersgd_rank;
     }
   }

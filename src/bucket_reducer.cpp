@@ -7,8 +7,11 @@
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/optimizer.h>
 
 #include <numeric>
+#include <unordered_set>
 
 namespace ddp {
 namespace {
@@ -225,6 +228,8 @@ void BucketReducer::read_rider(const at::Tensor& rider) {
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
   Bucket& bucket = buckets_[b];
   if (carries_loss(b)) write_rider(bucket.sent.narrow(0, bucket.flat.numel(), group_->size() + 1));
+  // Hooked at one rank only for step_in_backward: nothing to average.
+  if (group_->size() == 1) return detail::completed_future(carries_loss(b) ? bucket.sent : bucket.flat);
   GradBucket view(b, carries_loss(b) ? bucket.sent : bucket.flat, b + 1 == buckets_.size(), {},
                   &bucket.gradient_views);
   return comm_hook_->run(*group_, view);
@@ -273,6 +278,60 @@ void BucketReducer::finish_group(size_t b, const at::Tensor& result) {
       param.mutable_grad() = slot.clone();
     }
   }
+  if (optimizer_in_backward_) step_optimizer_over_bucket(b);
+}
+
+void BucketReducer::step_in_backward(torch::optim::Optimizer* optimizer) {
+  DDP_CHECK(!engine_->round_active(), "ddp: step_in_backward cannot change during a backward pass");
+  if (optimizer) {
+    DDP_CHECK(!options_.carry_loss(), "ddp: step_in_backward steps the optimizer before backward returns, so a "
+              "non-finite loss carried by carry_loss could no longer skip the step; drop carry_loss, or step "
+              "the optimizer yourself after backward");
+    DDP_CHECK(dynamic_cast<torch::optim::LBFGS*>(optimizer) == nullptr, "ddp: LBFGS evaluates a closure over "
+              "every parameter in each step, so it cannot step bucket by bucket in backward; call "
+              "optimizer.step(closure) yourself");
+    std::unordered_set<const c10::TensorImpl*> ours;
+    for (const auto& p : params_) ours.insert(p.unsafeGetTensorImpl());
+    size_t foreign = 0;
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) foreign += ours.count(p.unsafeGetTensorImpl()) ? 0 : 1;
+    }
+    DDP_CHECK(foreign == 0, "ddp: step_in_backward: ", foreign, " of the optimizer's parameters are not this "
+              "model's, and no bucket would ever step them; build the optimizer from model->parameters(), or "
+              "step a second optimizer for the others yourself");
+    // One process has nothing to reduce and no hooks; the step still has to
+    // happen in backward.
+    engine_->install_hooks();
+  }
+  optimizer_in_backward_ = optimizer;
+}
+
+// LibTorch's optimizers skip every parameter whose .grad is undefined, so
+// hiding the other buckets' gradients for one step() updates exactly this
+// bucket's parameters, each as a step after backward would. The hidden
+// gradients are only moved aside, never touched: later buckets may still be
+// reducing into theirs.
+void BucketReducer::step_optimizer_over_bucket(size_t b) {
+  std::unordered_set<const c10::TensorImpl*> in_bucket;
+  for (size_t i : engine_->groups()[b]) in_bucket.insert(params_[i].unsafeGetTensorImpl());
+  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
+  for (auto& group : optimizer_in_backward_->param_groups()) {
+    for (auto& p : group.params()) {
+      if (in_bucket.count(p.unsafeGetTensorImpl()) || !p.grad().defined()) continue;
+      hidden.emplace_back(p, p.grad());
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  auto restore = [&] {
+    for (auto& [param, grad] : hidden) param.mutable_grad() = std::move(grad);
+  };
+  try {
+    optimizer_in_backward_->step();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
 }
 
 void BucketReducer::on_round_end(bool /*synchronised*/) {

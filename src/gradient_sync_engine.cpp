@@ -39,7 +39,11 @@ GradientSyncEngine::GradientSyncEngine(std::vector<at::Tensor> params, std::vect
   counted_unused_.assign(params_.size(), 0);
   used_locally_.assign(params_.size(), 0);
   used_since_sync_.assign(params_.size(), 0);
-  if (!options_.install_hooks) return;
+  if (options_.install_hooks) install_hooks();
+}
+
+void GradientSyncEngine::install_hooks() {
+  if (!accumulators_.empty()) return;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     DDP_CHECK(accumulator, "ddp: parameter '", names_[i], "' has no gradient accumulator");

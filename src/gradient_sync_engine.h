@@ -99,6 +99,10 @@ class GradientSyncEngine {
   /// waits for them. This rank's gradients are left alone.
   void shadow_round();
 
+  /// Hooks the accumulators now if EngineOptions::install_hooks left them
+  /// alone (DDP at one rank that must still act on each bucket). Idempotent.
+  void install_hooks();
+
   /// Off: backward passes only accumulate locally (no_sync()).
   void set_require_sync(bool require_sync) { require_sync_ = require_sync; }
   bool require_sync() const { return require_sync_; }

@@ -31,6 +31,7 @@
 #include <csignal>
 #include <cmath>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -281,6 +282,126 @@ TEST(StaticGraph, KeepsTheFirstIterationsUnusedParametersAndSkipsTheFlagsAllRedu
     // broadcast once.
     EXPECT_EQ(dynamic_count, 4u + 4u + 1u);
     EXPECT_EQ(static_count, 4u + 1u + 1u);
+  }));
+}
+
+}  // namespace
+
+namespace {
+
+// An SGD that records which parameters had a gradient at each step() call:
+// stepping in backward must call it once per bucket, with that bucket's
+// parameters only.
+class RecordingSgd : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    std::vector<const c10::TensorImpl*> visible;
+    for (auto& group : param_groups()) {
+      for (auto& p : group.params()) {
+        if (p.grad().defined()) visible.push_back(p.unsafeGetTensorImpl());
+      }
+    }
+    calls.push_back(std::move(visible));
+    return torch::optim::SGD::step(std::move(closure));
+  }
+  std::vector<std::vector<const c10::TensorImpl*>> calls;
+};
+
+enum class Stepping { kAfterBackward, kInBackward };
+
+// Trains a fresh Mlp for `steps` synchronised steps, each after one no_sync()
+// micro-batch, and returns its weights. Every rank sees other data.
+template <typename Optimizer, typename Options>
+at::Tensor train_mlp(const Group& group, Stepping stepping, const Options& options, int steps,
+                     Optimizer** seen = nullptr) {
+  torch::manual_seed(11);
+  Mlp model;
+  // Every parameter a bucket of its own: six buckets, six steps per backward.
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group,
+                                              ddp::DDPOptions().first_bucket_cap_mb(1e-4).bucket_cap_mb(1e-4));
+  auto optimizer = std::make_unique<Optimizer>(ddp_model.parameters(), options);
+  if (stepping == Stepping::kInBackward) ddp_model.step_in_backward(*optimizer);
+  at::manual_seed(100 + group->rank());
+  for (int step = 0; step < steps; ++step) {
+    optimizer->zero_grad();
+    {
+      auto guard = ddp_model.no_sync();
+      ddp_model.forward(at::randn({5, 10})).pow(2).mean().backward();
+    }
+    ddp_model.forward(at::randn({5, 10})).pow(2).mean().backward();
+    if (stepping == Stepping::kAfterBackward) optimizer->step();
+  }
+  ddp_model.stop_stepping_in_backward();
+  if (seen) *seen = optimizer.release();  // the caller inspects it (and leaks it: a test)
+  return flatten_parameters(*model);
+}
+
+TEST(StepInBackward, GivesExactlyTheWeightsOfAStepAfterBackward) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    torch::manual_seed(11);
+    const at::Tensor initial = flatten_parameters(*Mlp());
+    const auto adam = torch::optim::AdamOptions(1e-2).weight_decay(1e-3);
+    const at::Tensor after = train_mlp<torch::optim::Adam>(group, Stepping::kAfterBackward, adam, 4);
+    const at::Tensor in = train_mlp<torch::optim::Adam>(group, Stepping::kInBackward, adam, 4);
+    EXPECT_FALSE(at::allclose(after, initial));
+    EXPECT_TRUE(at::equal(after, in)) << (after - in).abs().max();
+    expect_replicas_identical(group, in, "adam, stepped in backward");
+
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+    EXPECT_TRUE(at::equal(train_mlp<torch::optim::SGD>(group, Stepping::kAfterBackward, sgd, 3),
+                          train_mlp<torch::optim::SGD>(group, Stepping::kInBackward, sgd, 3)));
+  }));
+}
+
+TEST(StepInBackward, StepsOncePerBucketWithThatBucketsParametersOnly) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    RecordingSgd* optimizer = nullptr;
+    train_mlp<RecordingSgd>(group, Stepping::kInBackward, torch::optim::SGDOptions(0.1), 2, &optimizer);
+    // Each synchronised backward steps once per bucket (the buckets are
+    // rebuilt after the first): disjoint sets of parameters that together
+    // cover all six. The no_sync() passes step nothing.
+    size_t backward_passes = 0;
+    std::set<const c10::TensorImpl*> stepped;
+    for (const auto& call : optimizer->calls) {
+      EXPECT_FALSE(call.empty());
+      for (const auto* p : call) EXPECT_TRUE(stepped.insert(p).second) << "a parameter stepped twice in one pass";
+      if (stepped.size() == 6) {
+        ++backward_passes;
+        stepped.clear();
+      }
+    }
+    EXPECT_TRUE(stepped.empty());
+    EXPECT_EQ(backward_passes, 2u);
+    EXPECT_GE(optimizer->calls.size(), 2 * 3u) << "several buckets each pass";
+    // The hidden gradients are back after each step.
+    for (auto& p : optimizer->param_groups()[0].params()) EXPECT_TRUE(p.grad().defined());
+  }));
+}
+
+TEST(StepInBackward, WorksOnOneRankWhereNothingIsReduced) {
+  expect_all_succeeded(run_on_ranks(1, [](const Group& group) {
+    const auto adam = torch::optim::AdamOptions(1e-2);
+    EXPECT_TRUE(at::equal(train_mlp<torch::optim::Adam>(group, Stepping::kAfterBackward, adam, 3),
+                          train_mlp<torch::optim::Adam>(group, Stepping::kInBackward, adam, 3)));
+  }));
+}
+
+TEST(StepInBackward, RefusesWhatItCannotStep) {
+  expect_all_succeeded(run_on_ranks(1, [](const Group& group) {
+    Mlp model;
+    ddp::DistributedDataParallel<Mlp> ddp_model(model, group);
+    std::vector<at::Tensor> params = ddp_model.parameters();
+    params.push_back(at::zeros({3}, at::requires_grad()));
+    torch::optim::SGD foreign(params, torch::optim::SGDOptions(0.1));
+    std::string error = error_of([&] { ddp_model.step_in_backward(foreign); });
+    EXPECT_NE(error.find("1 of the optimizer's parameters are not this model's"), std::string::npos) << error;
+
+    Mlp carried;
+    ddp::DistributedDataParallel<Mlp> carrying(carried, group, ddp::DDPOptions().carry_loss(true));
+    torch::optim::SGD sgd(carrying.parameters(), torch::optim::SGDOptions(0.1));
+    error = error_of([&] { carrying.step_in_backward(sgd); });
+    EXPECT_NE(error.find("carry_loss"), std::string::npos) << error;
   }));
 }
 

@@ -23,6 +23,10 @@
 
 #include <ddp/nonfinite.h>
 
+namespace torch::optim {
+class Optimizer;
+}
+
 namespace ddp {
 namespace detail {
 class GradientSyncEngine;  // the engine, internal to the library
@@ -118,6 +122,23 @@ class BucketReducer : private detail::ReductionPolicy {
   void note_loss(const at::Tensor& loss);
   /// What the last synchronised backward carried (see ReducedLoss).
   const ReducedLoss& reduced_loss() const { return reduced_loss_; }
+  /// Steps `optimizer` inside each synchronised backward, one bucket at a
+  /// time: as soon as a bucket's averaged gradients are back in .grad,
+  /// optimizer->step() runs over that bucket's parameters alone, while the
+  /// later buckets are still on the wire. On a slow link the optimizer's
+  /// time then hides behind communication instead of following it (PyTorch
+  /// has this as DDP's fused optimizer and _apply_optimizer_in_backward).
+  /// Per parameter the update is exactly optimizer.step()'s after backward,
+  /// since LibTorch's optimizers skip parameters without a gradient and
+  /// keep their state per parameter. Then do not call optimizer.step()
+  /// yourself; no_sync() passes still only accumulate. Every parameter
+  /// of `optimizer` must be one of this reducer's. Not with carry_loss, nor
+  /// with anything that must see every gradient before the step (gradient
+  /// clipping by global norm, GradScaler's skip). The optimizer must
+  /// outlive the reducer or be unset first; null turns stepping off.
+  void step_in_backward(torch::optim::Optimizer* optimizer);
+  /// The optimizer backward steps (step_in_backward), or null.
+  torch::optim::Optimizer* optimizer_in_backward() const { return optimizer_in_backward_; }
   /// The flat gradient buffer of bucket `index` (for inspection and tests).
   const at::Tensor& bucket_buffer(size_t index) const { return buckets_.at(index).flat; }
 
@@ -150,6 +171,7 @@ class BucketReducer : private detail::ReductionPolicy {
   // carry_loss: the bucket whose all-reduce carries the loss (launched last).
   bool carries_loss(size_t b) const { return options_.carry_loss() && b + 1 == buckets_.size(); }
   void write_rider(const at::Tensor& rider);
+  void step_optimizer_over_bucket(size_t b);
   void read_rider(const at::Tensor& rider);
 
   std::vector<at::Tensor> params_;
@@ -173,6 +195,7 @@ class BucketReducer : private detail::ReductionPolicy {
   at::Tensor static_used_anywhere_;
   at::Tensor noted_loss_;      // carry_loss: this rank's, for the next synchronised backward
   ReducedLoss reduced_loss_;   // what the last one carried
+  torch::optim::Optimizer* optimizer_in_backward_ = nullptr;
   std::unique_ptr<detail::GradientSyncEngine> engine_;  // last: its hooks call the members above
 };
 

@@ -348,6 +348,24 @@ class DistributedDataParallel {
   /// What the last synchronised backward carried (see note_loss).
   const ReducedLoss& reduced_loss() const { return runtime_.reducer().reduced_loss(); }
 
+  /// From now on backward() also steps `optimizer`, bucket by bucket as each
+  /// bucket's averaged gradients arrive, so the update hides behind the
+  /// later buckets' all-reduces (worth it when the link, not the CPU or GPU,
+  /// bounds the step):
+  ///
+  ///   model.step_in_backward(optimizer);
+  ///   for (...) {
+  ///     optimizer.zero_grad();
+  ///     loss_of(batch).backward();   // all-reduces and steps; no optimizer.step()
+  ///   }
+  ///
+  /// The result is the same as optimizer.step() after backward. See
+  /// BucketReducer::step_in_backward for what it cannot be combined with.
+  /// `optimizer` must outlive the model, or stop_stepping_in_backward() first.
+  void step_in_backward(torch::optim::Optimizer& optimizer) { runtime_.reducer().step_in_backward(&optimizer); }
+  /// Back to stepping the optimizer yourself after backward.
+  void stop_stepping_in_backward() { runtime_.reducer().step_in_backward(nullptr); }
+
   /// Uneven data across ranks: see Join.
   Join join() { return Join(runtime_, *runtime_.group()); }
 
