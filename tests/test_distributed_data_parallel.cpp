@@ -314,12 +314,13 @@ enum class Stepping { kAfterBackward, kInBackward };
 // micro-batch, and returns its weights. Every rank sees other data.
 template <typename Optimizer, typename Options>
 at::Tensor train_mlp(const Group& group, Stepping stepping, const Options& options, int steps,
-                     Optimizer** seen = nullptr) {
+                     Optimizer** seen = nullptr, bool gradient_as_bucket_view = false) {
   torch::manual_seed(11);
   Mlp model;
   // Every parameter a bucket of its own: six buckets, six steps per backward.
-  ddp::DistributedDataParallel<Mlp> ddp_model(model, group,
-                                              ddp::DDPOptions().first_bucket_cap_mb(1e-4).bucket_cap_mb(1e-4));
+  ddp::DistributedDataParallel<Mlp> ddp_model(
+      model, group,
+      ddp::DDPOptions().first_bucket_cap_mb(1e-4).bucket_cap_mb(1e-4).gradient_as_bucket_view(gradient_as_bucket_view));
   auto optimizer = std::make_unique<Optimizer>(ddp_model.parameters(), options);
   if (stepping == Stepping::kInBackward) ddp_model.step_in_backward(*optimizer);
   at::manual_seed(100 + group->rank());
@@ -347,6 +348,10 @@ TEST(StepInBackward, GivesExactlyTheWeightsOfAStepAfterBackward) {
     EXPECT_FALSE(at::allclose(after, initial));
     EXPECT_TRUE(at::equal(after, in)) << (after - in).abs().max();
     expect_replicas_identical(group, in, "adam, stepped in backward");
+
+    // Gradients that live in the buckets: the hidden ones are the buckets' memory.
+    EXPECT_TRUE(at::equal(after, train_mlp<torch::optim::Adam>(group, Stepping::kInBackward, adam, 4, nullptr,
+                                                               /*gradient_as_bucket_view=*/true)));
 
     const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
     EXPECT_TRUE(at::equal(train_mlp<torch::optim::SGD>(group, Stepping::kAfterBackward, sgd, 3),
