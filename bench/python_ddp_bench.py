@@ -104,6 +104,9 @@ def main():
     parser.add_argument("--comm-hook", default="allreduce", choices=["allreduce", "fp16", "bf16", "powersgd"],
                         help="as ddp_bench's: powersgd starts after 2 plain steps")
     parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="Adam steps each bucket as its all-reduce completes (DDP._register_fused_optim): "
+                             "ddp_bench's --step-in-backward")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -138,15 +141,20 @@ def main():
         forward = DistributedDataParallel(model, gradient_as_bucket_view=args.mode == "bucket-view",
                                           bucket_cap_mb=args.bucket_cap_mb)
         register_comm_hook(forward, args)
-    optimizer = torch.optim.Adam(forward.parameters(), lr=1e-3)
+        if args.optimizer_in_backward:
+            forward._register_fused_optim(torch.optim.Adam, lr=1e-3)
+    # With --optimizer-in-backward DDP steps (and clears the gradients) itself.
+    optimizer = None if args.optimizer_in_backward else torch.optim.Adam(forward.parameters(), lr=1e-3)
 
     times = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        optimizer.zero_grad()
+        if optimizer:
+            optimizer.zero_grad()
         loss = loss_of(forward)
         loss.backward()
-        optimizer.step()
+        if optimizer:
+            optimizer.step()
         ms = (time.perf_counter() - start) * 1000
         if step >= args.warmup:
             times.append(ms)
@@ -161,6 +169,7 @@ def main():
             "step_ms_median": round(median, 4), "samples_per_s": round(1000.0 * world * batch / median, 2),
             "step_ms": [round(t, 4) for t in times],
             "bucket_cap_mb": args.bucket_cap_mb, "comm_hook": args.comm_hook,
+            "optimizer_in_backward": args.optimizer_in_backward,
         }), flush=True)
     if args.mode != "local":
         dist.barrier()
