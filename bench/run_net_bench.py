@@ -389,7 +389,8 @@ def chart(summary, rates, path, nodes=2):
             s = summary[rate][model]
             shown = [n for n in ORDER if n in s["rows"]]
             values = [s["rows"][n]["ms"] for n in shown]
-            colors = [{"python": "tab:orange", "ddp-mpi": "tab:purple"}.get(n, "tab:blue") for n in shown]
+            colors = ["tab:orange" if n.startswith("python") else "tab:purple" if n == "ddp-mpi" else "tab:blue"
+                      for n in shown]
             bars = ax.bar(range(len(shown)), values, color=colors)
             ax.bar_label(bars, labels=[f"{v:.0f} ms\n{s['rows'][n]['mb_per_step']:.1f} MB" for n, v in
                                        zip(shown, values)], fontsize=7)
