@@ -4,13 +4,16 @@
 
 #include "bucket_assignment.h"
 #include "gradient_sync_engine.h"
+#include "stepped_in_backward.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/lbfgs.h>
 #include <torch/optim/optimizer.h>
 
+#include <mutex>
 #include <numeric>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace ddp {
@@ -36,7 +39,33 @@ std::vector<detail::BucketTensorInfo> infos_of(const std::vector<at::Tensor>& pa
   return infos;
 }
 
+std::mutex stepped_in_backward_mutex;
+std::unordered_map<const torch::optim::Optimizer*, int>& stepped_in_backward_counts() {
+  static std::unordered_map<const torch::optim::Optimizer*, int> counts;
+  return counts;
+}
+
 }  // namespace
+
+namespace detail {
+
+void note_stepped_in_backward(const torch::optim::Optimizer* optimizer, bool stepped) {
+  if (!optimizer) return;
+  std::lock_guard<std::mutex> lock(stepped_in_backward_mutex);
+  auto& counts = stepped_in_backward_counts();
+  if (stepped) {
+    ++counts[optimizer];
+  } else if (auto it = counts.find(optimizer); it != counts.end() && --it->second == 0) {
+    counts.erase(it);
+  }
+}
+
+bool is_stepped_in_backward(const torch::optim::Optimizer* optimizer) {
+  std::lock_guard<std::mutex> lock(stepped_in_backward_mutex);
+  return stepped_in_backward_counts().count(optimizer) != 0;
+}
+
+}  // namespace detail
 
 BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                              std::shared_ptr<ProcessGroup> group, ReducerOptions options)
@@ -69,7 +98,7 @@ BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::st
                                           mib_to_bytes(options_.bucket_cap_mb())));
 }
 
-BucketReducer::~BucketReducer() = default;
+BucketReducer::~BucketReducer() { detail::note_stepped_in_backward(optimizer_in_backward_, false); }
 
 void BucketReducer::set_require_sync(bool require_sync) { engine_->set_require_sync(require_sync); }
 
@@ -303,6 +332,8 @@ void BucketReducer::step_in_backward(torch::optim::Optimizer* optimizer) {
     // happen in backward.
     engine_->install_hooks();
   }
+  detail::note_stepped_in_backward(optimizer, true);
+  detail::note_stepped_in_backward(optimizer_in_backward_, false);
   optimizer_in_backward_ = optimizer;
 }
 

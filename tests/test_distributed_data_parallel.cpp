@@ -12,6 +12,7 @@
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
+#include <ddp/grad_scaler.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 #include <ddp/snapshot.h>
@@ -407,6 +408,15 @@ TEST(StepInBackward, RefusesWhatItCannotStep) {
     torch::optim::SGD sgd(carrying.parameters(), torch::optim::SGDOptions(0.1));
     error = error_of([&] { carrying.step_in_backward(sgd); });
     EXPECT_NE(error.find("carry_loss"), std::string::npos) << error;
+
+    // GradScaler would step it a second time, after the fact.
+    torch::optim::SGD stepped(ddp_model.parameters(), torch::optim::SGDOptions(0.1));
+    ddp_model.step_in_backward(stepped);
+    ddp::GradScaler scaler(ddp::GradScalerOptions().enabled(false));
+    error = error_of([&] { scaler.step(stepped); });
+    EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
+    ddp_model.stop_stepping_in_backward();
+    EXPECT_TRUE(scaler.step(stepped));
   }));
 }
 
