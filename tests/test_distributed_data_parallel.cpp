@@ -10,6 +10,7 @@
 #include <support/torch_errors.h>
 
 #include <ddp/checkpoint.h>
+#include <ddp/clip_grad.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
 #include <ddp/grad_scaler.h>
@@ -414,6 +415,9 @@ TEST(StepInBackward, RefusesWhatItCannotStep) {
     ddp_model.step_in_backward(stepped);
     ddp::GradScaler scaler(ddp::GradScalerOptions().enabled(false));
     error = error_of([&] { scaler.step(stepped); });
+    EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
+    // Clipping would come after the step.
+    error = error_of([&] { ddp::clip_grad_norm_(ddp_model, 1.0); });
     EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
     ddp_model.stop_stepping_in_backward();
     EXPECT_TRUE(scaler.step(stepped));

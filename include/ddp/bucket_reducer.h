@@ -134,9 +134,9 @@ class BucketReducer : private detail::ReductionPolicy {
   /// yourself; no_sync() passes still only accumulate. Every parameter
   /// of `optimizer` must be one of this reducer's. Not with carry_loss, nor
   /// with anything that must see every gradient before the step: GradScaler
-  /// refuses such an optimizer, and gradient clipping by global norm would
-  /// come too late. The optimizer must outlive the reducer or be unset
-  /// first; null turns stepping off.
+  /// refuses such an optimizer, and ddp::clip_grad_norm_ such a model. The
+  /// optimizer must outlive the reducer or be unset first; null turns
+  /// stepping off.
   void step_in_backward(torch::optim::Optimizer* optimizer);
   /// The optimizer backward steps (step_in_backward), or null.
   torch::optim::Optimizer* optimizer_in_backward() const { return optimizer_in_backward_; }

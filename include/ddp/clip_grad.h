@@ -40,6 +40,9 @@ namespace detail {
 /// every rank holds all of it.
 double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard_group, double max_norm,
                       double norm_type, NonFinitePolicy policy);
+/// Throws if `reducer` steps an optimizer inside backward: the step has
+/// then already happened, and clipping afterwards would change nothing.
+void refuse_clipping_after_step_in_backward(const BucketReducer& reducer);
 }  // namespace detail
 
 /// Clips a DDP model's averaged gradients (also the way to clip under
@@ -50,6 +53,7 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard
 template <typename M>
 double clip_grad_norm_(DistributedDataParallel<M>& model, double max_norm, double norm_type = 2.0,
                        NonFinitePolicy policy = NonFinitePolicy::kSkipStep) {
+  detail::refuse_clipping_after_step_in_backward(model.reducer());
   return detail::clip_grad_norm(model.parameters(), nullptr, max_norm, norm_type, policy);
 }
 
