@@ -14,7 +14,6 @@
 #include <mutex>
 #include <numeric>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace ddp {
 namespace {
@@ -39,10 +38,14 @@ std::vector<detail::BucketTensorInfo> infos_of(const std::vector<at::Tensor>& pa
   return infos;
 }
 
-std::mutex stepped_in_backward_mutex;
-std::unordered_map<const torch::optim::Optimizer*, int>& stepped_in_backward_counts() {
-  static std::unordered_map<const torch::optim::Optimizer*, int> counts;
-  return counts;
+// How many live reducers step each optimizer inside backward.
+struct SteppedInBackward {
+  std::mutex mutex;
+  std::unordered_map<const torch::optim::Optimizer*, int> counts;
+};
+SteppedInBackward& stepped_in_backward() {
+  static SteppedInBackward registry;
+  return registry;
 }
 
 }  // namespace
@@ -51,8 +54,9 @@ namespace detail {
 
 void note_stepped_in_backward(const torch::optim::Optimizer* optimizer, bool stepped) {
   if (!optimizer) return;
-  std::lock_guard<std::mutex> lock(stepped_in_backward_mutex);
-  auto& counts = stepped_in_backward_counts();
+  auto& registry = stepped_in_backward();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  auto& counts = registry.counts;
   if (stepped) {
     ++counts[optimizer];
   } else if (auto it = counts.find(optimizer); it != counts.end() && --it->second == 0) {
@@ -61,8 +65,9 @@ void note_stepped_in_backward(const torch::optim::Optimizer* optimizer, bool ste
 }
 
 bool is_stepped_in_backward(const torch::optim::Optimizer* optimizer) {
-  std::lock_guard<std::mutex> lock(stepped_in_backward_mutex);
-  return stepped_in_backward_counts().count(optimizer) != 0;
+  auto& registry = stepped_in_backward();
+  std::lock_guard<std::mutex> lock(registry.mutex);
+  return registry.counts.count(optimizer) != 0;
 }
 
 }  // namespace detail
@@ -319,11 +324,12 @@ void BucketReducer::step_in_backward(torch::optim::Optimizer* optimizer) {
     DDP_CHECK(dynamic_cast<torch::optim::LBFGS*>(optimizer) == nullptr, "ddp: LBFGS evaluates a closure over "
               "every parameter in each step, so it cannot step bucket by bucket in backward; call "
               "optimizer.step(closure) yourself");
-    std::unordered_set<const c10::TensorImpl*> ours;
-    for (const auto& p : params_) ours.insert(p.unsafeGetTensorImpl());
+    if (param_index_.empty()) {
+      for (size_t i = 0; i < params_.size(); ++i) param_index_.emplace(params_[i].unsafeGetTensorImpl(), i);
+    }
     size_t foreign = 0;
     for (const auto& group : optimizer->param_groups()) {
-      for (const auto& p : group.params()) foreign += ours.count(p.unsafeGetTensorImpl()) ? 0 : 1;
+      for (const auto& p : group.params()) foreign += param_index_.count(p.unsafeGetTensorImpl()) ? 0 : 1;
     }
     DDP_CHECK(foreign == 0, "ddp: step_in_backward: ", foreign, " of the optimizer's parameters are not this "
               "model's, and no bucket would ever step them; build the optimizer from model->parameters(), or "
@@ -343,20 +349,23 @@ void BucketReducer::step_in_backward(torch::optim::Optimizer* optimizer) {
 // gradients are only moved aside, never touched: later buckets may still be
 // reducing into theirs.
 void BucketReducer::step_optimizer_over_bucket(size_t b) {
-  std::unordered_set<const c10::TensorImpl*> in_bucket;
-  for (size_t i : engine_->groups()[b]) in_bucket.insert(params_[i].unsafeGetTensorImpl());
   std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
-  for (auto& group : optimizer_in_backward_->param_groups()) {
-    for (auto& p : group.params()) {
-      if (in_bucket.count(p.unsafeGetTensorImpl()) || !p.grad().defined()) continue;
-      hidden.emplace_back(p, p.grad());
-      p.mutable_grad() = at::Tensor();
-    }
-  }
   auto restore = [&] {
     for (auto& [param, grad] : hidden) param.mutable_grad() = std::move(grad);
   };
   try {
+    for (auto& group : optimizer_in_backward_->param_groups()) {
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto index = param_index_.find(p.unsafeGetTensorImpl());
+        DDP_CHECK(index != param_index_.end(), "ddp: a parameter added to the optimizer after step_in_backward "
+                  "is not this model's, and no bucket would ever step it; step that parameter group with an "
+                  "optimizer of its own");
+        if (bucket_of_param_[index->second] == b) continue;
+        hidden.emplace_back(p, p.grad());
+        p.mutable_grad() = at::Tensor();
+      }
+    }
     optimizer_in_backward_->step();
   } catch (...) {
     restore();

@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ddp/nonfinite.h>
@@ -197,6 +198,8 @@ class BucketReducer : private detail::ReductionPolicy {
   at::Tensor noted_loss_;      // carry_loss: this rank's, for the next synchronised backward
   ReducedLoss reduced_loss_;   // what the last one carried
   torch::optim::Optimizer* optimizer_in_backward_ = nullptr;
+  // step_in_backward: each parameter's index in params_, by tensor.
+  std::unordered_map<const c10::TensorImpl*, size_t> param_index_;
   std::unique_ptr<detail::GradientSyncEngine> engine_;  // last: its hooks call the members above
 };
 
