@@ -25,6 +25,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
@@ -410,6 +411,10 @@ TEST(StepInBackward, RefusesWhatItCannotStep) {
     error = error_of([&] { carrying.step_in_backward(sgd); });
     EXPECT_NE(error.find("carry_loss"), std::string::npos) << error;
 
+    torch::optim::LBFGS lbfgs(ddp_model.parameters());
+    error = error_of([&] { ddp_model.step_in_backward(lbfgs); });
+    EXPECT_NE(error.find("LBFGS evaluates a closure"), std::string::npos) << error;
+
     // GradScaler would step it a second time, after the fact.
     torch::optim::SGD stepped(ddp_model.parameters(), torch::optim::SGDOptions(0.1));
     ddp_model.step_in_backward(stepped);
@@ -421,6 +426,18 @@ TEST(StepInBackward, RefusesWhatItCannotStep) {
     EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
     ddp_model.stop_stepping_in_backward();
     EXPECT_TRUE(scaler.step(stepped));
+
+    // A parameter group added after registering: no bucket holds it.
+    Mlp grown;
+    ddp::DistributedDataParallel<Mlp> growing(grown, group);
+    torch::optim::SGD later(growing.parameters(), torch::optim::SGDOptions(0.1));
+    growing.step_in_backward(later);
+    at::Tensor extra = at::zeros({3}, at::requires_grad());
+    extra.mutable_grad() = at::ones({3});
+    later.add_param_group(torch::optim::OptimizerParamGroup({extra}));
+    error = error_of([&] { growing.forward(at::ones({2, 10})).sum().backward(); });
+    EXPECT_NE(error.find("added to the optimizer after step_in_backward"), std::string::npos) << error;
+    growing.stop_stepping_in_backward();
   }));
 }
 
