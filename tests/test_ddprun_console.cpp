@@ -330,6 +330,37 @@ TEST(DdprunInputs, NumbersAreParsedStrictly) {
             0);
 }
 
+// Issue 34, item 7: ddprun echoes these values (a role prefixes every teed line; run ids,
+// addresses and directories appear in its messages and logs). A newline or an escape sequence
+// in one could forge a console line, so each is refused, and the refusal prints it escaped.
+TEST(DdprunInputs, ControlCharactersInEchoedValuesAreRefusedWithoutPrintingThem) {
+  const std::string forged = "\n[rank0]: forged";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--role", "x" + forged},
+      {"--rdzv-id", "job" + forged},
+      {"--master-addr", "host" + forged},
+      {"--local-addr", "host" + forged},
+      {"--log-dir", "/tmp/logs" + forged},
+      {"--rdzv-endpoint", "host" + forged},
+      {"--role", "x\x1b[2K\r[rank0]: forged"},
+  };
+  for (const auto& [flag, value] : cases) {
+    SCOPED_TRACE(flag);
+    ProcessResult result = ddprun({flag, value, "--tee", "3", probe(), "--say", "worker ran"});
+    EXPECT_EQ(result.exit_code, 2) << result.describe();
+    EXPECT_NE(result.err.find("for " + flag + ": control characters"), std::string::npos) << result.describe();
+    EXPECT_EQ(line_count(result.err), 1u) << "the refusal is one line: " << result.describe();
+    EXPECT_EQ(result.out.find("worker ran"), std::string::npos) << result.describe();
+    for (const std::string& text : {result.out, result.err}) {
+      EXPECT_EQ(("\n" + text).find("\n[rank0]: forged"), std::string::npos) << result.describe();
+      EXPECT_EQ(text.find('\x1b'), std::string::npos) << result.describe();
+    }
+  }
+  // The escaped form names the culprit.
+  ProcessResult role = ddprun({"--role", "x" + forged, probe()});
+  EXPECT_NE(role.err.find("invalid value 'x\\n[rank0]: forged' for --role"), std::string::npos) << role.describe();
+}
+
 // ---------------------------------------------------------------------------------------------
 // The root cause of a worker that failed on its own while ddprun was stopping it (item 8).
 

@@ -3,9 +3,14 @@
 // --numa-binding), issue 26 items 3 and 5; also the pure spec and share functions behind them.
 #include <gtest/gtest.h>
 #include <sched.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -443,6 +448,153 @@ TEST(DdprunCpuBind, BadModesAreUsageErrors) {
   result = run(ddprun_argv({"--cpu-bind", "cores", "--numa-binding", "node", "true"}));
   EXPECT_EQ(result.exit_code, 2) << result.describe();
   EXPECT_NE(result.err.find("give one of them"), std::string::npos) << result.describe();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 34, item 5: a --log-dir others can write into. Whoever can plant an entry named like a
+// file the job writes must not make the job write anywhere else.
+
+size_t count_of_text(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++count;
+  return count;
+}
+
+// A log directory beside a victim file and a victim directory that the job must never touch.
+struct SharedLogDir {
+  TempDir dir;
+  std::string logs = dir.path() + "/logs";
+  std::string victim = dir.path() + "/victim.txt";
+  std::string victim_dir = dir.path() + "/victim_dir";
+
+  SharedLogDir() {
+    std::filesystem::create_directories(logs + "/attempt_0");
+    std::filesystem::create_directories(victim_dir);
+    std::ofstream(victim) << "precious\n";
+    std::ofstream(victim_dir + "/keep.txt") << "kept\n";
+  }
+  void expect_victims_untouched() const {
+    EXPECT_EQ(read_text_file(victim), "precious\n");
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(victim_dir)) {
+      names.push_back(entry.path().filename().string());
+    }
+    EXPECT_EQ(names, std::vector<std::string>{"keep.txt"});
+    EXPECT_EQ(read_text_file(victim_dir + "/keep.txt"), "kept\n");
+  }
+  ProcessResult run_job() const {
+    return run(ddprun_argv({"--nproc-per-node", "2", "--log-dir", logs, bin_path("launcher_probe"), "--say",
+                            "written by the job"}));
+  }
+};
+
+TEST(DdprunLogDir, LinksPlantedWhereTheJobWritesAreRefusedByNameAndTheirTargetsKept) {
+  for (const std::string planted :
+       {"attempt_0/rank_0.log", "attempt_0/rank_1.log", "attempt_0/rank_1.error.json", "attempt_0"}) {
+    SCOPED_TRACE(planted);
+    SharedLogDir shared;
+    const std::string link = shared.logs + "/" + planted;
+    const bool is_directory = planted == "attempt_0";
+    if (is_directory) std::filesystem::remove(link);
+    // A dangling link too: O_CREAT alone would create its target.
+    const std::string target = is_directory ? shared.victim_dir : planted == "attempt_0/rank_1.log"
+                                                                     ? shared.dir.path() + "/created-through-link"
+                                                                     : shared.victim;
+    ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+    const ProcessResult result = shared.run_job();
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("refusing to use '" + link + "': it is a symbolic link"), std::string::npos)
+        << result.describe();
+    EXPECT_EQ(result.out.find("written by the job"), std::string::npos) << "no worker starts: " << result.describe();
+    shared.expect_victims_untouched();
+    EXPECT_FALSE(std::filesystem::exists(shared.dir.path() + "/created-through-link"));
+  }
+}
+
+TEST(DdprunLogDir, AFifoAHardLinkOrAnotherUsersDirectoryIsRefusedWithoutBlocking) {
+  {
+    SharedLogDir shared;
+    const std::string fifo = shared.logs + "/attempt_0/rank_0.log";
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0666), 0);
+    const ProcessResult result = shared.run_job();
+    EXPECT_FALSE(result.timed_out) << result.describe();
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("refusing to use '" + fifo + "': it is a FIFO"), std::string::npos) << result.describe();
+  }
+  {
+    SharedLogDir shared;
+    const std::string hard_link = shared.logs + "/attempt_0/rank_1.log";
+    ASSERT_EQ(::link(shared.victim.c_str(), hard_link.c_str()), 0);
+    const ProcessResult result = shared.run_job();
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("refusing to use '" + hard_link + "': it is a file with 2 hard links"),
+              std::string::npos)
+        << result.describe();
+    shared.expect_victims_untouched();
+  }
+  if (::geteuid() == 0) {
+    // A directory someone else made, where they may plant files while the job runs.
+    SharedLogDir shared;
+    const std::string attempt = shared.logs + "/attempt_0";
+    ASSERT_EQ(::chown(attempt.c_str(), 65534, 65534), 0);
+    const ProcessResult result = shared.run_job();
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("refusing to use '" + attempt + "': it is a directory of user id 65534"),
+              std::string::npos)
+        << result.describe();
+  }
+  {
+    SharedLogDir shared;
+    const std::string attempt = shared.logs + "/attempt_0";
+    ASSERT_EQ(::chmod(attempt.c_str(), 0777), 0);
+    const ProcessResult result = shared.run_job();
+    EXPECT_EQ(result.exit_code, 1) << result.describe();
+    EXPECT_NE(result.err.find("chmod go-w '" + attempt + "'"), std::string::npos) << result.describe();
+  }
+}
+
+TEST(DdprunLogDir, ARunAfterAnotherInTheSameLogDirReplacesItsLogs) {
+  SharedLogDir shared;
+  ASSERT_EQ(::chmod((shared.logs + "/attempt_0").c_str(), 0755), 0);
+  std::ofstream(shared.logs + "/attempt_0/rank_0.log") << "an earlier run's much longer log\n";
+  const ProcessResult result = shared.run_job();
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(read_text_file(shared.logs + "/attempt_0/rank_0.log"), "written by the job\n");
+  EXPECT_EQ(read_text_file(shared.logs + "/attempt_0/rank_1.log"), "written by the job\n");
+}
+
+// Issue 34, item 15: a log disk that fills up. The job's output goes on to the console, ddprun
+// says once which file it could not write and why, and the failure summary quotes the lines
+// that no log holds instead of only pointing at a log that ends early.
+TEST(DdprunLogDir, AFullLogDiskIsReportedOnceAndTheSummaryQuotesWhatTheLogsMiss) {
+  TempDir dir;
+  const std::string full = dir.path() + "/full";
+  std::filesystem::create_directories(full);
+  if (::mount("tmpfs", full.c_str(), "tmpfs", 0, "size=64k,mode=0755") != 0) {
+    GTEST_SKIP() << "cannot mount a 64 KiB tmpfs to fill (" << std::strerror(errno)
+                 << "); this test needs root (CAP_SYS_ADMIN)";
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{full};
+  // ~130 KB of stdout per rank, then two stderr lines (the probe's own, then the last words).
+  const ProcessResult result =
+      run(ddprun_argv({"--nproc-per-node", "2", "--log-dir", full, bin_path("launcher_probe"), "--lines", "400",
+                       "--err", "the last words of the worker", "--exit-code-on-rank", "0", "3"}));
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_EQ(count_of_text(result.err, "ddprun: warning: cannot write the log file '" + full + "/attempt_0/rank_"), 1u)
+      << result.describe();
+  EXPECT_NE(result.err.find(": No space left on device; the workers' output goes on to the console"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("[rank0]: the last words of the worker"), std::string::npos)
+      << "the console still gets every line: " << result.describe();
+  EXPECT_NE(result.err.find("ddprun:   log: " + full + "/attempt_0/rank_0.log (incomplete)"), std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("ddprun:     rank 0 stderr line\nddprun:     the last words of the worker\n"),
+            std::string::npos)
+      << result.describe();
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -384,6 +385,59 @@ TEST_F(RdzvSecurity, ASecretFileOthersCanReadOrAShortSecretIsRefused) {
   ProcessResult& short_one = agents_.back().finish(10s);
   EXPECT_NE(short_one.exit_code, 0) << everything();
   EXPECT_NE(short_one.err.find("holds 5 bytes"), std::string::npos) << everything();
+}
+
+// Issue 34, item 6: a secret "file" that is no regular file. A FIFO used to hang ddprun in
+// open() for good, deaf to SIGTERM and Ctrl-C; each must be refused at once, naming what it is.
+TEST_F(RdzvSecurity, ASecretPathThatIsAFifoDirectoryDeviceOrLinkToOneIsRefusedAtOnce) {
+  const std::string fifo = dir_ + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  const std::string directory = dir_ + "/directory";
+  ASSERT_EQ(::mkdir(directory.c_str(), 0700), 0);
+  const std::string link_to_fifo = dir_ + "/link-to-fifo";
+  ASSERT_EQ(::symlink(fifo.c_str(), link_to_fifo.c_str()), 0);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {fifo, "is a FIFO (named pipe), not a regular file"},
+      {directory, "is a directory, not a regular file"},
+      {"/dev/zero", "is a character device, not a regular file"},
+      {link_to_fifo, "is a FIFO (named pipe), not a regular file"},
+  };
+  for (const auto& [path, refusal] : cases) {
+    start_agent({"--nnodes", "1", "--rdzv-secret-file", path}, worker());
+    ProcessResult& r = agents_.back().finish(10s);
+    EXPECT_FALSE(r.timed_out) << path << " hung ddprun: " << everything();
+    EXPECT_EQ(r.exit_code, 1) << path << ": " << everything();
+    EXPECT_NE(r.err.find("the rendezvous secret file '" + path + "' " + refusal), std::string::npos) << everything();
+    EXPECT_LT(r.seconds, 5.0) << path << ": " << everything();
+  }
+  // A link to a private regular file is what Kubernetes mounts; it is read as the file it names.
+  const std::string file = write_secret("real", "linked-secret-" + ddprun::random_hex(8));
+  const std::string link_to_file = dir_ + "/link-to-file";
+  ASSERT_EQ(::symlink(file.c_str(), link_to_file.c_str()), 0);
+  start_agent({"--nnodes", "1", "--rdzv-secret-file", link_to_file}, worker());
+  ProcessResult& linked = agents_.back().finish(30s);
+  EXPECT_EQ(linked.exit_code, 0) << everything();
+  EXPECT_NE(linked.out.find("rank 0 of 1 finished"), std::string::npos) << everything();
+}
+
+// Issue 34, item 7: a node's host name is printed by every other node; one holding a newline
+// could forge their console lines, so the store refuses it.
+TEST_F(RdzvSecurity, AJoinWhoseHostNameHoldsANewlineIsRefused) {
+  start_agent({"--nnodes", "2"}, worker());
+  ASSERT_TRUE(wait_for_err(agents_[0], "hosting the rendezvous store")) << everything();
+  RawPeer stranger(port_);
+  ASSERT_EQ(stranger.authenticate(""), (Message{"ok"}));
+  const Message reply =
+      stranger.ask({"JOIN", kProtocol, run_id_, "evil\nddprun: FORGED line", "127.0.0.66", "1", "1", "0"});
+  ASSERT_GE(reply.size(), 2u);
+  EXPECT_EQ(reply[0], "refused");
+  EXPECT_NE(reply[1].find("control character"), std::string::npos) << reply[1];
+  start_agent({"--nnodes", "2"}, worker());
+  for (Agent& agent : agents_) {
+    ProcessResult& r = agent.finish();
+    EXPECT_EQ(r.exit_code, 0) << everything();
+    EXPECT_EQ(r.err.find("FORGED"), std::string::npos) << everything();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

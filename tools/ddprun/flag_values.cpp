@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "posix_util.h"
 #include "std_spec.h"
 
 namespace ddprun {
@@ -19,7 +20,7 @@ namespace {
 
 [[noreturn]] void bad_value(const std::string& flag, const std::string& value,
                             const std::string& expectation) {
-  throw UsageError("invalid value '" + value + "' for " + flag + ": " + expectation);
+  throw UsageError("invalid value '" + printable(value) + "' for " + flag + ": " + expectation);
 }
 
 // Parses a whole string as a decimal integer in [min_value, max_value]: digits only, so that
@@ -255,6 +256,12 @@ void apply_switch(LaunchOptions& options, const std::string& canonical, const st
 
 void apply_value(LaunchOptions& options, const std::string& canonical, const std::string& label,
                  const std::string& value) {
+  // ddprun quotes flag values on the console and in logs (a role prefixes every teed line); a
+  // newline or an escape sequence there could forge lines that seem to come from a worker or
+  // from ddprun, and no flag's meaning needs one.
+  if (has_control_character(value)) {
+    bad_value(label, value, "control characters (newlines, tabs, escape sequences) are not allowed in flag values");
+  }
   if (canonical == "nproc-per-node") {
     options.nproc_per_node = parse_nproc(label, value);
   } else if (canonical == "nnodes") {

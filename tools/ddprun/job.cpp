@@ -359,6 +359,8 @@ AttemptOutcome Job::report_outcome() const {
                             : describe_exit(root->exit_code, root->term_signal);
     failure.last_line = root->last_words();
     failure.log_path = root->log_path;
+    failure.log_write_error = root->file_write_error();
+    if (!failure.log_write_error.empty()) failure.recent_lines = root->recent_lines();
     failure.record = best;
   }
   return outcome;

@@ -31,6 +31,10 @@ struct FailedWorker {
   std::string exit_text;  // how it ended, as the reports say it
   std::string last_line;
   std::string log_path;  // empty without --log-dir
+  // Why one of its log files ends early ("'PATH': No space left on device"), and then its last
+  // lines, which the summary quotes since no file holds them. Empty if its logs are whole.
+  std::string log_write_error;
+  std::vector<std::string> recent_lines;
   // The worker's recorded error (TORCHELASTIC_ERROR_FILE), when one was recorded.
   ErrorRecord record;
 };
@@ -103,6 +107,8 @@ class Job {
   const WorkerSetup& setup_;
   FileDescriptor filtered_stdout_;  // torchrun's attempt_<A>/filtered_stdout.log
   FileDescriptor filtered_stderr_;
+  std::string filtered_stdout_path_;
+  std::string filtered_stderr_path_;
   const int attempt_;
   const std::string& error_dir_;
   const Environment& shared_environment_;

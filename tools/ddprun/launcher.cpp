@@ -62,8 +62,20 @@ class IgnoreSigpipe {
 
 void validate(const LaunchOptions& options) {
   auto invalid = [](const std::string& flag, const std::string& value, const std::string& why) {
-    return std::invalid_argument("invalid value '" + value + "' for " + flag + ": " + why);
+    return std::invalid_argument("invalid value '" + printable(value) + "' for " + flag + ": " + why);
   };
+  // The values ddprun echoes on the console, in prefixes and in logs: a newline in one could
+  // forge a line from a worker or from ddprun (the command line refuses them too; this covers
+  // options built in code).
+  for (const auto& [flag, value] : {std::pair<std::string, std::string>{"--role", options.role},
+                                    {"--rdzv-id", options.run_id},
+                                    {"--rdzv-endpoint", options.rdzv_endpoint},
+                                    {"--master-addr", options.master_addr},
+                                    {"--local-addr", options.local_addr},
+                                    {"--log-dir", options.log_dir},
+                                    {"--rdzv-secret-file", options.rdzv_secret_file}}) {
+    if (has_control_character(value)) throw invalid(flag, value, "control characters are not allowed");
+  }
   if (options.nproc_per_node < 1) {
     throw invalid("--nproc-per-node", std::to_string(options.nproc_per_node), "must be at least 1");
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -24,10 +25,22 @@ constexpr size_t kMaxRememberedBytes = 1000;
 
 bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f'; }
 
+// Once per run, however many workers' logs fail: they share the disk that filled up.
+void warn_file_write_failed(const std::string& path, int error_number) {
+  static bool warned = false;
+  if (warned) return;
+  warned = true;
+  const size_t slash = path.rfind('/');
+  const std::string directory = slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+  say("warning: cannot write the log file '" + path + "': " + std::strerror(error_number) +
+      "; the workers' output goes on to the console, but this log and others in '" + directory +
+      "' may end early (free space there, or give --log-dir a directory with room)");
+}
+
 }  // namespace
 
 LineForwarder::LineForwarder(int source_fd, std::vector<LineSink> sinks)
-    : source_fd_(source_fd), sinks_(std::move(sinks)) {
+    : source_fd_(source_fd), sinks_(std::move(sinks)), sink_failed_(sinks_.size(), false) {
   set_nonblocking(source_fd_);
 }
 
@@ -40,7 +53,10 @@ LineForwarder::LineForwarder(LineForwarder&& other) noexcept
       sinks_(std::move(other.sinks_)),
       pending_(std::move(other.pending_)),
       last_line_(std::move(other.last_line_)),
-      last_error_line_(std::move(other.last_error_line_)) {
+      last_error_line_(std::move(other.last_error_line_)),
+      recent_lines_(std::move(other.recent_lines_)),
+      file_write_error_(std::move(other.file_write_error_)),
+      sink_failed_(std::move(other.sink_failed_)) {
   other.source_fd_ = -1;
 }
 
@@ -98,6 +114,28 @@ void LineForwarder::remember_if_error(const std::string& text, size_t start, siz
   last_error_line_ = std::move(line);
 }
 
+void LineForwarder::remember_recent(const std::vector<std::pair<size_t, size_t>>& lines) {
+  // Only the batch's last kRecentLines lines with text can be among the last ones.
+  std::vector<std::string> newest;
+  for (auto it = lines.rbegin(); it != lines.rend() && newest.size() < kRecentLines; ++it) {
+    size_t start = it->first;
+    size_t end = it->second;
+    while (end > start && is_blank(pending_[end - 1])) --end;
+    if (end == start || std::all_of(pending_.begin() + static_cast<std::ptrdiff_t>(start),
+                                    pending_.begin() + static_cast<std::ptrdiff_t>(end), is_blank)) {
+      continue;
+    }
+    std::string line = pending_.substr(start, std::min(end - start, kMaxRememberedBytes));
+    if (end - start > kMaxRememberedBytes) line += " [...]";
+    newest.push_back(std::move(line));
+  }
+  recent_lines_.insert(recent_lines_.end(), newest.rbegin(), newest.rend());
+  if (recent_lines_.size() > kRecentLines) {
+    recent_lines_.erase(recent_lines_.begin(),
+                        recent_lines_.begin() + static_cast<std::ptrdiff_t>(recent_lines_.size() - kRecentLines));
+  }
+}
+
 void LineForwarder::forward_lines(bool flush_partial) {
   size_t end = flush_partial ? pending_.size() : pending_.rfind('\n') + 1;  // npos + 1 == 0
   if (end == 0) return;
@@ -116,8 +154,11 @@ void LineForwarder::forward_lines(bool flush_partial) {
     if (remember_if_not_blank(pending_, it->first, it->second)) break;
   }
   for (const auto& [line_start, line_end] : lines) remember_if_error(pending_, line_start, line_end);
+  remember_recent(lines);
 
-  for (const LineSink& sink : sinks_) {
+  for (size_t sink_index = 0; sink_index < sinks_.size(); ++sink_index) {
+    const LineSink& sink = sinks_[sink_index];
+    if (sink_failed_[sink_index]) continue;
     std::string out;
     out.reserve(end + sink.prefix.size() * lines.size() + 1);
     for (const auto& [line_start, line_end] : lines) {
@@ -138,8 +179,13 @@ void LineForwarder::forward_lines(bool flush_partial) {
     if (out.empty()) continue;
     if (sink.console) {
       console_write(sink.fd, out, /*own=*/false);
-    } else {
-      write_all(sink.fd, out);
+    } else if (!write_all(sink.fd, out)) {
+      // A full disk (ENOSPC, EDQUOT) or a failing one (EIO): the lines go on to the console and
+      // into memory for the failure summary, and the user hears why the log ends early.
+      sink_failed_[sink_index] = true;
+      const int error_number = errno;
+      file_write_error_ = "'" + sink.path + "': " + std::strerror(error_number);
+      warn_file_write_failed(sink.path, error_number);
     }
   }
   pending_.erase(0, end);

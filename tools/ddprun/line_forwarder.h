@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ddprun {
@@ -17,6 +18,8 @@ struct LineSink {
   bool console = false;
   // If not empty, only lines containing one of these (torchrun's --duplicate-*-filters).
   std::vector<std::string> only_lines_containing;
+  // A file's path, for the warning when writing it fails (a full disk).
+  std::string path;
 };
 
 class LineForwarder {
@@ -51,6 +54,15 @@ class LineForwarder {
   // stack frames ("frame #15: ...") never count. Empty if there was none.
   const std::string& last_error_line() const { return last_error_line_; }
 
+  // The last few lines with visible text (at most kRecentLines, oldest first), shortened as
+  // last_line() is: what a log that could not be written would have ended with.
+  static constexpr size_t kRecentLines = 5;
+  const std::vector<std::string>& recent_lines() const { return recent_lines_; }
+
+  // Why a file sink stopped getting lines ("'PATH': No space left on device"); empty while every
+  // file got every line. ddprun warns on the console the first time this happens in the run.
+  const std::string& file_write_error() const { return file_write_error_; }
+
  private:
   // Emits the complete lines in pending_; with flush_partial also what follows the last newline.
   void forward_lines(bool flush_partial);
@@ -58,12 +70,17 @@ class LineForwarder {
   bool remember_if_not_blank(const std::string& text, size_t start, size_t end);
   // The same for last_error_line_ if the line reads like an error.
   void remember_if_error(const std::string& text, size_t start, size_t end);
+  // Adds the batch's lines with text, pending_[start, end) each, to recent_lines_.
+  void remember_recent(const std::vector<std::pair<size_t, size_t>>& lines);
 
   int source_fd_ = -1;
   std::vector<LineSink> sinks_;
   std::string pending_;
   std::string last_line_;
   std::string last_error_line_;
+  std::vector<std::string> recent_lines_;
+  std::string file_write_error_;
+  std::vector<bool> sink_failed_;  // by sink: a file that failed gets nothing more
 };
 
 }  // namespace ddprun

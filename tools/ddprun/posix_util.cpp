@@ -5,8 +5,10 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -38,7 +40,61 @@ bool write_all(int fd, const char* data, size_t size) {
 
 bool write_all(int fd, const std::string& data) { return write_all(fd, data.data(), data.size()); }
 
-void say(const std::string& message) { console_write(STDERR_FILENO, "ddprun: " + message + "\n", /*own=*/true); }
+void say(const std::string& message) {
+  console_write(STDERR_FILENO, "ddprun: " + printable(message) + "\n", /*own=*/true);
+}
+
+bool has_control_character(const std::string& text) {
+  return std::any_of(text.begin(), text.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return byte < 0x20 || byte == 0x7f;
+  });
+}
+
+std::string printable(const std::string& text) {
+  if (!has_control_character(text)) return text;
+  std::string out;
+  out.reserve(text.size() + 8);
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte != 0x7f) {
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[byte >> 4];
+      out += kHex[byte & 0xf];
+    }
+  }
+  return out;
+}
+
+std::string file_type_name(unsigned mode) {
+  switch (mode & S_IFMT) {
+    case S_IFREG:
+      return "a regular file";
+    case S_IFDIR:
+      return "a directory";
+    case S_IFLNK:
+      return "a symbolic link";
+    case S_IFIFO:
+      return "a FIFO (named pipe)";
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    default:
+      return "a special file";
+  }
+}
 
 std::string signal_name(int signal_number) {
   switch (signal_number) {

@@ -10,8 +10,20 @@ namespace ddprun {
 bool write_all(int fd, const char* data, size_t size);
 bool write_all(int fd, const std::string& data);
 
-// Writes "ddprun: <message>\n" to stderr as one line, never blocking (see console.h).
+// Writes "ddprun: <message>\n" to stderr as one line, never blocking (see console.h). Control
+// characters in the message are escaped (printable()), so that no value it quotes can start a
+// line of its own that reads like another worker's or ddprun's.
 void say(const std::string& message);
+
+// text with each control character (below 0x20, and 0x7f) written as C writes it: "\n", "\t",
+// "\x1b". Text without any is returned as it is.
+std::string printable(const std::string& text);
+
+// Whether text holds a control character that printable() would escape.
+bool has_control_character(const std::string& text);
+
+// What a file of this st_mode is, for messages: "a regular file", "a symbolic link", "a FIFO"...
+std::string file_type_name(unsigned mode);
 
 // "SIGTERM" for 15; "signal 77" for numbers without a well-known name.
 std::string signal_name(int signal_number);

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "hmac_sha256.h"
+#include "posix_util.h"
 
 namespace ddprun {
 
@@ -159,7 +160,9 @@ std::string RdzvServer::State::root_cause() const {
     if (!f[5].empty()) lines.push_back("  log: " + f[5] + " (on node " + std::to_string(best_agent->node_rank) + ")");
   }
   std::string text;
-  for (size_t i = 0; i < lines.size(); ++i) text += (i ? "\n" : "") + lines[i];
+  // Each node's ddprun prints these lines one by one: a field a node sent (a host name, a
+  // worker's last line) must not add lines of its own.
+  for (size_t i = 0; i < lines.size(); ++i) text += (i ? "\n" : "") + printable(lines[i]);
   return text;
 }
 
@@ -269,6 +272,10 @@ Message RdzvServer::State::handle(const Message& request, Clock::time_point now,
       return {"refused", "its run id is not the store's (--rdzv-id must be the same on every node)"};
     }
     if (phase == Phase::kFinished) return {"refused", "the job has finished already"};
+    // Every node prints the others' names; one with a newline could forge their lines.
+    if (has_control_character(request[3]) || has_control_character(request[4])) {
+      return {"refused", "its host name or address holds a control character"};
+    }
     Agent agent;
     agent.id = random_hex(16);  // unpredictable: the id is what a request for a node names
     agent.seq = next_seq++;

@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "hmac_sha256.h"
+#include "posix_util.h"
 
 namespace ddprun {
 namespace rdzv_wire {
@@ -171,7 +172,22 @@ std::string client_proof(const std::string& secret, const std::string& server_no
 }  // namespace rdzv_wire
 
 std::string load_rdzv_secret(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // The type is checked before the file is opened: opening a FIFO for reading blocks until a
+  // writer comes, and ddprun's signal handlers restart that open(), so ddprun would hang with
+  // Ctrl-C ignored; opening a device may have effects of its own. stat() follows a symbolic
+  // link, as a secret mounted by Kubernetes is one; what counts is the file it leads to.
+  struct stat named {};
+  if (::stat(path.c_str(), &named) != 0) {
+    throw std::runtime_error("cannot read the rendezvous secret file '" + path + "': " + std::strerror(errno));
+  }
+  auto not_regular = [&](unsigned mode) {
+    return std::runtime_error("the rendezvous secret file '" + path + "' is " + file_type_name(mode) +
+                              ", not a regular file; give --rdzv-secret-file a regular file readable by its owner "
+                              "only (chmod 600), e.g. from: head -c 32 /dev/urandom | base64 > FILE");
+  };
+  if (!S_ISREG(named.st_mode)) throw not_regular(named.st_mode);
+  // O_NONBLOCK: should the path have been replaced by a FIFO since stat(), open() still returns.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
   if (fd < 0) {
     throw std::runtime_error("cannot read the rendezvous secret file '" + path + "': " + std::strerror(errno));
   }
@@ -179,12 +195,20 @@ std::string load_rdzv_secret(const std::string& path) {
   std::string secret;
   char buffer[4096];
   ssize_t n = 0;
-  if (::fstat(fd, &info) == 0) {
-    while (secret.size() <= 4096 && (n = ::read(fd, buffer, sizeof buffer)) > 0) secret.append(buffer, static_cast<size_t>(n));
+  if (::fstat(fd, &info) != 0) {
+    const int saved = errno;
+    ::close(fd);
+    throw std::runtime_error("cannot read the rendezvous secret file '" + path + "': " + std::strerror(saved));
   }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    throw not_regular(info.st_mode);
+  }
+  while (secret.size() <= 4096 && (n = ::read(fd, buffer, sizeof buffer)) > 0) secret.append(buffer, static_cast<size_t>(n));
+  const int read_errno = errno;
   ::close(fd);
-  if ((info.st_mode & S_IFMT) != S_IFREG || n < 0) {
-    throw std::runtime_error("the rendezvous secret file '" + path + "' is not a readable regular file");
+  if (n < 0) {
+    throw std::runtime_error("cannot read the rendezvous secret file '" + path + "': " + std::strerror(read_errno));
   }
   if (info.st_mode & (S_IRWXG | S_IRWXO)) {
     char mode[8];

@@ -196,7 +196,7 @@ class Session {
       if (view.kind == RdzvView::kFail) {
         std::string block;
         std::stringstream lines(view.text);
-        for (std::string line; std::getline(lines, line);) block += "ddprun: " + line + "\n";
+        for (std::string line; std::getline(lines, line);) block += "ddprun: " + printable(line) + "\n";
         console_write(STDERR_FILENO, block, /*own=*/true);
         return end_job(1);
       }
@@ -223,7 +223,9 @@ class Session {
         const bool recorded = f.record.present;
         client.report(view.round, "failed",
                       {std::to_string(f.global_rank), std::to_string(f.local_rank), std::to_string(f.pid),
-                       f.exit_text, f.last_line, f.log_path, recorded ? "1" : "0",
+                       f.exit_text, f.last_line,
+                       f.log_write_error.empty() ? f.log_path : f.log_path + " (incomplete: writing " + f.log_write_error + ")",
+                       recorded ? "1" : "0",
                        recorded ? f.record.message : "", recorded && f.record.consequence ? "1" : "0",
                        std::to_string(recorded ? f.record.timestamp_ns : 0), host_name()});
       } else {
@@ -315,7 +317,10 @@ class Session {
     // As torchrun: without --log-dir, the streams' files go to a fresh temporary directory.
     std::string root = options_.log_dir;
     if (root.empty()) root = make_temp_dir("torchelastic_");
-    setup.stream_log_dir = make_temp_dir(options_.run_id + "_", root);
+    // A run id is any text; as a file name's prefix, a '/' in it must not lead out of the root.
+    std::string prefix = options_.run_id + "_";
+    std::replace(prefix.begin(), prefix.end(), '/', '_');
+    setup.stream_log_dir = make_temp_dir(prefix, root);
     if (options_.log_dir.empty()) {
       say("redirected and teed output goes to " + setup.stream_log_dir + "/attempt_<A>/<local rank>/");
     }
@@ -369,9 +374,17 @@ class Session {
         "  exit: " + failure.exit_text,
         detail,
     };
-    if (!failure.log_path.empty()) lines.push_back("  log: " + failure.log_path);
+    if (!failure.log_write_error.empty()) {
+      // The log holds less than the console showed: quote what it misses.
+      if (!failure.log_path.empty()) lines.push_back("  log: " + failure.log_path + " (incomplete)");
+      lines.push_back("  its log ends early, since ddprun could not write " + failure.log_write_error +
+                      "; its last lines were:");
+      for (const std::string& line : failure.recent_lines) lines.push_back("    " + line);
+    } else if (!failure.log_path.empty()) {
+      lines.push_back("  log: " + failure.log_path);
+    }
     std::string block;
-    for (const std::string& line : lines) block += "ddprun: " + line + "\n";
+    for (const std::string& line : lines) block += "ddprun: " + printable(line) + "\n";
     console_write(STDERR_FILENO, block, /*own=*/true);  // queued whole: no worker line lands inside
   }
 

@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,11 +36,102 @@ std::vector<char*> c_string_array(const std::vector<std::string>& strings) {
   return pointers;
 }
 
-// Truncated, appended to (lines of several workers may share it).
-FileDescriptor create_log_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) throw_errno("cannot create log file '" + path + "'");
+// Whoever can write into --log-dir can plant a symbolic link (or a FIFO, or a hard link) named
+// like a file ddprun is about to write, and have the job overwrite its target. So below the
+// log directory itself, every directory and file is reached with openat() relative to a
+// directory descriptor and O_NOFOLLOW, and anything but what ddprun expects is refused by name.
+[[noreturn]] void refuse_planted(const std::string& path, const std::string& what, const std::string& fix) {
+  throw std::runtime_error("refusing to use '" + path + "': it is " + what +
+                           ", which someone who can write into the log directory may have planted to make the job "
+                           "overwrite another file; " + fix +
+                           ", and give --log-dir a directory only you can write to (docs/security.md, \"Shared "
+                           "directories\")");
+}
+
+// What is at dir_fd/name, not following a symbolic link: its st_mode, or 0 if nothing is.
+unsigned entry_mode(int dir_fd, const std::string& name) {
+  struct stat info {};
+  if (::fstatat(dir_fd, name.c_str(), &info, AT_SYMLINK_NOFOLLOW) != 0) return 0;
+  return info.st_mode;
+}
+
+// A directory ddprun writes into: the user's --log-dir (or a directory ddprun made with
+// mkdtemp), whose own path may pass through links the user chose.
+FileDescriptor open_directory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw_errno("cannot open log directory '" + path + "'");
   return FileDescriptor(fd);
+}
+
+// parent_fd/name as a directory of this user's that nobody else can write into: made here, or
+// one that an earlier run made. path names it in messages.
+FileDescriptor open_own_subdirectory(int parent_fd, const std::string& name, const std::string& path) {
+  const bool made = ::mkdirat(parent_fd, name.c_str(), 0755) == 0;
+  if (!made && errno != EEXIST) throw_errno("cannot create log directory '" + path + "'");
+  const int fd = ::openat(parent_fd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    const unsigned mode = entry_mode(parent_fd, name);
+    if (mode != 0 && !S_ISDIR(mode)) refuse_planted(path, file_type_name(mode) + ", not a directory", "remove it");
+    throw_errno("cannot open log directory '" + path + "'");
+  }
+  FileDescriptor directory(fd);
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw_errno("cannot inspect log directory '" + path + "'");
+  if (info.st_uid != ::geteuid()) {
+    refuse_planted(path, "a directory of user id " + std::to_string(info.st_uid) + ", not this user's",
+                   "remove it");
+  }
+  if (made) {
+    // The umask may have granted the group write access; the job's files are checked one by
+    // one, but the workers' own files (error files, traces) are not, so nobody else may add any.
+    ::fchmod(fd, info.st_mode & 0755);
+  } else if ((info.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    throw std::runtime_error("refusing to use log directory '" + path +
+                             "': other users may write into it, and could plant links there that the job would "
+                             "write through; run: chmod go-w '" + path + "' (docs/security.md, \"Shared directories\")");
+  }
+  return directory;
+}
+
+// dir_fd/name as an empty regular file of this user's, opened for appending (the lines of
+// several workers may share it): created, or an earlier run's emptied. path names it.
+FileDescriptor create_log_file(int dir_fd, const std::string& name, const std::string& path) {
+  // No O_TRUNC: what is there is checked before anything of it is lost. O_NONBLOCK keeps a
+  // planted FIFO from blocking the open.
+  const int fd = ::openat(dir_fd, name.c_str(),
+                          O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int saved = errno;
+    const unsigned mode = entry_mode(dir_fd, name);
+    if (mode != 0 && !S_ISREG(mode)) refuse_planted(path, file_type_name(mode), "remove it");
+    errno = saved;
+    throw_errno("cannot create log file '" + path + "'");
+  }
+  FileDescriptor file(fd);
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw_errno("cannot inspect log file '" + path + "'");
+  if (!S_ISREG(info.st_mode)) refuse_planted(path, file_type_name(info.st_mode), "remove it");
+  if (info.st_nlink > 1) {
+    refuse_planted(path, "a file with " + std::to_string(info.st_nlink) + " hard links (another name elsewhere)",
+                   "remove it");
+  }
+  if (info.st_uid != ::geteuid()) {
+    refuse_planted(path, "a file of user id " + std::to_string(info.st_uid) + ", not this user's", "remove it");
+  }
+  if (::ftruncate(fd, 0) != 0) throw_errno("cannot empty log file '" + path + "'");
+  return file;
+}
+
+// A worker's error file from an earlier run goes before the worker starts. A symbolic link
+// there is refused rather than removed: the job does not write through it, but the user should
+// know that someone planted it.
+void remove_stale_error_file(int dir_fd, const std::string& name, const std::string& path) {
+  const unsigned mode = entry_mode(dir_fd, name);
+  if (mode == 0) return;
+  if (!S_ISREG(mode)) refuse_planted(path, file_type_name(mode), "remove it");
+  if (::unlinkat(dir_fd, name.c_str(), 0) != 0 && errno != ENOENT) {
+    throw_errno("cannot remove the earlier error file '" + path + "'");
+  }
 }
 
 }  // namespace
@@ -130,7 +222,8 @@ void Job::start_workers() {
     // Where the worker records its first error (torchrun's convention), so that the summary
     // names the earliest original error rather than whichever worker exited first.
     worker.error_file = error_file_for(worker);
-    ::unlink(worker.error_file.c_str());
+    // With --log-dir, open_log_files() cleared it, checking what was there.
+    if (options_.log_dir.empty()) ::unlink(worker.error_file.c_str());
     environment.set(ddp::launch_env::kErrorFile, worker.error_file);
     // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
     // collective fails, next to the attempt's logs.
@@ -150,28 +243,48 @@ std::string Job::error_file_for(const Worker& worker) const {
 
 void Job::open_log_files() {
   const std::string directory = attempt_log_dir(options_.log_dir, attempt_);
-  create_directories(directory);
+  const FileDescriptor root = open_directory(options_.log_dir);
+  const std::string attempt_name = "attempt_" + std::to_string(attempt_);
+  const FileDescriptor attempt_dir = open_own_subdirectory(root.get(), attempt_name, directory);
   for (Worker& worker : workers_) {
-    worker.log_path = directory + "/rank_" + std::to_string(worker.global_rank) + ".log";
-    worker.log_file = create_log_file(worker.log_path);
+    const std::string rank = "rank_" + std::to_string(worker.global_rank);
+    worker.log_path = directory + "/" + rank + ".log";
+    worker.log_file = create_log_file(attempt_dir.get(), rank + ".log", worker.log_path);
+    remove_stale_error_file(attempt_dir.get(), rank + ".error.json", directory + "/" + rank + ".error.json");
   }
 }
 
 // torchrun's layout: <stream_log_dir>/attempt_<A>/<local_rank>/{stdout,stderr}.log for the
 // streams --redirects or --tee name, and attempt_<A>/filtered_{stdout,stderr}.log for the
-// --duplicate-*-filters.
+// --duplicate-*-filters. stream_log_dir is fresh from mkdtemp, but the same care is cheap.
 void Job::open_stream_files() {
-  const std::string attempt_dir = setup_.stream_log_dir + "/attempt_" + std::to_string(attempt_);
+  const std::string attempt_path = setup_.stream_log_dir + "/attempt_" + std::to_string(attempt_);
+  const FileDescriptor root = open_directory(setup_.stream_log_dir);
+  const FileDescriptor attempt_dir =
+      open_own_subdirectory(root.get(), "attempt_" + std::to_string(attempt_), attempt_path);
   for (Worker& worker : workers_) {
-    const std::string directory = attempt_dir + "/" + std::to_string(worker.local_rank);
-    create_directories(directory);
+    const std::string name = std::to_string(worker.local_rank);
+    const std::string directory = attempt_path + "/" + name;
+    const FileDescriptor rank_dir = open_own_subdirectory(attempt_dir.get(), name, directory);
     const int streams = std_streams_for(options_.redirects, worker.local_rank) |
                         std_streams_for(options_.tee_spec, worker.local_rank);
-    if ((streams & kStdOut) != 0) worker.stdout_file = create_log_file(directory + "/stdout.log");
-    if ((streams & kStdErr) != 0) worker.stderr_file = create_log_file(directory + "/stderr.log");
+    if ((streams & kStdOut) != 0) {
+      worker.stdout_path = directory + "/stdout.log";
+      worker.stdout_file = create_log_file(rank_dir.get(), "stdout.log", worker.stdout_path);
+    }
+    if ((streams & kStdErr) != 0) {
+      worker.stderr_path = directory + "/stderr.log";
+      worker.stderr_file = create_log_file(rank_dir.get(), "stderr.log", worker.stderr_path);
+    }
   }
-  if (!options_.duplicate_stdout_filters.empty()) filtered_stdout_ = create_log_file(attempt_dir + "/filtered_stdout.log");
-  if (!options_.duplicate_stderr_filters.empty()) filtered_stderr_ = create_log_file(attempt_dir + "/filtered_stderr.log");
+  if (!options_.duplicate_stdout_filters.empty()) {
+    filtered_stdout_path_ = attempt_path + "/filtered_stdout.log";
+    filtered_stdout_ = create_log_file(attempt_dir.get(), "filtered_stdout.log", filtered_stdout_path_);
+  }
+  if (!options_.duplicate_stderr_filters.empty()) {
+    filtered_stderr_path_ = attempt_path + "/filtered_stderr.log";
+    filtered_stderr_ = create_log_file(attempt_dir.get(), "filtered_stderr.log", filtered_stderr_path_);
+  }
 }
 
 const CpuList& Job::cpus_of(const Worker& worker) const {
@@ -193,18 +306,26 @@ std::vector<LineSink> Job::sinks_for(const Worker& worker, int console_fd, int s
   const bool shown = setup_.console_local_ranks.empty() || setup_.console_local_ranks.count(worker.local_rank) != 0;
   const std::string torchrun_prefix = "[" + options_.role + std::to_string(worker.local_rank) + "]:";
   std::vector<LineSink> sinks;
-  if (worker.log_file.get() >= 0) sinks.push_back(LineSink{worker.log_file.get(), "", /*console=*/false, {}});
+  if (worker.log_file.get() >= 0) {
+    sinks.push_back(LineSink{worker.log_file.get(), "", /*console=*/false, {}, worker.log_path});
+  }
   const FileDescriptor& stream_file = stream == kStdOut ? worker.stdout_file : worker.stderr_file;
-  if (stream_file.get() >= 0) sinks.push_back(LineSink{stream_file.get(), "", /*console=*/false, {}});
+  if (stream_file.get() >= 0) {
+    sinks.push_back(LineSink{stream_file.get(), "", /*console=*/false, {},
+                             stream == kStdOut ? worker.stdout_path : worker.stderr_path});
+  }
   if (!shown) return sinks;
   if (teed) {
-    sinks.push_back(LineSink{console_fd, torchrun_prefix, /*console=*/true, {}});
+    sinks.push_back(LineSink{console_fd, torchrun_prefix, /*console=*/true, {}, ""});
     const FileDescriptor& filtered = stream == kStdOut ? filtered_stdout_ : filtered_stderr_;
     const auto& filters = stream == kStdOut ? options_.duplicate_stdout_filters : options_.duplicate_stderr_filters;
-    if (filtered.get() >= 0) sinks.push_back(LineSink{filtered.get(), torchrun_prefix, /*console=*/false, filters});
+    const std::string& filtered_path = stream == kStdOut ? filtered_stdout_path_ : filtered_stderr_path_;
+    if (filtered.get() >= 0) {
+      sinks.push_back(LineSink{filtered.get(), torchrun_prefix, /*console=*/false, filters, filtered_path});
+    }
   } else if (!redirected) {
     const std::string prefix = options_.prefix_output ? "[rank" + std::to_string(worker.global_rank) + "]: " : "";
-    sinks.push_back(LineSink{console_fd, prefix, /*console=*/true, {}});
+    sinks.push_back(LineSink{console_fd, prefix, /*console=*/true, {}, ""});
   }
   return sinks;
 }

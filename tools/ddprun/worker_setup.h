@@ -39,6 +39,8 @@ struct Worker {
   // torchrun's <local_rank>/stdout.log and stderr.log: the redirected and teed streams.
   FileDescriptor stdout_file;
   FileDescriptor stderr_file;
+  std::string stdout_path;
+  std::string stderr_path;
   std::string error_file;  // its TORCHELASTIC_ERROR_FILE
   std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
   bool exited = false;  // observed exiting; the zombie is reaped only at the very end
@@ -62,6 +64,20 @@ struct Worker {
       if (!streams[i].last_line().empty()) return streams[i].last_line();
     }
     return "(no output)";
+  }
+  // Why one of its files stopped getting lines (a full disk); empty if none did.
+  std::string file_write_error() const {
+    for (const LineForwarder& stream : streams) {
+      if (!stream.file_write_error().empty()) return stream.file_write_error();
+    }
+    return "";
+  }
+  // Its last lines with text, from stderr if it wrote any there, else from stdout.
+  std::vector<std::string> recent_lines() const {
+    for (size_t i = streams.size(); i-- > 0;) {
+      if (!streams[i].recent_lines().empty()) return streams[i].recent_lines();
+    }
+    return {};
   }
 };
 
