@@ -22,6 +22,7 @@
 #include "file_rendezvous.h"
 
 #include "duration_text.h"
+#include "error_text.h"
 #include "rendezvous.h"
 
 #include <ddp/error.h>
@@ -38,6 +39,8 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <system_error>
@@ -65,52 +68,59 @@ std::string host_name() {
   return name;
 }
 
-// Whether `bytes` is a sequence of c10d FileStore records, (length, key,
-// length, value) with 32-bit lengths, up to its end. c10d itself would read
-// a foreign file's bytes as lengths and wait forever for data past its end.
-bool holds_store_records(const std::string& bytes) {
-  size_t at = 0;
-  size_t fields = 0;
-  while (at < bytes.size()) {
+// How far a walk over a FileStore file's records got.
+struct RecordWalk {
+  off_t end = 0;        // where the last whole (key, value) record ends
+  bool whole = true;    // whether the records run to the file's end
+  uint64_t claimed = 0; // when not whole: the length the first bad field claims
+};
+
+// Walks c10d FileStore records, (length, key, length, value) with 32-bit
+// lengths, from `from` to `size`, reading only the lengths: memory and time
+// stay bounded by the number of records whatever the lengths say. c10d itself
+// allocates whatever a length claims, and spins on a read past the end.
+RecordWalk walk_records(int fd, off_t from, off_t size) {
+  RecordWalk walk;
+  walk.end = from;
+  off_t at = from;
+  int field = 0;
+  while (at < size) {
     uint32_t length = 0;
-    if (bytes.size() - at < sizeof(length)) return false;
-    std::memcpy(&length, bytes.data() + at, sizeof(length));
-    at += sizeof(length);
-    if (bytes.size() - at < length) return false;
-    at += length;
-    ++fields;
+    ssize_t got;
+    do {
+      got = ::pread(fd, &length, sizeof(length), at);
+    } while (got < 0 && errno == EINTR);
+    if (got != static_cast<ssize_t>(sizeof(length)) || static_cast<uint64_t>(size - at) - sizeof(length) < length) {
+      walk.whole = false;
+      walk.claimed = got == static_cast<ssize_t>(sizeof(length)) ? length : 0;
+      return walk;
+    }
+    at += static_cast<off_t>(sizeof(length) + length);
+    if (++field % 2 == 0) walk.end = at;
   }
-  return fields % 2 == 0;
+  walk.whole = field % 2 == 0;
+  return walk;
 }
 
-// The whole file, read under a shared lock (c10d writes under an exclusive
-// one, so a record is never seen half-written). False with errno on failure.
-bool read_locked(int fd, std::string& bytes) {
+int lock_shared(int fd) {
   int rc;
   do {
     rc = ::flock(fd, LOCK_SH);
   } while (rc != 0 && errno == EINTR);
-  if (rc != 0) return false;
-  bytes.clear();
-  char buffer[1 << 16];
-  bool ok = true;
-  while (true) {
-    ssize_t got = ::read(fd, buffer, sizeof buffer);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) ok = false;
-    if (got <= 0) break;
-    bytes.append(buffer, static_cast<size_t>(got));
-  }
-  const int saved = errno;
-  ::flock(fd, LOCK_UN);
-  errno = saved;
-  return ok;
+  return rc;
 }
 
 // Checks what c10d would otherwise report late or never: a missing or
 // unwritable directory (c10d waits for a missing one until its timeout), a
-// path that is not a regular file, a file that is not a store's.
-void check_usable(const std::string& path, int rank) {
+// path that is not a regular file, a file that is not a store's. Returns
+// the file's identity and how far its records were checked.
+struct FileIdentity {
+  dev_t device = 0;
+  ino_t inode = 0;
+  off_t checked = 0;
+};
+
+FileIdentity check_usable(const std::string& path, int rank) {
   const std::string where = c10::str("ddp: rank ", rank, " cannot use the rendezvous file ", path);
   const std::string directory = directory_of(path);
   struct stat info {};
@@ -131,15 +141,181 @@ void check_usable(const std::string& path, int rank) {
     DDP_CHECK(false, where, ": it cannot be created or written (", std::strerror(error), "). Every rank writes it: ",
               kUsePath, ".");
   }
-  std::string bytes;
-  const bool read = read_locked(fd, bytes);
-  const int error = errno;
+  // Under a shared lock: c10d writes under an exclusive one, so a record is
+  // never seen half-written.
+  FileIdentity identity;
+  RecordWalk walk;
+  int error = 0;
+  if (lock_shared(fd) != 0 || ::fstat(fd, &info) != 0) {
+    error = errno;
+  } else {
+    identity.device = info.st_dev;
+    identity.inode = info.st_ino;
+    walk = walk_records(fd, 0, info.st_size);
+    identity.checked = walk.end;
+  }
   ::close(fd);
-  DDP_CHECK(read, where, ": it cannot be read (", std::strerror(error), "); ", kUsePath, ".");
-  DDP_CHECK(holds_store_records(bytes), where, ": it holds ", bytes.size(),
+  DDP_CHECK(error == 0, where, ": it cannot be read (", std::strerror(error), "); ", kUsePath, ".");
+  DDP_CHECK(walk.whole, where, ": it holds ", info.st_size,
             " bytes that are not a c10d store's records, so it is some other file. Delete it if it is not needed, or ",
             kUsePath, ".");
+  return identity;
 }
+
+// Watches the file between c10d's reads of it, which trust it entirely: bytes
+// that are not records (c10d would allocate what they claim and spin reading
+// past the end), a file deleted or replaced (c10d silently makes a new empty
+// one and waits for records that are gone until its timeout). Each rank
+// notices on its own at its next store operation, so none waits for another
+// to say so through a file that can no longer carry it.
+class StoreFileWatch {
+ public:
+  StoreFileWatch(std::string path, int rank, FileIdentity identity)
+      : path_(std::move(path)), rank_(rank), identity_(identity) {}
+
+  // Throws a ddp::Error naming what happened to the file.
+  void check() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) DDP_CHECK(false, failure_);
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      const int error = errno;
+      if (error == ENOENT) {
+        fail(c10::str("ddp: the rendezvous file ", path_, " was deleted while rank ", rank_,
+                      " used it: the records through which the ranks meet are gone (c10d would make a new, empty ",
+                      "file and wait for them until its timeout). Something other than this job removed it; keep ",
+                      "the file until every rank has shut its process group down, then start the job again."));
+      }
+      return;  // c10d reports other errors itself, with its own timeout
+    }
+    struct stat info {};
+    std::string failure;
+    if (lock_shared(fd) != 0 || ::fstat(fd, &info) != 0) {
+      ::close(fd);
+      return;
+    }
+    if (info.st_dev != identity_.device || info.st_ino != identity_.inode) {
+      failure = c10::str("ddp: the rendezvous file ", path_, " was replaced while rank ", rank_,
+                         " used it: the file there now is another one (deleted and created again), without the ",
+                         "records through which the ranks met. Something other than this job removed it; keep the ",
+                         "file until every rank has shut its process group down, then start the job again.");
+    } else if (info.st_size < identity_.checked) {
+      failure = c10::str("ddp: the rendezvous file ", path_, " shrank from ", identity_.checked, " to ",
+                         info.st_size, " bytes while rank ", rank_,
+                         " used it: records through which the ranks meet were cut off. Something other than this "
+                         "job wrote to it; keep the file as it is until every rank has shut its process group down, ",
+                         "then start the job again.");
+    } else {
+      const RecordWalk walk = walk_records(fd, identity_.checked, info.st_size);
+      if (walk.whole) {
+        identity_.checked = walk.end;
+      } else {
+        failure = c10::str("ddp: the rendezvous file ", path_, " holds ", info.st_size - walk.end,
+                           " bytes from byte ", walk.end, " on that are not a c10d store's records",
+                           walk.claimed ? c10::str(" (they claim a field of ", walk.claimed, " bytes)") : "",
+                           ": something other than this job's ranks wrote into it while rank ", rank_,
+                           " used it. Every rank stops rather than read them. Delete the file and start the job ",
+                           "again, with a path that no other program writes (init_method file:///..., or ",
+                           "DDP_INIT_METHOD).");
+      }
+    }
+    ::close(fd);
+    if (!failure.empty()) fail(failure);
+  }
+
+  // Whether check() found the file unusable: nothing may read it then.
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !failure_.empty();
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& message) {
+    failure_ = message;
+    DDP_CHECK(false, message);
+  }
+
+  const std::string path_;
+  const int rank_;
+  std::mutex mutex_;
+  FileIdentity identity_;
+  std::string failure_;  // once unusable, always: the first verdict is the one to repeat
+};
+
+// c10d's FileStore with the file checked (StoreFileWatch) before each of its
+// operations, for the rendezvous and for the rest of the job. A check and
+// c10d's read are two steps: bytes appended in between still reach c10d.
+class CheckedFileStore : public c10d::FileStore {
+ public:
+  CheckedFileStore(const std::string& path, int world_size, std::shared_ptr<StoreFileWatch> watch)
+      : c10d::FileStore(checked_first(path, *watch), world_size), watch_(std::move(watch)) {}
+
+  ~CheckedFileStore() override {
+    // c10d's destructor counts this rank out in the file, and removes it
+    // when no path is there: past a failed check, nothing of it is read.
+    if (watch_->failed()) path_ = path_ + ".unusable/ddp-never-created";
+  }
+
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::make_intrusive<CheckedFileStore>(path_, numWorkers_, watch_);
+  }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    watch_->check();
+    c10d::FileStore::set(key, value);
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    watch_->check();
+    return c10d::FileStore::compareSet(key, expected, desired);
+  }
+  // c10d's get reads new records in a loop of its own: this loop checks the
+  // file before each read instead.
+  std::vector<uint8_t> get(const std::string& key) override {
+    const auto start = Clock::now();
+    while (!check({key})) {
+      TORCH_CHECK(timeout_ == kNoTimeout || Clock::now() - start <= timeout_, "Timeout waiting for key: ", key,
+                  " after ", timeout_.count(), " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    watch_->check();
+    return c10d::FileStore::get(key);
+  }
+  int64_t add(const std::string& key, int64_t value) override {
+    watch_->check();
+    return c10d::FileStore::add(key, value);
+  }
+  int64_t getNumKeys() override {
+    watch_->check();
+    return c10d::FileStore::getNumKeys();
+  }
+  bool deleteKey(const std::string& key) override {
+    watch_->check();
+    return c10d::FileStore::deleteKey(key);
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    watch_->check();
+    return c10d::FileStore::check(keys);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    watch_->check();
+    c10d::FileStore::wait(keys, timeout);  // polls through check() above
+  }
+  std::vector<std::string> listKeys() override {
+    watch_->check();
+    return c10d::FileStore::listKeys();
+  }
+
+ private:
+  // c10d's constructor already reads the file (it counts a reference).
+  static const std::string& checked_first(const std::string& path, StoreFileWatch& watch) {
+    watch.check();
+    return path;
+  }
+
+  std::shared_ptr<StoreFileWatch> watch_;
+};
 
 // 64 random bits as hex: tells this meeting's records from any that an
 // earlier run left in the file.
@@ -324,13 +500,13 @@ class FileMeeting {
 c10::intrusive_ptr<c10d::Store> file_rendezvous(const World& world, const std::string& path,
                                                 const std::string& run_id, std::chrono::milliseconds timeout) {
   const Clock::time_point deadline = Clock::now() + timeout;
-  check_usable(path, world.rank);
+  auto watch = std::make_shared<StoreFileWatch>(path, world.rank, check_usable(path, world.rank));
   c10::intrusive_ptr<c10d::FileStore> file;
   try {
     try {
       // With the world size, c10d removes the file when the last FileStore
       // on it is destroyed, once at least that many were.
-      file = c10::make_intrusive<c10d::FileStore>(path, world.world_size);
+      file = c10::make_intrusive<CheckedFileStore>(path, world.world_size, watch);
       file->setTimeout(remaining(deadline));
       // The attempt's prefix keeps a restarted job (ddprun/torchrun
       // --max-restarts) apart from its failed attempts in the same file.
@@ -353,7 +529,7 @@ c10::intrusive_ptr<c10d::Store> file_rendezvous(const World& world, const std::s
     throw;
   } catch (const std::exception& e) {
     // c10d's own errors: a system_error from open/flock/read, a key timeout.
-    const std::string cause = e.what();
+    const std::string cause = message_of(e);
     DDP_CHECK(false, "ddp: rank ", world.rank, " cannot use the rendezvous file ", path, ": ", cause,
               ". Check that every rank can read and write it, or ", kUsePath, ".");
   }

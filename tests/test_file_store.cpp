@@ -19,10 +19,13 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -271,6 +274,95 @@ TEST(FileStore, AMissingOrUnwritableDirectoryOrAForeignFileIsAClearError) {
         EXPECT_NE(error.find("it exists and is not a regular file"), std::string::npos) << error;
       },
       ranks_within(60));
+  expect_all_succeeded(ranks);
+}
+
+namespace {
+// This process's peak resident memory so far, in MiB.
+double peak_rss_mib() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+}  // namespace
+
+// Issue 34 item 9: bytes appended to the file while rank 0 waits in the
+// rendezvous drove rank 0 to GBs at 100% CPU inside c10d (it read a length
+// of 2985217073 and allocated it), while rank 1 refused the same file in 0.6
+// s. Both must refuse it, soon, with their memory flat. The length here is
+// 200 MiB: without the check rank 0 allocates that and then spins, reading
+// past the end, until the test's timeout kills it.
+TEST(FileStore, GarbageAppendedMidRendezvousIsRefusedByEveryRankWithBoundedMemoryAndTime) {
+  RanksTempDir dir;
+  const std::string path = dir / "rdzv.store";
+  auto ranks = run_on_ranks(
+      2,
+      [&](const Group&) {
+        use_file(path, "60");
+        const double rss_before = peak_rss_mib();
+        if (std::string(std::getenv("RANK")) == "1") {
+          // Rank 0 is in the rendezvous by now, waiting for this rank.
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          ASSERT_TRUE(std::filesystem::exists(path));
+          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
+          ASSERT_GE(fd, 0);
+          const uint32_t length = 200u << 20;
+          const char tail[] = "not a record";
+          ASSERT_EQ(::write(fd, &length, sizeof length), static_cast<ssize_t>(sizeof length));
+          ASSERT_EQ(::write(fd, tail, sizeof tail), static_cast<ssize_t>(sizeof tail));
+          ::close(fd);
+        }
+        const auto start = Clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        const double seconds = seconds_since(start);
+        const double grew = peak_rss_mib() - rss_before;
+        EXPECT_NE(error.find("the rendezvous file " + path), std::string::npos) << error;
+        EXPECT_NE(error.find("that are not a c10d store's records"), std::string::npos) << error;
+        EXPECT_LT(seconds, 10.0) << error;
+        EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB: " << error;
+        std::printf("[ measured ] garbage in the store file: rank %s refused it after %.2f s, peak RSS +%.1f MiB\n",
+                    std::getenv("RANK"), seconds, grew);
+        crash_now();  // a failed start leaves its store object; nothing to shut down
+      },
+      ranks_within(60));
+  expect_all_succeeded(ranks);
+}
+
+// Issue 34 item 9: the file deleted while the ranks meet. c10d makes a new,
+// empty one without a word, and both ranks waited out the whole timeout;
+// rank 1, which had arrived, then printed rank 0's verdict that it had not.
+// Each rank must notice on its own, soon, and say what happened.
+TEST(FileStore, AFileDeletedMidRendezvousStopsEveryRankPromptlySayingSo) {
+  RanksTempDir dir;
+  const std::string path = dir / "rdzv.store";
+  auto ranks = run_on_ranks(
+      3,
+      [&](const Group&) {
+        use_file(path, "60");
+        const std::string rank = std::getenv("RANK");
+        if (rank == "2") {
+          // Ranks 0 and 1 have met by now and wait for this one, which
+          // deletes the file instead of joining.
+          std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+          ASSERT_TRUE(std::filesystem::exists(path));
+          ASSERT_EQ(::unlink(path.c_str()), 0);
+          return;
+        }
+        const auto start = Clock::now();
+        const std::string error = error_of([] { ddp::init_process_group(); });
+        const double seconds = seconds_since(start);
+        EXPECT_TRUE(error.find("the rendezvous file " + path + " was deleted while rank " + rank + " used it") !=
+                        std::string::npos ||
+                    error.find("the rendezvous file " + path + " was replaced while rank " + rank + " used it") !=
+                        std::string::npos)
+            << error;
+        EXPECT_EQ(error.find("did not"), std::string::npos) << "blames a rank that arrived: " << error;
+        EXPECT_LT(seconds, 10.0) << error;
+        std::printf("[ measured ] store file deleted mid-rendezvous: rank %s stopped after %.2f s\n", rank.c_str(),
+                    seconds);
+        crash_now();
+      },
+      ranks_within(90));
   expect_all_succeeded(ranks);
 }
 

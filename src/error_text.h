@@ -1,0 +1,37 @@
+#pragma once
+
+// Internal: an exception's message as ddp quotes it, never with a backtrace.
+// c10::Error's what() carries "Exception raised from ..." and "frame #N"
+// lines, and c10d sometimes nests one error's what() inside another's
+// message, so the lines are dropped from the text as well.
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <sstream>
+#include <string>
+
+namespace ddp::detail {
+
+inline std::string without_backtrace_lines(const std::string& text) {
+  std::istringstream in(text);
+  std::string out, line;
+  while (std::getline(in, line)) {
+    const size_t first = line.find_first_not_of(" \t");
+    const std::string trimmed = first == std::string::npos ? "" : line.substr(first);
+    if (trimmed.rfind("frame #", 0) == 0 || trimmed.rfind("Exception raised from", 0) == 0) continue;
+    if (!out.empty()) out += '\n';
+    out += line;
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+inline std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    return without_backtrace_lines(c10_error->what_without_backtrace());
+  }
+  return without_backtrace_lines(e.what());
+}
+
+}  // namespace ddp::detail
