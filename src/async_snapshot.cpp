@@ -151,11 +151,21 @@ void AsyncSnapshotWriter::save(const std::string& dir, const Snapshot& snapshot)
     rethrow_error_locked(lock);
   }
   claim_directory(dir);
+  // Made here, not on the thread: a directory that cannot exist is the
+  // caller's error now, not a failed write reported one save() later.
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  DDP_CHECK(!ec && std::filesystem::is_directory(dir), "ddp: AsyncSnapshotWriter cannot create the snapshot ",
+            "directory '", dir, "'", ec ? ": " + ec.message() : std::string(": something else is there"),
+            "; give save() a directory it can write into");
   // Staged before waiting for room: the caller may change its tensors as
   // soon as save() returns, whichever way it returns.
   Job job{dir, stage_snapshot(snapshot)};
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return queue_.size() < static_cast<size_t>(options_.queue_depth()); });
+  // The write that made room may have failed: this snapshot would very
+  // likely fail the same way (a full disk), so report that instead.
+  rethrow_error_locked(lock);
   queue_.push_back(std::move(job));
   lock.unlock();
   changed_.notify_all();

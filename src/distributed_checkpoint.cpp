@@ -17,11 +17,24 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
+#include <regex>
+#include <set>
+#include <thread>
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace ddp::detail {
@@ -139,6 +152,17 @@ c10::impl::GenericList restored_param_groups(const OptimizerStateParts& current,
 
 // --- the directory -----------------------------------------------------------
 
+// The files DCP's distributed HuggingFace writer names (ddp's and Python's):
+// shard-<rank+1>-model-<k>-of-<n>.safetensors.
+const std::regex& shard_file_pattern() {
+  static const std::regex pattern(R"(shard-([0-9]{5,9})-model-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors)");
+  return pattern;
+}
+
+// The world size rank 0 records, so that a load can tell a rank's missing
+// files from a rank that wrote none (every ddp rank writes at least one).
+constexpr const char* kWorldSizeKey = "ddp_world_size";
+
 void fsync_directory(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd >= 0) {
@@ -147,34 +171,207 @@ void fsync_directory(const std::string& path) {
   }
 }
 
-// Every rank learns whether every rank succeeded: a failure on one is an
-// error on all, instead of the others waiting in a barrier until timeout.
+std::string parent_of(const std::string& path) {
+  const std::string parent = fs::path(path).parent_path().string();
+  return parent.empty() ? "." : parent;
+}
+
+// Why a save may not replace what is at `path`: "" when nothing is there or
+// only what a checkpoint holds. Anything else may be the user's, and a save
+// that removed it would lose data nobody asked it to touch.
+std::string why_not_a_checkpoint(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? "" : std::string("cannot be examined: ") + std::strerror(errno);
+  }
+  if (S_ISLNK(st.st_mode)) return "is a symbolic link";
+  if (!S_ISDIR(st.st_mode)) return "is a file, not a checkpoint directory";
+  std::error_code ec;
+  for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!std::regex_match(name, shard_file_pattern())) return "holds '" + name + "', which no checkpoint holds";
+    if (!it->is_regular_file(ec) || it->is_symlink(ec)) return "holds '" + name + "', which is not a regular file";
+  }
+  if (ec) return "cannot be listed: " + ec.message();
+  return "";
+}
+
+void check_replaceable(const std::string& path, const std::string& target) {
+  const std::string why = why_not_a_checkpoint(path);
+  DDP_CHECK(why.empty(), "ddp: cannot save a checkpoint into '", target, "': '", path, "' ", why,
+            ". A save replaces only a previous checkpoint (files shard-*-model-*-of-*.safetensors and nothing "
+            "else); move what is there away, or save into another directory");
+}
+
+std::string host_name() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? name : "unknown host";
+}
+
+// Held by rank 0 of the saving job from before anything is written until
+// the commit, so that two jobs saving into one DIR cannot delete each
+// other's files: the second fails at once, naming the first. The lock file
+// (DIR.lock) holds who that is; its holder removes it at the end, and a
+// taker checks that the file it locked is still the one at the path.
+class SaveLock {
+ public:
+  SaveLock(const std::string& target, bool* supported) : path_(target + ".lock") {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+      DDP_CHECK(fd_ >= 0, "ddp: cannot create the lock file '", path_, "' of the checkpoint '", target,
+                "': ", std::strerror(errno), "; its directory must be writable");
+      if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+        const int error = errno;
+        const std::string holder = contents();
+        ::close(fd_);
+        fd_ = -1;
+        if (error == ENOLCK || error == EOPNOTSUPP || error == ENOSYS) {
+          *supported = false;  // a file system without locks: saves are unguarded, as before
+          return;
+        }
+        DDP_CHECK(error != EWOULDBLOCK, "ddp: another job is saving a checkpoint into '", target, "' (",
+                  holder.empty() ? "it has not yet written who it is into '" + path_ + "'" : holder,
+                  "); two jobs saving into one directory would destroy each other's checkpoint, so this save ",
+                  "stops. Give each job a directory of its own, or save once the other job is done");
+        DDP_CHECK(false, "ddp: cannot lock '", path_, "': ", std::strerror(error));
+      }
+      struct stat locked {}, now {};
+      if (::fstat(fd_, &locked) == 0 && ::stat(path_.c_str(), &now) == 0 && locked.st_dev == now.st_dev &&
+          locked.st_ino == now.st_ino) {
+        const std::string holder = fmt::format("host {}, pid {}, job '{}', since {} UTC", host_name(), ::getpid(),
+                                               default_run_id(), utc_now());
+        if (::ftruncate(fd_, 0) == 0) {
+          [[maybe_unused]] auto written = ::pwrite(fd_, holder.data(), holder.size(), 0);
+        }
+        return;
+      }
+      ::close(fd_);  // its holder removed it after we opened it: lock the new one
+      fd_ = -1;
+    }
+    DDP_CHECK(false, "ddp: cannot lock '", path_, "': it keeps being replaced");
+  }
+  ~SaveLock() {
+    if (fd_ < 0) return;
+    ::unlink(path_.c_str());  // before the unlock, so that no taker keeps a removed file
+    ::close(fd_);
+  }
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+
+ private:
+  std::string contents() const {
+    char buffer[512] = {};
+    const ssize_t n = ::pread(fd_, buffer, sizeof(buffer) - 1, 0);
+    return n > 0 ? std::string(buffer, static_cast<size_t>(n)) : std::string();
+  }
+  static std::string utc_now() {
+    const std::time_t now = std::time(nullptr);
+    std::tm tm {};
+    ::gmtime_r(&now, &tm);
+    char text[32];
+    std::strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S", &tm);
+    return text;
+  }
+  std::string path_;
+  int fd_ = -1;
+};
+
+// Every rank learns whether every rank succeeded, and why not: a failure on
+// one is an error on all, instead of the others waiting in a barrier until
+// timeout. The rank where it happened throws its own error; the others a
+// PeerFailure quoting it, so that a launcher names the cause, not them.
 void agree_on_success(ProcessGroup& group, const std::string& error, const char* what) {
-  at::Tensor ok = group.to_control(at::scalar_tensor(error.empty() ? 1.0 : 0.0, at::kFloat));
-  group.all_reduce(ok, c10d::ReduceOp::MIN);
+  const auto all = group.all_gather_object(c10::IValue(error));
   DDP_CHECK(error.empty(), error);
-  DDP_CHECK(ok.item<double>() == 1.0, "ddp: another rank failed ", what, "; its log says why");
+  for (size_t rank = 0; rank < all.size(); ++rank) {
+    const std::string& theirs = all[rank].toStringRef();
+    DDP_PEER_CHECK(theirs.empty(), "ddp: rank ", rank, " failed ", what, ", so this rank stops too; rank ", rank,
+                   " said: ", theirs);
+  }
+}
+
+std::string error_text(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error ? error->what_without_backtrace() : e.what();
+}
+
+// Tests hold rank 0 back for this long before the commit, with the lock
+// held, so that a second job's save surely meets the first.
+std::chrono::milliseconds test_commit_delay() {
+  const char* value = std::getenv("DDP_TEST_CHECKPOINT_COMMIT_DELAY_MS");
+  return std::chrono::milliseconds(value ? std::atoll(value) : 0);
+}
+
+// Makes `partial` the checkpoint `target`. Never leaves `target` missing:
+// an atomic exchange where the file system has one, else two renames that
+// put the old one back if the second fails.
+void commit_directory(const std::string& partial, const std::string& target) {
+  struct stat st {};
+  if (::lstat(target.c_str(), &st) != 0) {
+    fs::rename(partial, target);
+  } else if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(partial);  // now the previous checkpoint
+  } else {
+    DDP_CHECK(errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP, "ddp: cannot move '", partial, "' to '",
+              target, "': ", std::strerror(errno));
+    const std::string old = target + ".old";
+    check_replaceable(old, target);
+    fs::remove_all(old);
+    fs::rename(target, old);
+    std::error_code failed;
+    fs::rename(partial, target, failed);
+    if (failed) {
+      std::error_code ignored;
+      fs::rename(old, target, ignored);
+      throw fs::filesystem_error("cannot rename", partial, target, failed);
+    }
+    fs::remove_all(old);
+  }
 }
 
 // Writes `boxes` as this rank's files of DIR.partial, then, once every rank
-// has, makes DIR.partial the checkpoint DIR.
+// has, makes DIR.partial the checkpoint DIR. What is at DIR must be a
+// previous checkpoint; that is checked, under the lock, before anything is
+// written, and a failed save removes its DIR.partial.
 void commit_boxes(const std::string& dir, const std::vector<TensorBox>& boxes,
                   const std::map<std::string, std::string>& rank0_metadata, ProcessGroup& group) {
   DDP_CHECK(!dir.empty(), "ddp: save_distributed_checkpoint needs a directory");
-  const std::string target = fs::path(dir).lexically_normal().string();
+  fs::path normal = fs::path(dir).lexically_normal();
+  if (!normal.has_filename() && normal.has_parent_path()) normal = normal.parent_path();  // "ckpt/"
+  const std::string target = normal.string();
   const std::string partial = target + ".partial";
+  std::optional<SaveLock> lock;
   std::string error;
   if (group.rank() == 0) {
     try {
-      fs::remove_all(partial);
-      fs::create_directories(partial);
+      fs::create_directories(parent_of(target));
+      bool locks_supported = true;
+      lock.emplace(target, &locks_supported);
+      if (!locks_supported) {
+        lock.reset();
+        TORCH_WARN_ONCE("ddp: the file system of '", target, "' has no file locks, so two jobs saving into one ",
+                        "directory are not detected; give each job its own");
+      }
+      // A commit interrupted between its renames (where there is no atomic
+      // exchange) left the previous checkpoint as DIR.old: restore it.
+      struct stat st {};
+      if (::lstat(target.c_str(), &st) != 0 && errno == ENOENT && fs::is_directory(target + ".old") &&
+          why_not_a_checkpoint(target + ".old").empty()) {
+        fs::rename(target + ".old", target);
+      }
+      check_replaceable(target, target);
+      check_replaceable(partial, target);
+      fs::remove_all(partial);  // what an interrupted save left
+      fs::create_directory(partial);
     } catch (const std::exception& e) {
-      error = std::string("ddp: cannot create '") + partial + "': " + e.what();
+      error = error_text(e);
+      if (error.rfind("ddp: ", 0) != 0) error = "ddp: cannot prepare '" + partial + "': " + error;
     }
   }
-  agree_on_success(group, error, "to create the checkpoint directory");
+  agree_on_success(group, error, "to prepare the checkpoint directory");
 
-  // The k-th box of each tensor goes to file k.
+  // The k-th box of each tensor goes to file k. Every rank writes at least
+  // one file, so that a load can tell which are missing.
   std::map<std::string, size_t> seen;
   std::vector<std::vector<TensorBox>> files;
   for (const auto& box : boxes) {
@@ -182,35 +379,95 @@ void commit_boxes(const std::string& dir, const std::vector<TensorBox>& boxes,
     if (files.size() <= k) files.resize(k + 1);
     files[k].push_back(box);
   }
-  if (files.empty() && group.rank() == 0) files.resize(1);
+  if (files.empty()) files.resize(1);
+  auto metadata = rank0_metadata;
+  if (group.rank() == 0) metadata[kWorldSizeKey] = std::to_string(group.size());
   try {
     for (size_t k = 0; k < files.size(); ++k) {
       const std::string name = fmt::format("shard-{:05d}-model-{:05d}-of-{:05d}.safetensors", group.rank() + 1, k + 1,
                                            files.size());
       write_safetensors_file(partial + "/" + name, files[k],
-                             k == 0 && group.rank() == 0 ? rank0_metadata : std::map<std::string, std::string>{});
+                             k == 0 && group.rank() == 0 ? metadata : std::map<std::string, std::string>{});
     }
   } catch (const std::exception& e) {
-    error = e.what();
+    error = error_text(e);
   }
-  agree_on_success(group, error, "to write its part of the checkpoint");
+  try {
+    agree_on_success(group, error, "to write its part of the checkpoint");
+  } catch (...) {
+    // Every rank has stopped writing: the partial files would only keep a
+    // full disk full.
+    if (group.rank() == 0) {
+      std::error_code ignored;
+      fs::remove_all(partial, ignored);
+    }
+    throw;
+  }
 
   if (group.rank() == 0) {
     try {
+      if (const auto delay = test_commit_delay(); delay.count() > 0) std::this_thread::sleep_for(delay);
       fsync_directory(partial);
-      // DIR is replaced only now that the new one is whole; a crash between
-      // the renames leaves DIR.old whole.
-      const std::string old = target + ".old";
-      fs::remove_all(old);
-      if (fs::exists(target)) fs::rename(target, old);
-      fs::rename(partial, target);
-      fs::remove_all(old);
-      fsync_directory(fs::path(target).parent_path().empty() ? "." : fs::path(target).parent_path().string());
+      commit_directory(partial, target);
+      fsync_directory(parent_of(target));
     } catch (const std::exception& e) {
-      error = std::string("ddp: cannot commit the checkpoint '") + target + "': " + e.what();
+      error = std::string("ddp: cannot commit the checkpoint '") + target + "': " + error_text(e);
+      std::error_code ignored;
+      fs::remove_all(partial, ignored);
     }
+    lock.reset();
   }
   agree_on_success(group, error, "to commit the checkpoint");
+}
+
+// The checkpoint a load reads: DIR, or DIR.old where a commit without an
+// atomic exchange was interrupted between its renames.
+std::string committed_directory(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec) && fs::is_directory(dir + ".old", ec)) return dir + ".old";
+  return dir;
+}
+
+// Names a missing file of the checkpoint: without this, its absence shows
+// up only as a tensor smaller than the model's ("shape [9, 8] in the
+// checkpoint but [16, 8]"), which blames the model.
+void check_no_file_missing(const std::string& dir, const SafetensorsIndex& index) {
+  std::map<int64_t, std::pair<int64_t, std::set<int64_t>>> ranks;  // shard -> (of n, files present)
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::smatch match;
+    const std::string name = it->path().filename().string();
+    if (!std::regex_match(name, match, shard_file_pattern())) continue;
+    const int64_t shard = std::stoll(match[1]), k = std::stoll(match[2]), n = std::stoll(match[3]);
+    auto& [count, present] = ranks[shard];
+    DDP_CHECK(count == 0 || count == n, "ddp: the checkpoint in '", dir, "' holds files of shard ", shard,
+              " that say it wrote ", count, " and ", n, " files; files of two checkpoints are mixed");
+    count = n;
+    present.insert(k);
+  }
+  for (const auto& [shard, files] : ranks) {
+    for (int64_t k = 1; k <= files.first; ++k) {
+      DDP_CHECK(files.second.count(k), "ddp: the checkpoint in '", dir, "' lacks '",
+                fmt::format("shard-{:05d}-model-{:05d}-of-{:05d}.safetensors", shard, k, files.first), "' (file ", k,
+                " of the ", files.first, " that rank ", shard - 1,
+                " wrote): it was deleted or never written; load an older checkpoint");
+    }
+  }
+  const std::string world = index.metadata(kWorldSizeKey);
+  if (world.empty() || !std::all_of(world.begin(), world.end(), ::isdigit) || world.size() > 9) return;
+  for (int64_t shard = 1; shard <= std::stoll(world); ++shard) {
+    DDP_CHECK(ranks.count(shard), "ddp: the checkpoint in '", dir, "' lacks every file of rank ", shard - 1, " of the ",
+              world, " that wrote it (", fmt::format("shard-{:05d}-model-*.safetensors", shard),
+              "): they were deleted or never written; load an older checkpoint");
+  }
+}
+
+// Opens the checkpoint at `dir` for reading, every file accounted for.
+std::unique_ptr<SafetensorsIndex> open_checkpoint(const std::string& dir) {
+  const std::string source = committed_directory(dir);
+  auto index = std::make_unique<SafetensorsIndex>(source);
+  check_no_file_missing(source, *index);
+  return index;
 }
 
 // An optimizer was given to load: the checkpoint must hold its state (its
@@ -334,7 +591,8 @@ void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, Pr
 c10::IValue read_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, bool with_optimizer,
                                  const DistributedCheckpointOptions& options, DistributedCheckpointReport* report) {
   const Names names{options};
-  SafetensorsIndex index(dir);
+  const auto opened = open_checkpoint(dir);
+  const SafetensorsIndex& index = *opened;
   auto dict = sharded.toGenericDict().copy();
   auto units = dict.at("units").toList();
   std::vector<TensorBox> boxes;
@@ -444,7 +702,8 @@ c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module
                                        const std::vector<int64_t>& owned, const DistributedCheckpointOptions& options,
                                        DistributedCheckpointReport* report) {
   const Names names{options};
-  SafetensorsIndex index(dir);
+  const auto opened = open_checkpoint(dir);
+  const SafetensorsIndex& index = *opened;
   // Read into copies: the module changes only once everything has been read.
   std::vector<std::pair<at::Tensor, TensorBox>> model;
   for (const auto& [name, tensor] : ddp::state_dict(module)) {
@@ -493,10 +752,23 @@ c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module
 namespace ddp {
 
 std::map<std::string, std::string> distributed_checkpoint_metadata(const std::string& dir) {
-  auto metadata = detail::SafetensorsIndex(dir).all_metadata();
-  // DCP's own entries and the hyperparameters are not the program's.
-  for (const char* own : {"DCP_VERSION", "format", detail::kParamGroupsKey}) metadata.erase(own);
+  auto metadata = detail::open_checkpoint(dir)->all_metadata();
+  // DCP's own entries and ddp's are not the program's.
+  for (const char* own : {"DCP_VERSION", "format", detail::kParamGroupsKey, detail::kWorldSizeKey}) {
+    metadata.erase(own);
+  }
   return metadata;
 }
+
+namespace detail {
+
+std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string& dir, const std::string& prefix) {
+  const auto index = open_checkpoint(dir);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& key : index->keys_with_prefix(prefix)) shapes.emplace(key, index->shape_of(key));
+  return shapes;
+}
+
+}  // namespace detail
 
 }  // namespace ddp

@@ -20,6 +20,8 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <initializer_list>
 #include <optional>
 #include <thread>
 
@@ -196,28 +198,36 @@ class WarningCapture : public c10::WarningHandler {
   std::vector<std::string> messages;
 };
 
+// A directory into which every write fails on the writer thread: each
+// snapshot's final path is taken by a directory that is not empty.
+std::string blocked_directory(const std::string& root, std::initializer_list<int> epochs,
+                              const std::string& name = "blocked") {
+  const std::string dir = root + "/" + name;
+  for (int epoch : epochs) fs::create_directories(dir + "/snapshot_" + std::to_string(epoch) + ".pt/occupied");
+  return dir;
+}
+
 // A failed write on the writer thread surfaces from wait(), or from the next
 // save(), as a ddp::Error that names the file; the destructor only warns.
 TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
   const std::string root = ddp::testing::make_temp_dir();
-  const std::string missing = root + "/no/such/directory";  // unwritable even for root
+  const std::string blocked = blocked_directory(root, {0, 1});
   ddp::AsyncSnapshotWriter writer;
-  writer.save(missing, filled(0, 10, 1.0f));  // returns: the write fails later, on the thread
+  writer.save(blocked, filled(0, 10, 1.0f));  // returns: the write fails later, on the thread
   try {
     writer.wait();
     ADD_FAILURE() << "wait() did not throw";
   } catch (const ddp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + missing + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("cannot create"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
   }
 
-  writer.save(missing, filled(1, 10, 1.0f));
+  writer.save(blocked, filled(1, 10, 1.0f));
   while (writer.pending() > 0) std::this_thread::sleep_for(1ms);
   try {
     writer.save(root, filled(2, 10, 1.0f));
     ADD_FAILURE() << "save() did not throw the earlier error";
   } catch (const ddp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + missing + "/snapshot_1.pt' failed"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_1.pt' failed"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(root + "/snapshot_2.pt")) << "a save() that threw queued its snapshot";
 
@@ -226,17 +236,61 @@ TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
   EXPECT_NO_THROW(writer.wait());
   EXPECT_TRUE(fs::exists(root + "/snapshot_3.pt"));
 
-  const std::string also_missing = root + "/also/missing";
+  const std::string also_blocked = blocked_directory(root, {4}, "also_blocked");
   WarningCapture warnings;
   {
     c10::WarningUtils::WarningHandlerGuard guard(&warnings);
     EXPECT_NO_THROW({
       ddp::AsyncSnapshotWriter unwatched;
-      unwatched.save(also_missing, filled(4, 10, 1.0f));
+      unwatched.save(also_blocked, filled(4, 10, 1.0f));
     });
   }
   ASSERT_EQ(warnings.messages.size(), 1u);
-  EXPECT_NE(warnings.messages[0].find(also_missing + "/snapshot_4.pt"), std::string::npos) << warnings.messages[0];
+  EXPECT_NE(warnings.messages[0].find(also_blocked + "/snapshot_4.pt"), std::string::npos) << warnings.messages[0];
+  fs::remove_all(root);
+}
+
+// save() waits for room while the previous write runs; when that write
+// fails (a full disk, say), save() throws its error and queues nothing,
+// rather than starting one more write that would fail the same way.
+TEST(AsyncSnapshot, ASaveThatWaitedForRoomThrowsTheErrorOfTheWriteThatMadeIt) {
+  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "300");
+  const std::string root = ddp::testing::make_temp_dir();
+  const std::string blocked = blocked_directory(root, {0});
+  ddp::AsyncSnapshotWriter writer;  // queue_depth 1: the second save waits for the first write
+  writer.save(blocked, filled(0, 10, 1.0f));
+  try {
+    writer.save(root, filled(1, 10, 1.0f));
+    ADD_FAILURE() << "save() queued a snapshot after the write it waited for had failed";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(writer.pending(), 0u);
+  EXPECT_NO_THROW(writer.wait());  // reported once
+  EXPECT_FALSE(fs::exists(root + "/snapshot_1.pt"));
+  fs::remove_all(root);
+}
+
+// save() makes the snapshot directory, and one it cannot make is an error
+// of that very call, naming it, not of a write on the thread.
+TEST(AsyncSnapshot, SaveMakesItsDirectoryOrSaysAtOnceThatItCannot) {
+  const std::string root = ddp::testing::make_temp_dir();
+  ddp::AsyncSnapshotWriter writer;
+  writer.save(root + "/new/dir", filled(0, 10, 1.0f));
+  EXPECT_NO_THROW(writer.wait());
+  EXPECT_TRUE(fs::exists(root + "/new/dir/snapshot_0.pt"));
+
+  { std::ofstream(root + "/file") << "a file, not a directory"; }
+  try {
+    writer.save(root + "/file/sub", filled(1, 10, 1.0f));
+    ADD_FAILURE() << "save() accepted a directory that cannot exist";
+  } catch (const ddp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot create the snapshot directory '" + root + "/file/sub'"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(writer.pending(), 0u);
+  EXPECT_NO_THROW(writer.wait());
   fs::remove_all(root);
 }
 

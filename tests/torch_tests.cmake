@@ -140,3 +140,5 @@ target_sources(ddp_mpi_tests PRIVATE test_subgroups_mpi.cpp)
 # ProcessGroup's collectives against torch.distributed (tests/python/collectives_reference.py).
 target_sources(ddp_integration_rank_tests PRIVATE test_collectives.cpp)
 target_sources(ddp_mpi_tests PRIVATE test_collectives_mpi.cpp)
+# What checkpoints and sharded snapshots may never do: delete what is not theirs, lose the last one, prune the good.
+target_sources(ddp_fsdp_rank_tests PRIVATE test_checkpoint_safety.cpp)

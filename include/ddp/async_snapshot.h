@@ -62,9 +62,10 @@ class AsyncSnapshotWriter {
   /// optimizer state, RNG state, extra), so training may change the
   /// parameters as soon as this returns, then queues the copy for writing to
   /// DIR/snapshot_<epoch>.pt. When the queue is full (queue_depth), waits
-  /// for the writer to finish one first. Throws, and queues nothing, if an
-  /// earlier write failed (ddp::Error naming the file), or if another
-  /// writer owns `dir`.
+  /// for the writer to finish one first. Creates `dir` (and its parents)
+  /// if missing. Throws, and queues nothing, if an earlier write failed
+  /// (ddp::Error naming the file; the write that made room included), if
+  /// `dir` cannot be created, or if another writer owns `dir`.
   void save(const std::string& dir, const Snapshot& snapshot);
 
   /// Waits until every queued snapshot is on disk. Throws the first error

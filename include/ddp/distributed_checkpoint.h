@@ -22,7 +22,10 @@
 // Names are those of dcp.save({"model": msd, "optim": osd}) with msd and osd
 // from get_state_dict: "model.<fqn>" for parameters and buffers,
 // "optim.state.<fqn>.exp_avg" (and exp_avg_sq, step, momentum_buffer...)
-// for the optimizer. The files are DIR/shard-<rank+1>-model-<k>-of-<n>.safetensors:
+// for the optimizer. The files are
+// DIR/shard-{rank+1:05d}-model-{k:05d}-of-{n:05d}.safetensors (rank 0's first
+// of two: shard-00001-model-00001-of-00002.safetensors; k counts from 1, n
+// is that rank's number of files):
 // a rank's part of a tensor may be several boxes (FSDP's flat shards start
 // and end inside rows), and a file holds one box per name.
 //
@@ -35,10 +38,13 @@
 // ignores; so Python loads with allow_partial_load=True and keeps the
 // hyperparameters it was built with.
 //
-// The directory is written as DIR.partial and renamed to DIR only once every
-// rank's files are on disk, so an interrupted save leaves the previous DIR
-// whole. Every rank must see the same directory (a shared file system, as
-// for DCP).
+// The directory is written as DIR.partial and exchanged with DIR only once
+// every rank's files are on disk, so an interrupted save leaves the previous
+// DIR whole. A save replaces only a previous checkpoint: anything else at DIR
+// (a file, a directory holding other files) is an error on every rank before
+// anything is written. While a job saves, its rank 0 holds DIR.lock, naming
+// the job; a second job saving into DIR meanwhile fails, naming the first.
+// Every rank must see the same directory (a shared file system, as for DCP).
 
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
@@ -104,6 +110,10 @@ void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module&
 c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module& module, const c10::IValue& optimizer,
                                        const std::vector<int64_t>& owned, const DistributedCheckpointOptions& options,
                                        DistributedCheckpointReport* report);
+/// The shapes of the checkpoint's tensors whose names start with `prefix`,
+/// after checking that its files read and that none is missing; throws,
+/// naming what is wrong. Reads only headers; not collective.
+std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string& dir, const std::string& prefix);
 std::vector<int64_t> all_indices(const torch::nn::Module& module);
 c10::IValue optimizer_state_or_none(torch::optim::Optimizer* optimizer);
 void load_optimizer_state_or_none(torch::optim::Optimizer* optimizer, const c10::IValue& state);

@@ -28,6 +28,7 @@
 #include <ddp/distributed_checkpoint.h>
 
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 #include <utility>
@@ -45,40 +46,87 @@ struct TrainingProgress {
 namespace detail {
 std::string sharded_snapshot_path(const std::string& dir, int64_t step);
 DistributedCheckpointOptions::Metadata progress_metadata(const TrainingProgress& progress);
-/// The newest snapshot in `dir` whose files and progress read back; the
-/// others (newer but unreadable) are named in `skipped`.
+/// The snapshots in `dir` whose files are all there, whose headers read and
+/// whose progress matches their name, newest first; the others are named in
+/// `skipped`. Reads headers only.
+std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(const std::string& dir,
+                                                                            std::vector<std::string>* skipped);
+/// The first of valid_sharded_snapshots.
 std::optional<std::pair<std::string, TrainingProgress>> newest_sharded_snapshot(const std::string& dir,
                                                                                std::vector<std::string>* skipped);
-/// Rank 0 removes all but the newest `keep` snapshots (keep <= 0: none).
-void prune_sharded_snapshots(const std::string& dir, int keep, ProcessGroup& group);
+/// Rank 0 removes the snapshots of this run (the model of `written`) older
+/// than the newest `keep` of them, counting only those that validate. It
+/// never removes one that does not validate or holds another model, one
+/// newer than `written`, or the one this process resumed from; nor anything
+/// when `written` itself does not validate. keep <= 0: removes none.
+void prune_sharded_snapshots(const std::string& dir, const std::string& written, int keep, ProcessGroup& group);
+/// Every rank's candidates (valid_sharded_snapshots) must be the same;
+/// throws on every rank if not (the ranks see different directories).
+void agree_on_candidates(ProcessGroup& group, const std::string& dir,
+                         const std::vector<std::pair<std::string, TrainingProgress>>& candidates);
+/// After every rank tried to load `path`: whether all of them did, some did,
+/// or none. A failure is named in `skipped` with the first failing rank's
+/// `error` ("" where this rank loaded it).
+enum class LoadAgreement { kAll, kSome, kNone };
+LoadAgreement agree_on_load(ProcessGroup& group, const std::string& path, const std::string& error,
+                            std::vector<std::string>* skipped);
+/// The message of an exception, without a backtrace.
+std::string message_of(const std::exception& e);
+/// Records that this process resumed from `path`, which pruning then keeps.
+void note_resumed_from(const std::string& path);
+/// Throws, naming `dir`, when ranks that loaded a snapshot the others could
+/// not are left holding it (`partly_loaded`).
+void check_not_left_partly_loaded(const std::string& dir, bool partly_loaded, const std::vector<std::string>& why);
 }  // namespace detail
 
 /// Saves DIR/sharded_step_<progress.step> from `model` (FullyShardedDataParallel
 /// or DistributedDataParallel) and `optimizer` (a torch::optim::Optimizer*,
-/// or a ZeroRedundancyOptimizer), then keeps the newest `keep`. Returns the
-/// snapshot's directory. Collective.
+/// or a ZeroRedundancyOptimizer), then keeps the newest `keep` valid
+/// snapshots of this model, the one resumed from, and any newer valid one
+/// (see detail::prune_sharded_snapshots). Returns the snapshot's directory.
+/// Collective.
 template <typename Model, typename Optimizer>
 std::string save_sharded_snapshot(const std::string& dir, Model& model, Optimizer&& optimizer,
                                   const TrainingProgress& progress, int keep = 2) {
   const std::string path = detail::sharded_snapshot_path(dir, progress.step);
   save_distributed_checkpoint(path, model, std::forward<Optimizer>(optimizer),
                               DistributedCheckpointOptions().metadata(detail::progress_metadata(progress)));
-  detail::prune_sharded_snapshots(dir, keep, *model.process_group());
+  detail::prune_sharded_snapshots(dir, path, keep, *model.process_group());
   return path;
 }
 
-/// Loads the newest sharded snapshot in `dir`, written at any world size and
-/// under any strategy, and returns where it stood; nullopt when there is
-/// none. Newer snapshots that do not read back are skipped and named in
-/// `skipped`. Collective.
+/// Loads the newest sharded snapshot in `dir` that every rank can load,
+/// written at any world size and under any strategy, and returns where it
+/// stood; nullopt when there is none. Newer snapshots that are incomplete,
+/// damaged or of another model are skipped, each named in `skipped`; the
+/// ranks fall back together. Collective.
 template <typename Model, typename Optimizer>
 std::optional<TrainingProgress> load_newest_sharded_snapshot(const std::string& dir, Model& model,
                                                              Optimizer&& optimizer,
                                                              std::vector<std::string>* skipped = nullptr) {
-  auto found = detail::newest_sharded_snapshot(dir, skipped);
-  if (!found) return std::nullopt;
-  load_distributed_checkpoint(found->first, model, std::forward<Optimizer>(optimizer));
-  return found->second;
+  ProcessGroup& group = *model.process_group();
+  std::vector<std::string> why;
+  const auto candidates = detail::valid_sharded_snapshots(dir, &why);
+  detail::agree_on_candidates(group, dir, candidates);
+  bool partly_loaded = false;  // some rank holds a snapshot that others could not load
+  for (const auto& [path, progress] : candidates) {
+    std::string error;
+    try {
+      load_distributed_checkpoint(path, model, optimizer);
+    } catch (const std::exception& e) {
+      error = detail::message_of(e);
+    }
+    const auto agreement = detail::agree_on_load(group, path, error, &why);
+    if (agreement == detail::LoadAgreement::kAll) {
+      detail::note_resumed_from(path);
+      if (skipped) skipped->insert(skipped->end(), why.begin(), why.end());
+      return progress;
+    }
+    partly_loaded = partly_loaded || agreement == detail::LoadAgreement::kSome;
+  }
+  if (skipped) skipped->insert(skipped->end(), why.begin(), why.end());
+  detail::check_not_left_partly_loaded(dir, partly_loaded, why);
+  return std::nullopt;
 }
 
 }  // namespace ddp
