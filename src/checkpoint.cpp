@@ -2,6 +2,7 @@
 
 #include <ddp/error.h>
 
+#include "atomic_file.h"
 #include "torch_save_file.h"
 #include "weights_only_unpickler.h"
 
@@ -23,6 +24,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -53,10 +57,11 @@ std::string directory_of(const std::string& path) {
 }
 
 // Removes the temporaries that killed writers left in `dir`: files named
-// like ours, "<name>.tmp.<pid>", whose process is gone. A temporary is kept
-// while its pid is alive on this host (kill(pid, 0)), and while any writer
-// holds its lock (writers lock their temporary until the rename), which
-// also protects a writer on another host that shares the directory.
+// like ours, "<name>.tmp.<pid>.<random>" (or "<name>.tmp.<pid>" from older
+// versions), whose process is gone. A temporary is kept while its pid is
+// alive on this host (kill(pid, 0)), and while any writer holds its lock
+// (writers lock their temporary until the rename), which also protects a
+// writer on another host that shares the directory.
 void remove_stale_temporaries(const std::string& dir) {
   DIR* directory = ::opendir(dir.c_str());
   if (directory == nullptr) return;
@@ -66,6 +71,7 @@ void remove_stale_temporaries(const std::string& dir) {
     size_t marker = name.rfind(".tmp.");
     if (marker == std::string::npos || marker == 0) continue;
     std::string digits = name.substr(marker + 5);
+    digits = digits.substr(0, digits.find('.'));
     if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
     pid_t pid = static_cast<pid_t>(std::stol(digits));
     if (pid <= 0 || pid == self) continue;
@@ -81,18 +87,52 @@ void remove_stale_temporaries(const std::string& dir) {
   ::closedir(directory);
 }
 
+// A path that is a symbolic link is refused rather than replaced: it was
+// not put there by ddp, which never writes links, so it is someone's plant
+// or a user's mistake, and either way the user should hear of it.
+void refuse_symbolic_link(const std::string& path) {
+  struct stat info {};
+  if (::lstat(path.c_str(), &info) != 0 || !S_ISLNK(info.st_mode)) return;
+  std::string target(4096, '\0');
+  ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+  target.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  DDP_CHECK(false, "ddp: refusing to save to '", path, "': it is a symbolic link (to '", target,
+            "'), and ddp never writes through a link, since anyone who can write into the directory could point one ",
+            "at another file. Remove the link, or save to the real path");
+}
+
+// A fresh temporary next to `path`, under a name nobody can guess and
+// created only if nothing is there: a planted file or link makes O_EXCL
+// fail instead of being followed, and another name is tried.
+std::pair<int, std::string> create_temporary(const std::string& path) {
+  std::random_device random;
+  const std::string prefix = path + ".tmp." + std::to_string(::getpid()) + ".";
+  std::string temporary;
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    char suffix[9];
+    std::snprintf(suffix, sizeof suffix, "%08x", static_cast<unsigned>(random()));
+    temporary = prefix + suffix;
+    int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0) return {fd, temporary};
+    if (errno != EEXIST) break;
+  }
+  DDP_CHECK(false, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
+            " (does the directory exist and is it writable?)");
+  return {-1, ""};
+}
+
 }  // namespace
 
-void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
-  std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DDP_CHECK(fd >= 0, "ddp: cannot create '", temporary, "': ", std::strerror(errno),
-              " (does the directory exist and is it writable?)");
+namespace detail {
+
+void write_file_atomically(const std::string& path, const std::function<void(const ByteSink&)>& write) {
+  refuse_symbolic_link(path);
+  auto [fd, temporary] = create_temporary(path);
   // Held until the temporary is renamed or removed: it tells
   // remove_stale_temporaries that a writer is still at work on it.
   ::flock(fd, LOCK_EX | LOCK_NB);
   try {
-    write_all(fd, bytes.data(), bytes.size(), temporary);
+    write([fd = fd, &temporary = temporary](const char* data, size_t size) { write_all(fd, data, size, temporary); });
     DDP_CHECK(::fsync(fd) == 0, "ddp: fsync of '", temporary, "' failed: ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
@@ -115,7 +155,55 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
   remove_stale_temporaries(directory_of(path));
 }
 
-std::vector<char> serialize_value(const c10::IValue& value) {
+}  // namespace detail
+
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+namespace {
+
+// `value` with every list an untyped one. torch's Pickler writes a typed
+// list (of ints, floats, bools or tensors) as a call of torch.jit._pickle's
+// builders, which Python's weights-only torch.load refuses; untyped lists
+// are plain pickle lists. Dicts' values become untyped for the same reason.
+c10::IValue portable(const c10::IValue& value) {
+  if (value.isList()) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.reserve(value.toListRef().size());
+    for (const c10::IValue& item : value.toListRef()) list.push_back(portable(item));
+    return list;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> items;
+    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(portable(item));
+    return c10::ivalue::Tuple::create(std::move(items));
+  }
+  if (value.isGenericDict()) {
+    c10::impl::GenericDict dict(value.toGenericDict().keyType(), c10::AnyType::get());
+    for (const auto& entry : value.toGenericDict()) dict.insert(entry.key(), portable(entry.value()));
+    return dict;
+  }
+  return value;
+}
+
+// The bytes of the tensors in `value`, for messages about a save's size.
+int64_t tensor_bytes(const c10::IValue& value) {
+  if (value.isTensor()) return static_cast<int64_t>(value.toTensor().nbytes());
+  int64_t total = 0;
+  if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) total += tensor_bytes(item);
+  } else if (value.isTuple()) {
+    for (const c10::IValue& item : value.toTupleRef().elements()) total += tensor_bytes(item);
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) total += tensor_bytes(entry.value());
+  }
+  return total;
+}
+
+// save_value's file, streamed into `sink` as the zip is made, so a save
+// needs no second copy of the tensors in memory.
+void write_value(const c10::IValue& value, const detail::ByteSink& sink) {
   std::vector<char> pickle;
   // Untagged aggregates: tagged ones name torch.jit globals that Python's
   // weights_only loader rejects.
@@ -124,22 +212,87 @@ std::vector<char> serialize_value(const c10::IValue& value) {
       /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
       /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
-  pickler.pushIValue(value);
+  pickler.pushIValue(portable(value));
   pickler.stop();
 
-  std::vector<char> archive;
+  // The writer's destructor finishes the zip if nobody did, and an
+  // exception escaping it is std::terminate. So the sink's first failure is
+  // kept and everything after it dropped, and on any error the zip is
+  // finished here, where its own failure can be caught.
+  std::exception_ptr failure;
+  bool abandoned = false;
   caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t n) -> size_t {
-    const char* begin = static_cast<const char*>(bytes);
-    archive.insert(archive.end(), begin, begin + n);
+    if (failure || abandoned) return n;
+    try {
+      sink(static_cast<const char*>(bytes), n);
+    } catch (...) {
+      failure = std::current_exception();
+    }
     return n;
   });
-  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
-  writer.writeEndOfFile();
+  try {
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+    writer.writeEndOfFile();
+  } catch (...) {
+    abandoned = true;
+    if (!writer.finalized()) {
+      try {
+        writer.writeEndOfFile();
+      } catch (...) {
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    throw;
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+// LibTorch's CPU allocator reports a failed allocation as a plain c10::Error
+// ("DefaultCPUAllocator: can't allocate memory" or "not enough memory").
+bool is_out_of_memory(const c10::Error& e) {
+  const std::string what = e.what_without_backtrace();
+  return dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr ||
+         (what.find("DefaultCPUAllocator") != std::string::npos &&
+          (what.find("can't allocate memory") != std::string::npos ||
+           what.find("not enough memory") != std::string::npos));
+}
+
+[[noreturn]] void fail_out_of_memory(const std::string& path, int64_t bytes) {
+  detail::throw_error(c10::str(
+      "ddp: ran out of memory while saving '", path, "' (", bytes,
+      " bytes of tensors); nothing was written there. Free memory (or raise the process's memory limit, ",
+      "ulimit -v), or save a sharded checkpoint, in which each rank writes only its part ",
+      "(ddp::save_distributed_checkpoint)"));
+}
+
+// Runs `save`, turning an allocation failure (std::bad_alloc, or LibTorch's
+// CPU allocator's error) into an error that names the file and the size.
+template <typename Save>
+void naming_the_file_if_out_of_memory(const std::string& path, int64_t bytes, const Save& save) {
+  try {
+    save();
+  } catch (const std::bad_alloc&) {
+    fail_out_of_memory(path, bytes);
+  } catch (const ddp::Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    if (is_out_of_memory(e)) fail_out_of_memory(path, bytes);
+    throw;
+  }
+}
+
+}  // namespace
+
+std::vector<char> serialize_value(const c10::IValue& value) {
+  std::vector<char> archive;
+  write_value(value, [&](const char* bytes, size_t n) { archive.insert(archive.end(), bytes, bytes + n); });
   return archive;
 }
 
 void save_value(const c10::IValue& value, const std::string& path) {
-  write_file_atomically(path, serialize_value(value));
+  naming_the_file_if_out_of_memory(path, tensor_bytes(value), [&] {
+    detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { write_value(value, sink); });
+  });
 }
 
 namespace {
@@ -345,12 +498,21 @@ c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string&
 }
 
 void save_state_dict(const StateDict& state, const std::string& path) {
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& [name, tensor] : state) {
-    // A compact CPU copy: views would otherwise save their whole storage.
-    dict.insert(name, tensor.detach().to(at::kCPU).contiguous().clone());
-  }
-  save_value(dict, path);
+  int64_t bytes = 0;
+  for (const auto& item : state) bytes += static_cast<int64_t>(item.second.nbytes());
+  naming_the_file_if_out_of_memory(path, bytes, [&] {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& [name, tensor] : state) {
+      at::Tensor cpu = tensor.detach().to(at::kCPU);
+      // A view would save its whole storage, so it is saved as a compact
+      // copy; a tensor that is its whole storage is saved as it is, which
+      // keeps a save's memory at the model's own.
+      const bool whole_storage = cpu.is_contiguous() && cpu.storage_offset() == 0 &&
+                                 cpu.storage().nbytes() == cpu.nbytes();
+      dict.insert(name, whole_storage ? cpu : cpu.clone(at::MemoryFormat::Contiguous));
+    }
+    save_value(dict, path);
+  });
 }
 
 StateDict load_state_dict(const std::string& path) {

@@ -8,6 +8,9 @@
 #include <support/torch_errors.h>
 #include <torch/nn/modules/linear.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -116,10 +119,19 @@ TEST(Checkpoint, FailedSaveKeepsThePreviousFile) {
   auto path = dir + "/state.pt";
   ddp::save_state_dict(sample_state(), path);
   auto before = fs::file_size(path);
-  // A directory where the temporary file must go makes the write fail
-  // before anything touches the good file.
-  fs::create_directory(path + ".tmp." + std::to_string(::getpid()));
-  EXPECT_THROW(ddp::save_state_dict({{"x", at::ones({1000})}}, path), c10::Error);
+  // A write that fails (here at a limit on file sizes, in a child) leaves
+  // the good file as it was.
+  ddp::StateDict bigger = {{"x", at::ones({1000})}};
+  auto failed = ddp::testing::load_with_memory_limit(
+      [&] {
+        ::signal(SIGXFSZ, SIG_IGN);
+        struct rlimit limit {1024, 1024};
+        ::setrlimit(RLIMIT_FSIZE, &limit);
+        ddp::save_state_dict(bigger, path);
+      },
+      size_t{256} << 20);
+  ASSERT_TRUE(failed.finished);
+  EXPECT_NE(failed.error.find("File too large"), std::string::npos) << failed.error;
   EXPECT_EQ(fs::file_size(path), before);
   EXPECT_EQ(ddp::load_state_dict(path).size(), sample_state().size());
   fs::remove_all(dir);
@@ -307,6 +319,136 @@ TEST(CheckpointBombs, LargeHonestCheckpointsStillLoad) {
   auto loaded = ddp::load_state_dict(dir + "/big.pt");
   ASSERT_EQ(loaded.size(), big.size());
   EXPECT_TRUE(at::equal(loaded[0].second, big[0].second));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+std::string contents_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Issue 34 item 5: someone who can write into a checkpoint directory plants
+// links named like the files a job writes. The temporary used to be
+// "<path>.tmp.<pid>", opened with O_TRUNC through such a link (the victim
+// was overwritten) and then renamed into place.
+TEST(CheckpointSymlinks, PlantedLinksAreNeverFollowed) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string victim = dir + "/victim.txt";
+  std::ofstream(victim) << "precious";
+
+  const std::string path = dir + "/state.pt";
+  fs::create_symlink(victim, path + ".tmp." + std::to_string(::getpid()));
+  ddp::save_state_dict(sample_state(), path);
+  EXPECT_EQ(contents_of(victim), "precious");
+  EXPECT_FALSE(fs::is_symlink(path));
+  EXPECT_EQ(ddp::load_state_dict(path).size(), sample_state().size());
+
+  // A link at the final name is refused, naming it; its target stays as it was.
+  const std::string linked = dir + "/snapshot.pt";
+  fs::create_symlink(victim, linked);
+  auto message = error_of([&] { ddp::save_value(c10::IValue(int64_t{1}), linked); });
+  EXPECT_NE(message.find("'" + linked + "': it is a symbolic link (to '" + victim + "')"), std::string::npos)
+      << message;
+  EXPECT_EQ(contents_of(victim), "precious");
+  EXPECT_TRUE(fs::is_symlink(linked));
+  // No temporary is left behind.
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp." + std::to_string(::getpid()) + "."), std::string::npos)
+        << entry.path();
+  }
+  fs::remove_all(dir);
+}
+
+// Issue 34 item 11: the whole file used to be built in memory (a vector that
+// doubles as it grows) after a compact copy of every tensor, so a save
+// needed about four times the model. Streamed, a save of 128 MiB fits in
+// 96 MiB more address space than the model's.
+TEST(CheckpointMemory, ASaveIsStreamedToTheFile) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string path = dir + "/big.pt";
+  ddp::StateDict state = {{"weight", at::ones({32 << 20}, at::kFloat)}, {"bias", at::ones({16})}};
+  auto save = ddp::testing::load_with_memory_limit([&] { ddp::save_state_dict(state, path); }, size_t{96} << 20);
+  ASSERT_TRUE(save.finished) << "the save died (std::terminate?)";
+  EXPECT_EQ(save.error, "");
+  EXPECT_LT(save.peak_growth_kib, 32 << 10);
+  RecordProperty("peak_growth_kib", std::to_string(save.peak_growth_kib));
+  auto loaded = ddp::load_state_dict(path);
+  ASSERT_EQ(loaded.size(), 2u);
+  EXPECT_TRUE(at::equal(loaded[0].second, state[0].second));
+  fs::remove_all(dir);
+}
+
+// Running out of memory is an error that names the file and the size, and
+// leaves the previous file: a view is saved as a compact copy, which does
+// not fit here.
+TEST(CheckpointMemory, RunningOutOfMemoryNamesTheFileAndTheSize) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string path = dir + "/big.pt";
+  ddp::save_state_dict(sample_state(), path);
+  const auto before = fs::file_size(path);
+  ddp::StateDict state = {{"weight", at::ones({4096, 8192}, at::kFloat).t()}};
+  auto save = ddp::testing::load_with_memory_limit([&] { ddp::save_state_dict(state, path); }, size_t{64} << 20);
+  ASSERT_TRUE(save.finished) << "the save died (std::terminate?)";
+  EXPECT_NE(save.error.find("ddp: ran out of memory while saving '" + path + "' (134217728 bytes of tensors)"),
+            std::string::npos)
+      << "error: " << save.error;
+  EXPECT_EQ(fs::file_size(path), before);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
+
+  // A write that fails midway (here a file-size limit) is an error naming
+  // the file, and the zip writer, left unfinished, does not end the process.
+  ddp::StateDict large = {{"weight", at::ones({4 << 20})}};
+  auto full = ddp::testing::load_with_memory_limit(
+      [&] {
+        ::signal(SIGXFSZ, SIG_IGN);
+        struct rlimit limit {1 << 20, 1 << 20};
+        ::setrlimit(RLIMIT_FSIZE, &limit);
+        ddp::save_state_dict(large, path);
+      },
+      size_t{256} << 20);
+  ASSERT_TRUE(full.finished) << "the save died (std::terminate?)";
+  EXPECT_NE(full.error.find("ddp: writing '" + path + ".tmp."), std::string::npos) << full.error;
+  EXPECT_NE(full.error.find("File too large"), std::string::npos) << full.error;
+  EXPECT_EQ(fs::file_size(path), before);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
+  fs::remove_all(dir);
+}
+
+// Issue 34 item 17: typed lists used to be written as calls of
+// torch.jit._pickle.build_tensorlist (and build_intlist, ...), which
+// Python's weights-only torch.load refuses.
+TEST(Checkpoint, TypedListsAreWrittenAsPlainListsThatPythonReads) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string path = dir + "/lists.pt";
+  c10::List<at::Tensor> tensors;
+  tensors.push_back(at::ones({2}));
+  tensors.push_back(at::arange(3, at::kLong));
+  c10::impl::GenericDict inner(c10::StringType::get(), c10::AnyType::get());
+  inner.insert("tensors", tensors);
+  inner.insert("doubles", c10::List<double>({0.5, 1.5}));
+  c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
+  outer.insert("ints", c10::List<int64_t>({1, 2, 3}));
+  outer.insert("bools", c10::List<bool>({true, false}));
+  outer.insert("inner", inner);
+  ddp::save_value(outer, path);
+  auto python = ddp::testing::run_process(
+      {DDP_PYTHON, "-c",
+       "import sys, torch\n"
+       "v = torch.load(sys.argv[1], weights_only=True)\n"
+       "i = v['inner']\n"
+       "print(v['ints'], v['bools'], i['doubles'], [t.tolist() for t in i['tensors']])\n",
+       path});
+  ASSERT_EQ(python.exit_code, 0) << python.describe();
+  EXPECT_NE(python.out.find("[1, 2, 3] [True, False] [0.5, 1.5] [[1.0, 1.0], [0, 1, 2]]"), std::string::npos)
+      << python.out;
+  auto back = ddp::load_value(path).toGenericDict();
+  EXPECT_EQ(back.at("ints").toListRef().size(), 3u);
+  const auto& tensors_back = back.at("inner").toGenericDict().at("tensors").toListRef();
+  EXPECT_TRUE(at::equal(tensors_back[1].toTensor(), at::arange(3, at::kLong)));
   fs::remove_all(dir);
 }
 

@@ -83,7 +83,11 @@ void load_file_into(const StateDict& targets, const std::string& path);
 
 /// Writes `state` as a dict of tensors that torch.load reads. The write is
 /// atomic: a temporary file is written and fsync'd, then renamed over `path`,
-/// so a crash never leaves a half-written file where a good one was.
+/// so a crash never leaves a half-written file where a good one was. The file
+/// is streamed to disk as it is made, so a save needs little memory beyond
+/// the tensors themselves (views are copied: only their own elements are
+/// saved); running out of memory is an error naming the file and the size.
+/// A `path` that is a symbolic link is refused, naming it.
 void save_state_dict(const StateDict& state, const std::string& path);
 
 /// Reads a dict of tensors written by save_state_dict or by Python's
@@ -92,7 +96,9 @@ void save_state_dict(const StateDict& state, const std::string& path);
 StateDict load_state_dict(const std::string& path);
 
 /// Writes any value made of dicts, lists, tuples, strings, numbers, booleans,
-/// None and tensors in torch.save's format, atomically.
+/// None and tensors in torch.save's format, atomically, as save_state_dict
+/// does. Typed lists (c10::List<at::Tensor>, of ints, doubles or bools) are
+/// written as plain lists, which Python's weights-only torch.load reads.
 void save_value(const c10::IValue& value, const std::string& path);
 
 /// Reads such a value (from C++ or Python). Dicts come back as GenericDicts
@@ -105,7 +111,9 @@ std::vector<char> serialize_value(const c10::IValue& value);
 c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name);
 
 /// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync
-/// of the directory).
+/// of the directory). The temporary gets an unpredictable name and is created
+/// only where nothing exists (O_EXCL|O_NOFOLLOW), so links planted in a shared
+/// directory are never followed; a `path` that is a symbolic link is refused.
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
 
 }  // namespace ddp
