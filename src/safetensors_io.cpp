@@ -3,6 +3,8 @@
 
 #include "safetensors_io.h"
 
+#include "atomic_file.h"
+
 #include <ddp/error.h>
 
 #include <ATen/Functions.h>
@@ -11,12 +13,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <set>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace ddp::detail {
@@ -67,16 +72,124 @@ int64_t bounded_volume(const std::vector<int64_t>& sizes) {
 }
 
 
-void write_all(int fd, const char* data, size_t size, const std::string& path) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    DDP_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno),
-              "; check the disk has space and the directory is writable");
-    data += n;
-    size -= static_cast<size_t>(n);
+// A JSON object of objects, each field a scalar or a list of integers: the
+// shape of a safetensors header ({"name": {"dtype": "F32", "shape": [2, 3],
+// "data_offsets": [0, 24]}, "__metadata__": {"k": "v"}}) and of
+// DCP_SHARDING_INFO ({"name": {"saved_offsets": [0, 0]}}). It is read as it
+// streams (nlohmann's SAX interface), keeping only each record's strings and
+// lists, handed to `on_record` as soon as the record ends, so nothing is
+// built that the index will not keep. Anything deeper, a list of more than
+// `max_list` numbers, or a number that is not a size in [0, kMaxExtent]
+// stops the parse at once with `problem` set: a hostile header costs memory
+// in proportion to its own text (about its size, and up to five times the
+// length of one long string while nlohmann's lexer builds it).
+struct JsonRecord {
+  std::map<std::string, std::string> strings;
+  std::map<std::string, std::vector<int64_t>> lists;
+};
+
+class BoundedRecordsReader {
+ public:
+  using Json = nlohmann::json;
+  using OnRecord = std::function<void(const std::string& name, JsonRecord&& record)>;
+
+  BoundedRecordsReader(size_t max_list, OnRecord on_record) : max_list_(max_list), on_record_(std::move(on_record)) {}
+
+  const std::string& problem() const { return problem_; }
+
+  bool null() { return scalar(); }
+  bool boolean(bool) { return scalar(); }
+  bool number_float(double, const std::string&) {
+    if (depth_ == 3) return refuse("its entry '" + name_ + "' has a " + field_ + " that is not a list of sizes");
+    return scalar();
   }
-}
+  bool number_integer(int64_t value) {
+    if (depth_ == 3) {
+      if (value < 0) return refuse("its entry '" + name_ + "' has a " + field_ + " that is not a list of sizes");
+      return element(static_cast<uint64_t>(value));
+    }
+    return scalar();
+  }
+  bool number_unsigned(uint64_t value) {
+    if (depth_ == 3) return element(value);
+    return scalar();
+  }
+  bool string(std::string& value) {
+    if (depth_ == 3) return refuse("its entry '" + name_ + "' has a " + field_ + " that is not a list of sizes");
+    if (depth_ == 2) {
+      record_.strings[field_] = std::move(value);
+      return true;
+    }
+    return scalar();
+  }
+  bool binary(Json::binary_t&) { return refuse("it holds binary data"); }
+  bool key(std::string& value) {
+    if (depth_ == 1) name_ = std::move(value);
+    else field_ = std::move(value);
+    return true;
+  }
+  bool start_object(size_t) {
+    if (depth_ == 0 || depth_ == 1) {
+      ++depth_;
+      return true;
+    }
+    return refuse("its entry '" + name_ + "' nests deeper than a safetensors header does");
+  }
+  bool end_object() {
+    if (--depth_ == 1) {
+      on_record_(name_, std::move(record_));
+      record_ = JsonRecord();
+    }
+    return true;
+  }
+  bool start_array(size_t) {
+    if (depth_ == 0) return refuse("it is not a JSON object");
+    if (depth_ == 1) return refuse("its entry '" + name_ + "' is not an object");
+    if (depth_ == 3) return refuse("its entry '" + name_ + "' nests deeper than a safetensors header does");
+    ++depth_;
+    list_ = &record_.lists[field_];
+    if (!list_->empty()) return refuse("its entry '" + name_ + "' has two " + field_ + " lists");
+    return true;
+  }
+  bool end_array() {
+    --depth_;
+    list_ = nullptr;
+    return true;
+  }
+  bool parse_error(size_t position, const std::string&, const nlohmann::detail::exception&) {
+    return refuse("it is not a JSON object (a syntax error at byte " + std::to_string(position) + ")");
+  }
+
+ private:
+  bool scalar() {
+    if (depth_ == 0) return refuse("it is not a JSON object");
+    if (depth_ == 1) return refuse("its entry '" + name_ + "' is not an object");
+    return true;  // a field of no interest (a number in __metadata__, say)
+  }
+  bool element(uint64_t value) {
+    if (list_->size() == max_list_) {
+      return refuse("its entry '" + name_ + "' has a " + field_ + " of more than " + std::to_string(max_list_) +
+                    " numbers");
+    }
+    if (value > static_cast<uint64_t>(kMaxExtent)) {
+      return refuse("its entry '" + name_ + "' has a " + field_ + " with a number past 2^40");
+    }
+    list_->push_back(static_cast<int64_t>(value));
+    return true;
+  }
+  bool refuse(std::string problem) {
+    if (problem_.empty()) problem_ = std::move(problem);
+    return false;
+  }
+
+  const size_t max_list_;
+  OnRecord on_record_;
+  int depth_ = 0;  // 1 inside the outer object, 2 in a record, 3 in a list
+  std::string name_, field_;
+  JsonRecord record_;
+  std::vector<int64_t>* list_ = nullptr;
+  std::string problem_;
+};
 
 void read_exactly(int fd, char* data, size_t size, int64_t offset, const std::string& path) {
   while (size > 0) {
@@ -165,21 +278,29 @@ void write_safetensors_file(const std::string& path, const std::vector<TensorBox
   char length_bytes[8];
   for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<char>((length >> (8 * i)) & 0xff);
 
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DDP_CHECK(fd >= 0, "ddp: cannot create '", path, "': ", std::strerror(errno));
-  try {
-    write_all(fd, length_bytes, 8, path);
-    write_all(fd, text.data(), text.size(), path);
+  // Through a temporary, as every checkpoint file: a link planted in a
+  // shared directory under this name is refused rather than followed.
+  write_file_atomically(path, [&](const ByteSink& sink) {
+    sink(length_bytes, 8);
+    sink(text.data(), text.size());
     for (const auto& data : contents) {
-      write_all(fd, static_cast<const char*>(data.const_data_ptr()), data.numel() * data.element_size(), path);
+      sink(static_cast<const char*>(data.const_data_ptr()), data.numel() * data.element_size());
     }
-    DDP_CHECK(::fsync(fd) == 0, "ddp: fsync of '", path, "' failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
+  });
 }
+
+namespace {
+
+// Parses `text` with `reader`; its problem (or a parse that stopped short)
+// is an error naming `what`.
+void parse_bounded(const std::string& text, BoundedRecordsReader& reader, const std::string& what) {
+  const bool parsed = nlohmann::json::sax_parse(text, &reader, nlohmann::json::input_format_t::json, /*strict=*/true);
+  DDP_CHECK(parsed && reader.problem().empty(), "ddp: ", what, " is refused: ",
+            reader.problem().empty() ? std::string("it is not a JSON object") : reader.problem(),
+            "; the file is damaged or was not written by DCP's HuggingFace storage");
+}
+
+}  // namespace
 
 SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
   namespace fs = std::filesystem;
@@ -192,12 +313,26 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
   }
   std::sort(files_.begin(), files_.end());
   DDP_CHECK(!files_.empty(), "ddp: '", dir, "' holds no .safetensors file; it is not a distributed checkpoint");
-  for (size_t f = 0; f < files_.size(); ++f) {
+  fds_.assign(files_.size(), -1);
+  std::lock_guard<std::mutex> lock(open_mutex_);
+  try {
+    for (size_t f = 0; f < files_.size(); ++f) index_file(f);
+  } catch (...) {
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+    throw;
+  }
+}
+
+void SafetensorsIndex::index_file(size_t f) {
+  {
     const std::string& path = files_[f];
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    DDP_CHECK(fd >= 0, "ddp: cannot open '", path, "': ", std::strerror(errno));
-    fds_.push_back(fd);
-    const int64_t file_size = static_cast<int64_t>(fs::file_size(path));
+    const int fd = descriptor(f);
+    struct stat info {};
+    DDP_CHECK(::fstat(fd, &info) == 0, "ddp: cannot stat '", path, "': ", std::strerror(errno));
+    identities_.emplace_back(static_cast<uint64_t>(info.st_dev), static_cast<uint64_t>(info.st_ino));
+    const int64_t file_size = static_cast<int64_t>(info.st_size);
     DDP_CHECK(file_size >= 8, "ddp: '", path, "' is not a safetensors file (", file_size, " bytes)");
     unsigned char length_bytes[8];
     read_exactly(fd, reinterpret_cast<char*>(length_bytes), 8, 0, path);
@@ -208,83 +343,87 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
               " bytes (and a header may have at most 100 MiB): the file is truncated or not a safetensors file");
     std::string text(length, '\0');
     read_exactly(fd, text.data(), length, 8, path);
-    Json header = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-    DDP_CHECK(header.is_object(), "ddp: the header of '", path, "' is not a JSON object");
     const int64_t data_start = 8 + static_cast<int64_t>(length);
-    Json sharding;
-    if (header.contains("__metadata__")) {
-      const Json& metadata = header["__metadata__"];
-      DDP_CHECK(metadata.is_object(), "ddp: __metadata__ of '", path, "' is not an object");
-      for (const auto& [name, value] : metadata.items()) {
-        if (!value.is_string()) continue;
-        if (name == "DCP_SHARDING_INFO") {
-          sharding = Json::parse(value.get<std::string>(), nullptr, false);
-          DDP_CHECK(sharding.is_object(), "ddp: DCP_SHARDING_INFO of '", path, "' is not a JSON object");
-        } else {
-          metadata_.emplace(name, value.get<std::string>());
+
+    // The header's records, checked one by one as the parse ends each. The
+    // boxes' offsets are in __metadata__, which may come before or after
+    // them, so the chunks wait for it (they are small: at most
+    // kMaxDimensions sizes each).
+    std::vector<std::pair<std::string, Chunk>> chunks;
+    std::set<std::string> seen;
+    std::string sharding_text;
+    bool has_sharding = false;
+    BoundedRecordsReader header(kMaxDimensions, [&](const std::string& key, JsonRecord&& entry) {
+      if (key == "__metadata__") {
+        for (auto& [name, value] : entry.strings) {
+          if (name == "DCP_SHARDING_INFO") {
+            sharding_text = std::move(value);
+            has_sharding = true;
+          } else {
+            metadata_.emplace(name, std::move(value));
+          }
         }
+        return;
       }
-    }
-    for (const auto& [key, entry] : header.items()) {
-      if (key == "__metadata__") continue;
       const char* problem = nullptr;
-      if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() || !entry.contains("shape") ||
-          !entry["shape"].is_array() || !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
-          entry["data_offsets"].size() != 2) {
-        problem = "lacks a dtype, shape or data_offsets";
-      }
+      auto dtype_name = entry.strings.find("dtype");
+      auto shape = entry.lists.find("shape");
+      auto range = entry.lists.find("data_offsets");
       Chunk chunk;
       chunk.file = f;
+      if (dtype_name == entry.strings.end() || shape == entry.lists.end() || range == entry.lists.end() ||
+          range->second.size() != 2) {
+        problem = "lacks a dtype, shape or data_offsets";
+      }
       if (!problem) {
-        auto dtype = dtype_of(entry["dtype"].get<std::string>());
+        auto dtype = dtype_of(dtype_name->second);
         if (!dtype) problem = "has a dtype this library cannot read";
         else chunk.dtype = *dtype;
       }
       if (!problem) {
-        for (const auto& s : entry["shape"]) {
-          if (!s.is_number_integer() || s.get<int64_t>() < 0 || s.get<int64_t>() > kMaxExtent) {
-            problem = "has a shape that is not a list of sizes";
-          } else {
-            chunk.sizes.push_back(s.get<int64_t>());
-          }
-        }
-        if (!problem && bounded_volume(chunk.sizes) < 0) problem = "has a shape of more than 2^40 elements";
+        chunk.sizes = std::move(shape->second);
+        if (bounded_volume(chunk.sizes) < 0) problem = "has a shape of more than 2^40 elements";
       }
       int64_t begin = 0, end = 0;
       if (!problem) {
-        const Json& range = entry["data_offsets"];
-        if (!range[0].is_number_integer() || !range[1].is_number_integer()) problem = "has bad data_offsets";
-        else {
-          begin = range[0].get<int64_t>();
-          end = range[1].get<int64_t>();
-          if (begin < 0 || end < begin || end > file_size - data_start) {
-            problem = "lies beyond the end of the file (truncated?)";
-          }
-          else if (end - begin != element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
-            problem = "has a byte range that does not match its shape and dtype";
-          }
+        begin = range->second[0];
+        end = range->second[1];
+        if (end < begin || end > file_size - data_start) {
+          problem = "lies beyond the end of the file (truncated?)";
+        } else if (end - begin != element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
+          problem = "has a byte range that does not match its shape and dtype";
         }
       }
+      if (!problem && !seen.insert(key).second) problem = "appears twice in the header";
       DDP_CHECK(!problem, "ddp: tensor '", key, "' in '", path, "' ", problem,
                 "; the file is damaged or was not written by DCP's HuggingFace storage");
       chunk.data_begin = data_start + begin;
       chunk.offsets.assign(chunk.sizes.size(), 0);
-      if (sharding.is_object() && sharding.contains(key)) {
-        const Json& info = sharding.at(key);
-        DDP_CHECK(info.is_object() && info.contains("saved_offsets") && info.at("saved_offsets").is_array() &&
-                      info.at("saved_offsets").size() == chunk.sizes.size(),
-                  "ddp: the saved_offsets of '", key, "' in '", path, "' do not match its shape");
-        const Json& offsets = info.at("saved_offsets");
-        for (size_t d = 0; d < offsets.size(); ++d) {
-          DDP_CHECK(offsets[d].is_number_integer() && offsets[d].get<int64_t>() >= 0 &&
-                        offsets[d].get<int64_t>() <= kMaxExtent,
-                    "ddp: the saved_offsets of '", key, "' in '", path, "' are not sizes");
-          chunk.offsets[d] = offsets[d].get<int64_t>();
-        }
-      }
+      chunks.emplace_back(key, std::move(chunk));
+    });
+    parse_bounded(text, header, "the header of '" + path + "'");
+    text = std::string();
+
+    std::map<std::string, std::vector<int64_t>> saved_offsets;
+    std::set<std::string> lacking_offsets;
+    if (has_sharding) {
+      BoundedRecordsReader sharding(kMaxDimensions, [&](const std::string& key, JsonRecord&& info) {
+        auto offsets = info.lists.find("saved_offsets");
+        if (offsets == info.lists.end()) lacking_offsets.insert(key);
+        else saved_offsets[key] = std::move(offsets->second);
+      });
+      parse_bounded(sharding_text, sharding, "DCP_SHARDING_INFO of '" + path + "'");
+      sharding_text = std::string();
+    }
+    for (auto& [key, chunk] : chunks) {
+      auto offsets = saved_offsets.find(key);
+      DDP_CHECK(!lacking_offsets.count(key) &&
+                    (offsets == saved_offsets.end() || offsets->second.size() == chunk.sizes.size()),
+                "ddp: the saved_offsets of '", key, "' in '", path, "' do not match its shape");
+      if (offsets != saved_offsets.end()) chunk.offsets = std::move(offsets->second);
       Tensor& tensor = tensors_[key];
       if (tensor.chunks.empty()) tensor.shape.assign(chunk.sizes.size(), 0);
-      DDP_CHECK(tensor.shape.size() == chunk.sizes.size(), "ddp: '", key, "' has boxes of different ranks in '", dir,
+      DDP_CHECK(tensor.shape.size() == chunk.sizes.size(), "ddp: '", key, "' has boxes of different ranks in '", dir_,
                 "'");
       for (size_t d = 0; d < chunk.sizes.size(); ++d) {
         tensor.shape[d] = std::max(tensor.shape[d], chunk.offsets[d] + chunk.sizes[d]);
@@ -295,7 +434,40 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
 }
 
 SafetensorsIndex::~SafetensorsIndex() {
-  for (int fd : fds_) ::close(fd);
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+int SafetensorsIndex::descriptor(size_t file) const {
+  auto used = std::find(open_files_.begin(), open_files_.end(), file);
+  if (used != open_files_.end()) {
+    open_files_.erase(used);
+    open_files_.push_back(file);
+    return fds_[file];
+  }
+  if (open_files_.size() >= kMaxOpenFiles) {
+    ::close(fds_[open_files_.front()]);
+    fds_[open_files_.front()] = -1;
+    open_files_.erase(open_files_.begin());
+  }
+  const std::string& path = files_[file];
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DDP_CHECK(fd >= 0, "ddp: cannot open '", path, "': ", std::strerror(errno),
+            errno == EMFILE || errno == ENFILE
+                ? " (this process has too many files open; raise the limit with ulimit -n, or close files)"
+                : "");
+  if (file < identities_.size()) {
+    struct stat info {};
+    const bool same = ::fstat(fd, &info) == 0 && static_cast<uint64_t>(info.st_dev) == identities_[file].first &&
+                      static_cast<uint64_t>(info.st_ino) == identities_[file].second;
+    if (!same) ::close(fd);
+    DDP_CHECK(same, "ddp: '", path, "' was replaced while the checkpoint in '", dir_,
+              "' was being loaded; is another job saving into that directory?");
+  }
+  fds_[file] = fd;
+  open_files_.push_back(file);
+  return fd;
 }
 
 std::vector<std::string> SafetensorsIndex::keys_with_prefix(const std::string& prefix) const {
@@ -373,7 +545,11 @@ void SafetensorsIndex::read_into(TensorBox& box) const {
       for (size_t d = 0; d < rank; ++d) {
         first += ((d < split ? index[d] : 0) + lo[d] - chunk.offsets[d]) * strides[d];
       }
-      read_exactly(fds_[chunk.file], out, run * element, chunk.data_begin + first * element, files_[chunk.file]);
+      {
+        std::lock_guard<std::mutex> lock(open_mutex_);
+        read_exactly(descriptor(chunk.file), out, run * element, chunk.data_begin + first * element,
+                     files_[chunk.file]);
+      }
       out += run * element;
       bytes_read_ += run * element;
       size_t d = split;

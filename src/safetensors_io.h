@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -50,8 +51,20 @@ void write_safetensors_file(const std::string& path, const std::vector<TensorBox
 /// which tensors it holds. Reads the boxes a rank asks for.
 class SafetensorsIndex {
  public:
+  /// The most sizes a shape may have: far more than any model's tensor has,
+  /// and few enough that a shape list cannot be a memory bomb.
+  static constexpr size_t kMaxDimensions = 64;
+  /// The most files held open at once.
+  static constexpr size_t kMaxOpenFiles = 32;
+
   /// Parses every header; a malformed or truncated file is an error naming
-  /// it. A directory without any *.safetensors file is an error too.
+  /// it. A directory without any *.safetensors file is an error too. A header
+  /// is parsed as it streams, into only what the index keeps, and refused as
+  /// soon as it nests deeper or holds longer lists than a safetensors header
+  /// can (kMaxDimensions sizes per shape), so a hostile header costs memory
+  /// in proportion to its own size. Files are opened as they are read, at
+  /// most kMaxOpenFiles at once, so a checkpoint of thousands of files loads
+  /// under a low limit on open files.
   explicit SafetensorsIndex(const std::string& dir);
   ~SafetensorsIndex();
   SafetensorsIndex(const SafetensorsIndex&) = delete;
@@ -86,9 +99,21 @@ class SafetensorsIndex {
     std::vector<int64_t> shape;
     std::vector<Chunk> chunks;
   };
+  /// Reads files_[file]'s header into tensors_ and metadata_. Call with
+  /// open_mutex_ held.
+  void index_file(size_t file);
+  /// The file descriptor of files_[file], opened if need be (closing the
+  /// least recently used one past kMaxOpenFiles). Call with open_mutex_ held.
+  int descriptor(size_t file) const;
+
   std::string dir_;
   std::vector<std::string> files_;
-  std::vector<int> fds_;
+  // Which file each index was made from: a file replaced since then is an
+  // error, not a read of other bytes at the same offsets.
+  std::vector<std::pair<uint64_t, uint64_t>> identities_;  // (st_dev, st_ino)
+  mutable std::mutex open_mutex_;
+  mutable std::vector<int> fds_;              // per file; -1 while closed
+  mutable std::vector<size_t> open_files_;    // least recently used first
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::string> metadata_;
   mutable int64_t bytes_read_ = 0;

@@ -5,12 +5,16 @@
 // more: see the closing note of the stop that added it).
 #include "safetensors_io.h"
 
+#include <support/hostile_files.h>
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
 
 #include <ATen/Functions.h>
+#include <ddp/error.h>
 
 #include <gtest/gtest.h>
+
+#include <sys/resource.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -98,6 +102,110 @@ TEST(SafetensorsIo, HostileFilesAreRefusedNamingTheProblem) {
              std::string(100000, ']'), 0);
   EXPECT_NE(read_error(root + "/nested", {1}).find("is not a JSON object"), std::string::npos);
   fs::remove_all(root);
+}
+
+// Issue 34 item 8: the header used to be parsed whole into a JSON tree, with
+// no bound on nesting or on a shape's length: about 30 times the file's size
+// in memory, and a zero-byte entry with a 52-million-element shape loaded.
+// Each header here is 4 to 16 MiB; reading it must cost little more than its
+// text, in a child allowed 256 MiB.
+TEST(SafetensorsIo, HostileHeadersAreRefusedInBoundedMemory) {
+  const std::string root = ddp::testing::make_temp_dir("safetensors_bombs");
+  const size_t n = size_t{8} << 20;
+  auto list_of = [&](const std::string& item) {
+    std::string text = "[";
+    text.reserve(n * (item.size() + 1) + 2);
+    for (size_t k = 0; k < n; ++k) text += (k ? "," : "") + item;
+    return text + "]";
+  };
+  // Each must cost little more than its text; a long string (the sharding
+  // information is one) costs up to five times its length while nlohmann's
+  // lexer builds its token.
+  struct Case {
+    std::string name, header, expected;
+    long bound_kib;
+  };
+  const std::vector<Case> cases = {
+      {"deep", "{\"a\": {\"dtype\": \"F32\", \"shape\": " + std::string(n, '[') + std::string(n, ']') +
+                   ", \"data_offsets\": [0, 0]}}",
+       "'a' nests deeper than a safetensors header does", 24 << 10},
+      {"long_shape", "{\"a\": {\"dtype\": \"F32\", \"shape\": " + list_of("1") + ", \"data_offsets\": [0, 4]}}",
+       "'a' has a shape of more than 64 numbers", 24 << 10},
+      // Zero bytes match a shape with a 0 in it, however long.
+      {"zero_bytes", "{\"a\": {\"dtype\": \"F32\", \"shape\": " + list_of("0") + ", \"data_offsets\": [0, 0]}}",
+       "'a' has a shape of more than 64 numbers", 24 << 10},
+      {"deep_sharding_info", "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}, "
+                             "\"__metadata__\": {\"DCP_SHARDING_INFO\": \"{\\\"a\\\": {\\\"saved_offsets\\\": " +
+                                 std::string(n / 2, '[') + "\"}}",
+       "DCP_SHARDING_INFO of", 28 << 10},
+  };
+  for (const Case& c : cases) {
+    fs::create_directories(root + "/" + c.name);
+    const std::string path = root + "/" + c.name + "/shard-00001-model-00001-of-00001.safetensors";
+    write_file(path, c.header, 4);
+    auto load = ddp::testing::load_with_memory_limit([&] { SafetensorsIndex index(root + "/" + c.name); },
+                                                     size_t{256} << 20);
+    ASSERT_TRUE(load.finished) << c.name;
+    EXPECT_NE(load.error.find(c.expected), std::string::npos) << c.name << ": " << load.error;
+    EXPECT_NE(load.error.find("'" + path + "'"), std::string::npos) << c.name << ": " << load.error;
+    EXPECT_LT(load.peak_growth_kib, c.bound_kib) << c.name;
+    RecordProperty("peak_growth_kib_" + c.name, std::to_string(load.peak_growth_kib));
+  }
+  fs::remove_all(root);
+}
+
+// Issue 34 item 10: every file used to stay open from the index's
+// construction to its end, so a checkpoint of more files than the limit on
+// open files (ulimit -n) could not be read.
+TEST(SafetensorsIo, ACheckpointOfMoreFilesThanTheOpenFileLimitLoads) {
+  const std::string dir = ddp::testing::make_temp_dir("safetensors_many");
+  const int files = 300;
+  for (int k = 0; k < files; ++k) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-model-00001-of-00001.safetensors", k + 1);
+    std::ofstream out(dir + name, std::ios::binary);
+    const std::string header = f32("a", "[1]", 4, "[" + std::to_string(k) + "]");
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((header.size() >> (8 * i)) & 0xff));
+    const float value = static_cast<float>(k);
+    out << header;
+    out.write(reinterpret_cast<const char*>(&value), sizeof value);
+  }
+  auto load = ddp::testing::load_with_memory_limit(
+      [&] {
+        struct rlimit limit {};
+        ::getrlimit(RLIMIT_NOFILE, &limit);
+        limit.rlim_cur = 128;
+        ::setrlimit(RLIMIT_NOFILE, &limit);
+        SafetensorsIndex index(dir);
+        TensorBox box{"a", {0}, at::zeros({files}, at::kFloat)};
+        index.read_into(box);
+        // Twice: files closed to make room are opened again.
+        TensorBox again{"a", {0}, at::zeros({files}, at::kFloat)};
+        index.read_into(again);
+        DDP_CHECK(at::equal(box.data, at::arange(files, at::kFloat)) && at::equal(again.data, box.data),
+                  "wrong values");
+      },
+      size_t{256} << 20);
+  ASSERT_TRUE(load.finished);
+  EXPECT_EQ(load.error, "");
+  fs::remove_all(dir);
+}
+
+// write_safetensors_file goes through a temporary, as every checkpoint file:
+// a link planted at its name is refused and its target left alone.
+TEST(SafetensorsIo, APlantedLinkAtAFilesNameIsRefused) {
+  const std::string dir = ddp::testing::make_temp_dir("safetensors_link");
+  const std::string victim = dir + "/victim.txt", path = dir + "/shard-00001-model-00001-of-00001.safetensors";
+  std::ofstream(victim) << "precious";
+  fs::create_symlink(victim, path);
+  auto message = ddp::testing::error_of(
+      [&] { ddp::detail::write_safetensors_file(path, {TensorBox{"a", {0}, at::ones({2})}}); });
+  EXPECT_NE(message.find("'" + path + "': it is a symbolic link"), std::string::npos) << message;
+  std::ifstream in(victim);
+  std::string text;
+  in >> text;
+  EXPECT_EQ(text, "precious");
+  fs::remove_all(dir);
 }
 
 }  // namespace
