@@ -4,6 +4,7 @@
 #include <ddp/error_file.h>
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 
 #include <cxxabi.h>
 #include <dirent.h>
@@ -201,18 +202,32 @@ std::terminate_handler previous_terminate = nullptr;
 // collectives produce) by throwing where nobody can catch it, so the process
 // would abort with a bare "terminate called" and no rank or collective
 // named. With a process group alive, the uncaught exception becomes ddp's
-// error line, recorded for the launcher, and exit status 1.
+// error line, recorded for the launcher, and exit status 1. The transport is
+// blamed only when the exception says it came from there (Gloo's throws
+// carry their source file, .../gloo/transport/...; c10d's are DistErrors):
+// any other exception that nobody caught, std::bad_alloc from a save, say,
+// is described as what it is.
 [[noreturn]] void on_terminate() {
   std::string what;
+  bool from_transport = false;
   if (std::exception_ptr error = std::current_exception()) {
+    std::string type = "an exception of unknown type";
+    if (const std::type_info* info = abi::__cxa_current_exception_type()) type = c10::demangle(info->name());
     try {
       std::rethrow_exception(error);
+    } catch (const c10::DistError& e) {
+      what = e.what_without_backtrace();
+      from_transport = true;
     } catch (const c10::Error& e) {
       what = e.what_without_backtrace();
+      from_transport = what.find("gloo/") != std::string::npos;
     } catch (const std::exception& e) {
       what = e.what();
+      // Gloo's own exception types say nothing a user needs; others' do.
+      from_transport = what.find("gloo/") != std::string::npos;
+      if (!from_transport) what = type + ": " + what;
     } catch (...) {
-      what = "an exception of unknown type";
+      what = type;
     }
   }
   std::string in_flight;
@@ -236,13 +251,18 @@ std::terminate_handler previous_terminate = nullptr;
     if (previous_terminate) previous_terminate();
     std::abort();
   }
+  const std::string end = std::string(".?!").find(what.back()) == std::string::npos ? ". " : " ";
   const std::string message =
-      "ddp: rank " + std::to_string(rank) + ": the process group's transport failed in a background thread: " +
-      what + (std::string(".?!").find(what.back()) == std::string::npos ? ". " : " ") +
-      "Collectives in flight on this rank: " + in_flight +
-      ". This usually means the ranks issued different collectives (one rank skipped, added or reordered one, "
-      "or passed another size or dtype); run with DDP_DEBUG=detail to stop at the first difference with both "
-      "sides named.";
+      from_transport
+          ? "ddp: rank " + std::to_string(rank) + ": the process group's transport failed in a background thread: " +
+                what + end + "Collectives in flight on this rank: " + in_flight +
+                ". This usually means the ranks issued different collectives (one rank skipped, added or reordered "
+                "one, or passed another size or dtype); run with DDP_DEBUG=detail to stop at the first difference "
+                "with both sides named."
+          : "ddp: rank " + std::to_string(rank) + ": the process ended on an exception that nothing caught: " + what +
+                end + "Collectives in flight on this rank: " + in_flight +
+                ". Catch it where it was thrown (a thread's function must catch its own exceptions), or fix its "
+                "cause.";
   record_error(message);
   std::fprintf(stderr, "error: %s\n", message.c_str());
   std::fflush(stderr);

@@ -19,6 +19,7 @@ add_executable(ddp_unit_tests
   test_snapshot.cpp
   test_async_snapshot.cpp
   test_safetensors_io.cpp
+  test_terminate_handler.cpp
   test_error_file.cpp
   test_progress.cpp
   test_gloo_headers.cpp
