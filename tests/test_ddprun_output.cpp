@@ -563,6 +563,21 @@ TEST(DdprunLogDir, ARunAfterAnotherInTheSameLogDirReplacesItsLogs) {
   EXPECT_EQ(read_text_file(shared.logs + "/attempt_0/rank_1.log"), "written by the job\n");
 }
 
+// A log directory others may write into without the sticky bit lets them rename attempt_<A>
+// away mid-job; ddprun cannot prevent that, so it says so once, and is quiet with the bit set.
+TEST(DdprunLogDir, ALogDirOthersCanWriteWithoutTheStickyBitIsWarnedAbout) {
+  SharedLogDir shared;
+  const std::string warning = "ddprun: warning: other users may write into the log directory '" + shared.logs + "'";
+  ASSERT_EQ(::chmod(shared.logs.c_str(), 0777), 0);
+  ProcessResult result = shared.run_job();
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(count_of_text(result.err, warning), 1u) << result.describe();
+  ASSERT_EQ(::chmod(shared.logs.c_str(), 01777), 0);
+  result = shared.run_job();
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(count_of_text(result.err, warning), 0u) << result.describe();
+}
+
 // Issue 34, item 15: a log disk that fills up. The job's output goes on to the console, ddprun
 // says once which file it could not write and why, and the failure summary quotes the lines
 // that no log holds instead of only pointing at a log that ends early.

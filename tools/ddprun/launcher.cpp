@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -220,6 +221,16 @@ int Launcher::run() {
     create_directories(options_.log_dir);
     if (::access(options_.log_dir.c_str(), W_OK | X_OK) != 0) {
       throw_errno("cannot write to log directory '" + options_.log_dir + "'");
+    }
+    // ddprun's own files below DIR are safe from plants (worker_setup.cpp), but in a directory
+    // others may write into without the sticky bit they could rename attempt_<A> away while
+    // the job runs and leave a link in its place, which the workers' own files would follow.
+    struct stat info {};
+    if (::stat(options_.log_dir.c_str(), &info) == 0 && (info.st_mode & (S_IWGRP | S_IWOTH)) != 0 &&
+        (info.st_mode & S_ISVTX) == 0) {
+      say("warning: other users may write into the log directory '" + options_.log_dir +
+          "' and rename what ddprun makes there; run: chmod go-w '" + options_.log_dir + "' (or chmod +t, as /tmp "
+          "has), or give --log-dir a directory only you can write to (docs/security.md, \"Shared directories\")");
     }
   }
   IgnoreSigpipe ignore_sigpipe;  // a closed stdout must cost us output, not the job
