@@ -1,6 +1,6 @@
-// ProcessGroup's collectives beyond those DDP and FSDP need (reduce, gather,
-// scatter, all_to_all, batch_isend_irecv, monitored_barrier and the object
-// collectives), each traced through enter() and track() like the ones in
+// ProcessGroup's collectives beyond those DDP and FSDP need (reduce, the
+// blocking reduce_scatter, gather, scatter, all_to_all, batch_isend_irecv,
+// monitored_barrier and the object collectives), each traced through enter() and track() like the ones in
 // process_group.cpp. The mpi backend's side of them is in backend_mpi.cpp.
 
 #include <ddp/process_group.h>
@@ -142,6 +142,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_async(at::Tensor& tensor, in
 
 void ProcessGroup::reduce(at::Tensor& tensor, int root, c10d::ReduceOp op) {
   wait(reduce_async(tensor, root, op), "reduce");
+}
+
+// The asynchronous form is in process_group.cpp with all_gather_into_async,
+// since both route Gloo CPU tensors to the rings.
+void ProcessGroup::reduce_scatter(at::Tensor& output, at::Tensor& input, c10d::ReduceOp op) {
+  wait(reduce_scatter_async(output, input, op), "reduce_scatter");
 }
 
 std::vector<at::Tensor> ProcessGroup::gather(const at::Tensor& input, int root) {

@@ -1,6 +1,7 @@
 // ProcessGroup's collectives beyond DDP's and FSDP's, on real ranks over Gloo
-// (support/ranks.h): reduce, gather, scatter, all_to_all with uneven splits,
-// batch_isend_irecv, monitored_barrier and the object collectives give what
+// (support/ranks.h): reduce, the blocking reduce_scatter, gather, scatter,
+// all_to_all with uneven splits, batch_isend_irecv, monitored_barrier and the
+// object collectives give what
 // torch.distributed gives for the same calls at 2 and 3 ranks
 // (tests/python/collectives_reference.py), each with its trace record; on a
 // subgroup they take the group's ranks and refuse non-members; bad arguments

@@ -168,6 +168,9 @@ class ProcessGroup {
   /// collectives.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_async(at::Tensor& output, at::Tensor& input,
                                                       c10d::ReduceOp op = c10d::ReduceOp::SUM);
+  /// Reduce-scatters `input` into `output` as reduce_scatter_async does,
+  /// and waits (torch.distributed.reduce_scatter_tensor).
+  void reduce_scatter(at::Tensor& output, at::Tensor& input, c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// Starts sending `tensor` to rank `to`, matched by a recv_async with the
   /// same tag there. Keep `tensor` alive and unchanged until waited for.
   c10::intrusive_ptr<c10d::Work> send_async(at::Tensor& tensor, int to, int tag = 0);

@@ -88,6 +88,17 @@ def main():
     if r == 1:
         emit("reduce_max", values(t))
 
+    # reduce_scatter_tensor: a sum of floats (each rank's part of 2), a max
+    # of ints.
+    inp = torch.tensor([(r + 1) * (k + 1) + 0.25 * k for k in range(2 * w)])
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, inp)
+    emit("reduce_scatter_sum", values(out))
+    inp = torch.tensor([(7 * r + 3 * k) % 11 for k in range(2 * w)], dtype=torch.int64)
+    out = torch.empty(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.MAX)
+    emit("reduce_scatter_max", values(out))
+
     # gather into rank 1.
     t = torch.tensor([[r, r + 1], [r * r, -r]], dtype=torch.int64)
     gathered = [torch.empty_like(t) for _ in range(w)] if r == 1 else None

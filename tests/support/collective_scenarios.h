@@ -120,6 +120,21 @@ inline void run_reference_scenario(ProcessGroup& world, const std::string& dir) 
   world.reduce(t, 1, c10d::ReduceOp::MAX);
   if (r == 1) emit("reduce_max", tensor_text(t));
 
+  std::vector<float> parts;
+  std::vector<int64_t> int_parts;
+  for (int k = 0; k < 2 * w; ++k) {
+    parts.push_back((r + 1) * (k + 1) + 0.25f * k);
+    int_parts.push_back((7 * r + 3 * k) % 11);
+  }
+  at::Tensor input = at::tensor(parts);
+  at::Tensor part = at::empty({2});
+  world.reduce_scatter(part, input);
+  emit("reduce_scatter_sum", tensor_text(part));
+  input = at::tensor(int_parts);
+  part = at::empty({2}, at::kLong);
+  world.reduce_scatter(part, input, c10d::ReduceOp::MAX);
+  emit("reduce_scatter_max", tensor_text(part));
+
   t = at::tensor({int64_t{r}, int64_t{r + 1}, int64_t{r * r}, int64_t{-r}}).view({2, 2});
   std::vector<at::Tensor> gathered = world.gather(t, 1);
   EXPECT_EQ(gathered.size(), r == 1 ? static_cast<size_t>(w) : 0u);
@@ -144,7 +159,7 @@ inline void run_reference_scenario(ProcessGroup& world, const std::string& dir) 
       rows.push_back(-v);
     }
   }
-  at::Tensor input = at::tensor(rows).view({-1, 2});
+  input = at::tensor(rows).view({-1, 2});
   int64_t received = 0;
   for (int64_t s : out_splits) received += s;
   out = at::empty({received, 2});
@@ -209,8 +224,8 @@ inline void run_reference_scenario(ProcessGroup& world, const std::string& dir) 
   // Each collective above has its trace record, under its own name.
   std::set<std::string> ops;
   for (const auto& record : world.trace().recent(1000)) ops.insert(record.op);
-  for (const char* op : {"reduce", "gather", "scatter", "all_to_all", "send", "recv", "broadcast_object",
-                         "all_gather_object", "monitored_barrier"}) {
+  for (const char* op : {"reduce", "reduce_scatter", "gather", "scatter", "all_to_all", "send", "recv",
+                         "broadcast_object", "all_gather_object", "monitored_barrier"}) {
     EXPECT_TRUE(ops.count(op)) << "no trace record of " << op;
   }
 
