@@ -212,6 +212,31 @@ TEST(CheckpointSafety, AFailedWriteRemovesItsPartialDirectory) {
   expect_all_succeeded(ranks);
 }
 
+// Every file of rank 1 gone from a DDP checkpoint with Adam's state: the
+// load names them, instead of a tensor "too small for the model" or a
+// parameter whose optimizer state "has no 'step'".
+TEST(CheckpointSafety, ALoadNamesTheFilesOfAMissingRank) {
+  RanksTempDir dir;
+  auto ranks = run_on_ranks(2, [&dir](const Group& group) {
+    save_into(group, dir / "ckpt", 2);
+    group->barrier();
+    if (group->rank() == 0) {
+      for (const auto& entry : fs::directory_iterator(dir / "ckpt")) {
+        if (entry.path().filename().string().rfind("shard-00002-", 0) == 0) fs::remove(entry.path());
+      }
+    }
+    group->barrier();
+    TrainSpec check;
+    check.steps = 0;
+    check.load_dcp = dir / "ckpt";
+    const std::string error = error_of([&] { train(group, check); });
+    EXPECT_NE(error.find("lacks every file of rank 1 of the 2 that wrote it (shard-00002-model-*.safetensors)"),
+              std::string::npos)
+        << error;
+  });
+  expect_all_succeeded(ranks);
+}
+
 // --- sharded snapshots ----------------------------------------------------
 
 // DDP over one Linear whose weights all hold one value, so that a snapshot
