@@ -110,7 +110,9 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups gro
   check_options();
   // The whole model's ranks, replicas included, start from rank 0's values.
   if (options_.sync_module_states() && whole_group_->size() > 1) {
-    verify_replicas_match(*root_, *whole_group_);
+    ReplicaCheckWording wording;
+    wording.owner = "FullyShardedDataParallel";
+    verify_replicas_match(*root_, *whole_group_, wording);
     broadcast_module_state(*root_, *whole_group_, /*parameters=*/true, /*buffers=*/true);
   }
   build_units();
@@ -143,7 +145,14 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const 
                 "ddp: the DeferredSequential child '", name, "' contains an fsdp_unit wrapper; with deferred "
                 "construction each child is already a unit, so build it without ddp::fsdp_unit");
     }
-    if (sync) verify_replicas_match(*module, *whole_group_);
+    if (sync) {
+      ReplicaCheckWording wording;
+      wording.owner = "FullyShardedDataParallel";
+      wording.name_prefix = name + ".";
+      wording.fix = "Make the DeferredSequential factory of child '" + name +
+                    "' build the same module (shapes, dtypes, parameters and buffers) on every rank.";
+      verify_replicas_match(*module, *whole_group_, wording);
+    }
     root->push_back(name, std::move(child));
     const auto names = parameter_names(*module, name + ".");
     for (const auto& [impl, param_name] : names) {
@@ -256,7 +265,7 @@ FsdpRuntime::~FsdpRuntime() {
   // The module outlives us: leave it with real, full parameters in their own
   // dtype. That is a collective, skipped while an error unwinds (a peer may
   // be dead). Not for a model built deferred: it never was whole on one rank
-  // and may not fit now; its weights leave through full_state_dict().
+  // and may not fit now; its weights leave through save_distributed_checkpoint().
   if (std::uncaught_exceptions() > 0 || built_deferred_) return;
   try {
     for (auto& unit : units_) {

@@ -178,9 +178,9 @@ std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module) 
   return std::make_shared<ScriptModuleTensors>(module);
 }
 
-void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group) {
+void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group, const ReplicaCheckWording& wording) {
   NativeModuleTensors view(module);
-  verify_replicas_match(static_cast<const ModuleTensors&>(view), group);
+  verify_replicas_match(static_cast<const ModuleTensors&>(view), group, wording);
 }
 
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& group, bool parameters, bool buffers,
@@ -204,7 +204,7 @@ std::string broadcast_text(ProcessGroup& group, const std::string& text, int roo
 }
 }  // namespace
 
-void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
+void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group, const ReplicaCheckWording& wording) {
   if (group.size() == 1) return;
   CollectiveTag tag("replica check");
   auto mine = signatures_of(module);
@@ -224,9 +224,12 @@ void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group) {
   int other = differing.front();
   auto root = decode_all(broadcast_text(group, encoded, 0));
   auto theirs = decode_all(broadcast_text(group, encoded, other));
-  DDP_CHECK(false, "ddp: DistributedDataParallel needs the same model on every rank, but ",
-              describe_difference(root, other, theirs), " (", differing.size(),
-              " rank(s) differ from rank 0). Build the model identically on every rank.");
+  for (auto* signatures : {&root, &theirs}) {
+    for (auto& signature : *signatures) signature.name = wording.name_prefix + signature.name;
+  }
+  DDP_CHECK(false, "ddp: ", wording.owner, " needs the same model on every rank, but ",
+            describe_difference(root, other, theirs), " (", differing.size(), " rank(s) differ from rank 0). ",
+            wording.fix);
 }
 
 void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bool parameters,

@@ -205,6 +205,38 @@ TEST(FsdpDeferred, RefusesSizeOptionsAndNestedUnits) {
   expect_all_succeeded(ranks);
 }
 
+// Factories that build different shapes on different ranks: every rank is
+// told, in FSDP's words, which parameter differs by its name in the whole
+// model ("1.weight", not the child's own "weight"), and which factory to fix.
+// Eagerly wrapped, a model that differs is refused in FSDP's name too.
+TEST(FsdpDeferred, FactoriesThatBuildOtherShapesOnSomeRanksAreNamedByTheirFullNames) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    const int64_t width = group->rank() == 0 ? 4 : 5;
+    const std::string deferred_error = error_of([&] {
+      DeferredFsdp(DeferredSequential()
+                       .add([] { return torch::nn::Linear(3, 4); })
+                       .add([width] { return torch::nn::Linear(4, width); }),
+                   group);
+    });
+    EXPECT_NE(deferred_error.find("ddp: FullyShardedDataParallel needs the same model on every rank, but parameter "
+                                  "'1.weight' has shape [4, 4] on rank 0 but [5, 4] on rank 1"),
+              std::string::npos)
+        << deferred_error;
+    EXPECT_NE(deferred_error.find("Make the DeferredSequential factory of child '1' build the same module"),
+              std::string::npos)
+        << deferred_error;
+    EXPECT_EQ(deferred_error.find("DistributedDataParallel"), std::string::npos) << deferred_error;
+
+    Sequential eager(torch::nn::Linear(3, 4), torch::nn::Linear(4, width));
+    const std::string eager_error = error_of([&] { DeferredFsdp(eager, group); });
+    EXPECT_NE(eager_error.find("ddp: FullyShardedDataParallel needs the same model on every rank, but parameter "
+                               "'1.weight' has shape [4, 4] on rank 0 but [5, 4] on rank 1"),
+              std::string::npos)
+        << eager_error;
+  });
+  expect_all_succeeded(ranks);
+}
+
 // A full checkpoint file goes straight into the shards: each of 2 ranks
 // reads about half of the file's bytes (/proc/self/io, the kernel's count),
 // where ddp::load_state_dict reads all of them, and ends with the shards

@@ -39,6 +39,8 @@
 //   for (int i = 0; i < 48; ++i) layers.add([] { return torch::nn::Linear(8192, 8192); });
 //   ddp::FullyShardedDataParallel<torch::nn::Sequential> model(layers, group);
 //   model.load_full_state_dict_file("full.pt");          // optional: reads only this rank's bytes
+//   ...
+//   ddp::save_distributed_checkpoint("ckpt", model, &optimizer);  // each rank writes its shards; no gather
 //
 // Why factories: a LibTorch module allocates and initialises its parameters
 // in its constructor, and the C++ frontend has no meta device or "skeleton"
@@ -425,7 +427,11 @@ class FullyShardedDataParallel {
   /// FullyShardedDataParallel<torch::nn::Sequential>. The Sequential built
   /// holds parameters only while gathered, and keeps none when the wrapper
   /// is destroyed (gathering the whole model then could exceed a rank's
-  /// memory): take the weights out with full_state_dict(). Collective.
+  /// memory): take the weights out with save_distributed_checkpoint()
+  /// (<ddp/distributed_checkpoint.h>), where every rank writes its own
+  /// shards, which loads at any world size and in Python's dcp.load.
+  /// full_state_dict() would gather the whole model on rank 0, the very
+  /// thing deferred construction avoids. Collective.
   FullyShardedDataParallel(const DeferredSequential& children, std::shared_ptr<ProcessGroup> group,
                            FSDPOptions options = {})
       : module_(empty_sequential()),

@@ -42,11 +42,22 @@ std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module>
 /// is used.
 std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module);
 
+/// How verify_replicas_match's error speaks to the user: the wrapper that
+/// checked, the prefix of the module's names in the whole model (a
+/// DeferredSequential child's "3."), and what to do.
+struct ReplicaCheckWording {
+  std::string owner = "DistributedDataParallel";
+  std::string name_prefix;
+  std::string fix = "Build the model identically on every rank.";
+};
+
 /// Checks that every rank's module has the same parameters and buffers
 /// (names, shapes, dtypes, in order). On a mismatch every rank throws an
 /// error naming the first differing tensor and the ranks involved.
-void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group);
-void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group);
+void verify_replicas_match(const ModuleTensors& module, ProcessGroup& group,
+                           const ReplicaCheckWording& wording = {});
+void verify_replicas_match(const torch::nn::Module& module, ProcessGroup& group,
+                           const ReplicaCheckWording& wording = {});
 
 /// Copies `root`'s parameters and/or buffers to every rank.
 void broadcast_module_state(const ModuleTensors& module, ProcessGroup& group, bool parameters,
