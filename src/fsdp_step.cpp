@@ -30,6 +30,7 @@ void FsdpRuntime::reset_backward_state() {
     unit->gradient_shard.reset();
     unit->scattered.reset();
     unit->replicated.reset();
+    unit->scatter_in_flight.reset();
   }
   awaiting_replicate_.clear();
 }
@@ -148,7 +149,7 @@ std::vector<size_t> FsdpRuntime::on_round_start(bool /*synchronised*/) {
 
 // The unit's gradients as one flat tensor in its reduce dtype, zeros for a
 // parameter without one (unused in this forward, as DDP would send). The
-// full gradients are not kept: only the shard's part will be.
+// parameters' own gradients are released as they are copied.
 at::Tensor FsdpRuntime::flatten_gradients(Unit& unit) {
   at::NoGradGuard no_grad;
   at::Tensor flat = at::empty({unit.padded}, unit.full.options().dtype(unit.reduce_dtype));
@@ -170,24 +171,42 @@ c10::intrusive_ptr<c10::ivalue::Future> FsdpRuntime::launch_group(size_t index) 
   Unit& unit = *units_[index];
   at::NoGradGuard no_grad;
   const int64_t world = group_->size();
-  unit.gradient_flat = flatten_gradients(unit);
+  // Reduce-scattered, a unit's full gradient is needed only until its
+  // collective ends: nothing here keeps it, so it is freed then. Waiting
+  // for the previous unit's reduce-scatter before flattening this one
+  // bounds how many exist at once when backward computes faster than the
+  // reduce-scatters run (on CPUs, say), as FSDP2's one reduce-scatter in
+  // flight does; the wait costs nothing when communication keeps up.
+  const bool scatters = sharded() && world > 1;
+  if (scatters) {
+    for (auto& other : units_) {
+      if (!other->scatter_in_flight) continue;
+      other->scatter_in_flight->wait();  // an error reaches the engine through that unit's future
+      other->scatter_in_flight.reset();
+    }
+  }
+  at::Tensor flat = flatten_gradients(unit);
   if (unit.unsynced_gradient.defined()) {
-    unit.gradient_flat.add_(unit.unsynced_gradient);
+    flat.add_(unit.unsynced_gradient);
     unit.unsynced_gradient.reset();
   }
   // Averaged over ranks (every replica's too, under HSDP), like DDP's
   // gradients; dividing first keeps the sum in range for low-precision types.
-  if (data_parallel_size() > 1) unit.gradient_flat.div_(data_parallel_size());
+  if (data_parallel_size() > 1) flat.div_(data_parallel_size());
   unit.reduced = true;
+  // All-reduced or on one rank, the full gradient is the result.
+  if (!scatters) unit.gradient_flat = flat;
   c10::intrusive_ptr<c10::ivalue::Future> reduced;
   if (world == 1) {
-    reduced = completed_future(unit.gradient_flat);
+    reduced = completed_future(flat);
   } else {
-    if (sharded()) unit.gradient_shard = at::empty({unit.shard_numel}, unit.gradient_flat.options());
+    if (sharded()) unit.gradient_shard = at::empty({unit.shard_numel}, flat.options());
     const size_t position = launch_position_[index];
-    GradBucket bucket(position, unit.gradient_flat, position + 1 == units_.size(), unit.gradient_shard);
+    GradBucket bucket(position, flat, position + 1 == units_.size(), unit.gradient_shard);
     reduced = unit.hook->run(*group_, bucket);
+    if (scatters) unit.scatter_in_flight = reduced;
   }
+  flat.reset();
   // The unit's backward is over: give back its full parameters (the root's
   // too, so that between steps only shards are held).
   release(unit);

@@ -46,8 +46,11 @@ struct FsdpRuntime::Unit {
   // One backward pass.
   bool reduced = false;
   bool pre_backward_ran = false;
-  at::Tensor gradient_flat;
+  at::Tensor gradient_flat;   // all-reduced or on one rank only: a reduce-scatter's input is not kept
   at::Tensor gradient_shard;
+  // The shard group's reduction of this unit, from its launch until the
+  // next unit's (sharded strategies only).
+  c10::intrusive_ptr<c10::ivalue::Future> scatter_in_flight;
   // no_sync(): the sum of the unsharded gradients of backward passes whose
   // reduce-scatter was skipped, reduced with the next synchronised one.
   at::Tensor unsynced_gradient;

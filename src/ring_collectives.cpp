@@ -108,8 +108,13 @@ void RingCollectives::run() {
     // process with std::terminate. Errors go to the waiter instead.
     try {
       operation(tag_base_ + static_cast<uint32_t>(sequence % kTagCycle) * 2, sequence);
+      // The operation holds its tensors (FSDP's full gradient, as the
+      // reduce-scatter's input): released before the waiter wakes, not
+      // after, so that a finished collective holds no memory.
+      operation = nullptr;
       work->complete(nullptr);
     } catch (...) {
+      operation = nullptr;
       failure_ = std::current_exception();
       work->complete(failure_);
     }

@@ -1,5 +1,6 @@
 // FSDP's gradient reduction on real ranks (support/ranks.h): reduce_dtype
-// against DDP's compression hooks, and FSDPOptions::comm_hook.
+// against DDP's compression hooks, FSDPOptions::comm_hook, and how long a
+// unit's full gradient lives.
 #include "support/fsdp_nets.h"
 #include "support/ranks.h"
 #include "support/torch_errors.h"
@@ -10,9 +11,12 @@
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <c10/core/StorageImpl.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/adam.h>
@@ -242,6 +246,86 @@ TEST(FsdpCommHook, Fp16HookOnReduceScatterEqualsReduceDtypeFp16) {
   });
   expect_all_succeeded(ranks);
   for (const auto& r : ranks) EXPECT_NE(r.out.find("compared comm hooks"), std::string::npos) << r.out;
+}
+
+// A unit's full flat gradient lives only until its reduce-scatter is done
+// (issue 34 item 18): a hook watches each unit's buffer through a weak
+// reference to its storage and, when unit k launches, every unit launched
+// before k - 1 must have given its buffer back (k - 1's reduce-scatter may
+// still be running; FSDP waits for it before flattening k, so at most two
+// exist at once however far backward runs ahead of communication). Keeping
+// them until backward ends held one full gradient per unit. The weights
+// trained meanwhile equal those of the default hook, bit for bit.
+class BufferWatchingHook : public ddp::CommHook {
+ public:
+  explicit BufferWatchingHook(std::shared_ptr<ddp::CommHook> inner) : inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> run(ddp::ProcessGroup& group, ddp::GradBucket& bucket) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t j = 0; j + 1 < buffers_.size(); ++j) {
+      if (!buffers_[j].expired()) {
+        alive_too_long_.push_back(std::to_string(j) + " at " + std::to_string(buffers_.size()));
+      }
+    }
+    buffers_.push_back(c10::weak_intrusive_ptr<c10::StorageImpl>(bucket.buffer().storage().getWeakStorageImpl()));
+    return inner_->run(group, bucket);
+  }
+  // Buffers still alive after backward, and "j at k" for each buffer j
+  // still alive when unit k launched; then starts over.
+  std::pair<size_t, std::vector<std::string>> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t alive = 0;
+    for (const auto& buffer : buffers_) alive += buffer.expired() ? 0 : 1;
+    buffers_.clear();
+    return {alive, std::exchange(alive_too_long_, {})};
+  }
+
+ private:
+  std::shared_ptr<ddp::CommHook> inner_;
+  std::mutex mutex_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> buffers_;
+  std::vector<std::string> alive_too_long_;
+};
+
+TEST(FsdpGradientMemory, EachUnitsFullGradientIsFreedOnceItsReduceScatterIsDone) {
+  auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    at::set_num_threads(1);
+    constexpr int64_t kLayers = 8, kWidth = 64;
+    for (auto strategy : {ddp::ShardingStrategy::kFullShard, ddp::ShardingStrategy::kShardGradOp}) {
+      for (auto [inner, hook_name] : {std::pair{ddp::allreduce_hook(), "default hook"},
+                                      std::pair{ddp::bf16_compress_hook(), "bf16 hook"}}) {
+        const std::string what = ddp::to_string(strategy) + ", " + hook_name;
+        auto watcher = std::make_shared<BufferWatchingHook>(inner);
+        auto train = [&](const std::shared_ptr<ddp::CommHook>& hook) {
+          torch::manual_seed(0);
+          torch::nn::Sequential net;
+          for (int64_t l = 0; l < kLayers; ++l) net->push_back(torch::nn::Linear(kWidth, kWidth));
+          ddp::FullyShardedDataParallel<torch::nn::Sequential> model(
+              net, group, ddp::FSDPOptions().min_num_params(1).sharding_strategy(strategy).comm_hook(hook));
+          EXPECT_EQ(model.unit_names().size(), static_cast<size_t>(kLayers));
+          torch::optim::Adam optimizer(model.parameters(), torch::optim::AdamOptions(1e-2));
+          for (int64_t step = 0; step < 3; ++step) {
+            at::Tensor x = at::randn({4, kWidth}, at::make_generator<at::CPUGeneratorImpl>(10 * step + group->rank()));
+            optimizer.zero_grad();
+            model.forward(x).square().mean().backward();
+            if (hook == watcher) {
+              auto [alive, too_long] = watcher->take();
+              EXPECT_EQ(alive, 0u) << what << ": full gradients left after backward, step " << step;
+              std::string list;
+              for (const auto& entry : too_long) list += " " + entry;
+              EXPECT_TRUE(too_long.empty()) << what << ", step " << step << ": unit buffers alive after the "
+                                            << "next unit launched (buffer at launch):" << list;
+            }
+            optimizer.step();
+          }
+          return model.full_state_dict(/*rank0_only=*/false);
+        };
+        EXPECT_EQ(max_difference(train(inner), train(watcher)), 0.0) << what;
+      }
+    }
+    std::printf("rank %d watched the full gradients\n", group->rank());
+  });
+  expect_all_succeeded(ranks);
+  for (const auto& r : ranks) EXPECT_NE(r.out.find("watched the full gradients"), std::string::npos) << r.out;
 }
 
 }  // namespace
