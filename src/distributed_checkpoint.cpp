@@ -159,6 +159,14 @@ const std::regex& shard_file_pattern() {
   return pattern;
 }
 
+// A shard file's temporary, left in DIR.partial by a save that was killed
+// mid-write (write_file_atomically names them "<name>.tmp.<pid>.<random>").
+const std::regex& shard_temporary_pattern() {
+  static const std::regex pattern(
+      R"(shard-[0-9]{5,9}-model-[0-9]{5,9}-of-[0-9]{5,9}\.safetensors\.tmp\.[0-9]+(\.[0-9A-Za-z]+)?)");
+  return pattern;
+}
+
 // The world size rank 0 records, so that a load can tell a rank's missing
 // files from a rank that wrote none (every ddp rank writes at least one).
 constexpr const char* kWorldSizeKey = "ddp_world_size";
@@ -189,7 +197,9 @@ std::string why_not_a_checkpoint(const std::string& path) {
   std::error_code ec;
   for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (!std::regex_match(name, shard_file_pattern())) return "holds '" + name + "', which no checkpoint holds";
+    if (!std::regex_match(name, shard_file_pattern()) && !std::regex_match(name, shard_temporary_pattern())) {
+      return "holds '" + name + "', which no checkpoint holds";
+    }
     if (!it->is_regular_file(ec) || it->is_symlink(ec)) return "holds '" + name + "', which is not a regular file";
   }
   if (ec) return "cannot be listed: " + ec.message();

@@ -99,6 +99,13 @@ TEST(CheckpointSafety, ASaveReplacesOnlyAPreviousCheckpoint) {
     EXPECT_EQ(read_text(dir / "user/notes.txt"), "the user's notes");
 
     save_into(group, dir / "empty");
+    if (group->rank() == 0) {
+      // What a save killed mid-write leaves: its partial directory, with a temporary.
+      fs::create_directory(dir / "killed.partial");
+      std::ofstream(dir / "killed.partial/shard-00002-model-00001-of-00001.safetensors.tmp.4242.a1b2c3") << "half";
+    }
+    group->barrier();
+    save_into(group, dir / "killed");
     save_into(group, dir / "ckpt", 2);
     save_into(group, dir / "ckpt", 3);  // over the first
     TrainSpec check;
