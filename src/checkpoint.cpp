@@ -43,7 +43,8 @@ void write_all(int fd, const char* data, size_t size, const std::string& path) {
   while (size > 0) {
     ssize_t n = ::write(fd, data, size);
     if (n < 0 && errno == EINTR) continue;
-    DDP_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno));
+    DDP_CHECK(n > 0, "ddp: writing '", path, "' failed: ", std::strerror(errno),
+              "; check the disk has space and the directory is writable");
     data += n;
     size -= static_cast<size_t>(n);
   }
