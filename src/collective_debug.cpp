@@ -10,13 +10,23 @@
 #include <ddp/launch_env.h>
 #include <ddp/stack_dump.h>
 
+#include "error_text.h"
+
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -54,23 +64,55 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kStallRequestKey = "ddp/trace/request";
+constexpr const char* kStallReadKey = "ddp/trace/read";
 std::string progress_key(int rank) { return "ddp/trace/progress/" + std::to_string(rank); }
 
-// "<entered> <completed>\n<first unfinished>\n<last completed>"
+// What tells two ranks' collectives apart: the op, the tensor's dtype and
+// shape, and the caller's tag (as the DDP_DEBUG=detail check compares them).
+std::string fingerprint_of(const CollectiveRecord& r) {
+  std::ostringstream text;
+  text << r.op << ' ' << r.dtype << ' ' << at::IntArrayRef(r.shape) << ' ' << r.tag;
+  std::string out = text.str();
+  std::replace(out.begin(), out.end(), '\t', ' ');
+  std::replace(out.begin(), out.end(), '\n', ' ');
+  return out;
+}
+
+// How many of its newest collectives a rank publishes with its progress, for
+// the others to compare with theirs number by number.
+constexpr size_t kPublishedRecords = 32;
+
+// "<entered> <completed>\n<first unfinished>\n<last completed>\n" then one
+// line per recent record: "<seq>\t<fingerprint>\t<description>". Each rank
+// describes its collectives from its own trace.
 std::string progress_of(const CollectiveTrace& trace) {
   const uint64_t entered = trace.last_entered();
   const uint64_t completed = trace.last_completed();
   auto pending = trace.find(completed + 1);
   auto done = trace.find(completed);
-  return std::to_string(entered) + " " + std::to_string(completed) + "\n" + (pending ? describe(*pending) : "") +
-         "\n" + (done ? describe(*done) : (completed ? "#" + std::to_string(completed) : "none"));
+  std::string text = std::to_string(entered) + " " + std::to_string(completed) + "\n" +
+                     (pending ? describe(*pending) : "") + "\n" +
+                     (done ? describe(*done) : (completed ? "#" + std::to_string(completed) : "none"));
+  for (const auto& r : trace.recent(kPublishedRecords)) {
+    std::string description = describe(r);
+    std::replace(description.begin(), description.end(), '\n', ' ');
+    text += "\n" + std::to_string(r.seq) + "\t" + fingerprint_of(r) + "\t" + description;
+  }
+  return text;
 }
+
+struct PublishedRecord {
+  uint64_t seq = 0;
+  std::string fingerprint;
+  std::string description;
+};
 
 struct Progress {
   uint64_t entered = 0;
   uint64_t completed = 0;
   std::string pending;
   std::string last_completed;
+  std::vector<PublishedRecord> records;
 };
 
 Progress parse_progress(const std::string& text) {
@@ -81,8 +123,95 @@ Progress parse_progress(const std::string& text) {
   std::getline(in, line);
   std::getline(in, p.pending);
   std::getline(in, p.last_completed);
+  while (std::getline(in, line)) {
+    const size_t tab1 = line.find('\t');
+    const size_t tab2 = tab1 == std::string::npos ? tab1 : line.find('\t', tab1 + 1);
+    if (tab2 == std::string::npos) continue;
+    PublishedRecord r;
+    try {
+      r.seq = std::stoull(line.substr(0, tab1));
+    } catch (const std::exception&) {
+      continue;
+    }
+    r.fingerprint = line.substr(tab1 + 1, tab2 - tab1 - 1);
+    r.description = line.substr(tab2 + 1);
+    p.records.push_back(std::move(r));
+  }
   return p;
 }
+
+// The first collective number at which `peer` issued something other than
+// this rank did, from the records both still hold.
+std::optional<std::pair<PublishedRecord, CollectiveRecord>> first_difference(const CollectiveTrace& mine,
+                                                                             const Progress& peer) {
+  for (const PublishedRecord& theirs : peer.records) {  // oldest first
+    auto own = mine.find(theirs.seq);
+    if (own && fingerprint_of(*own) != theirs.fingerprint) return std::make_pair(theirs, *own);
+  }
+  return std::nullopt;
+}
+
+// Whether something accepts TCP connections at host:port within a second.
+bool accepts_connections(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return false;
+  bool accepted = false;
+  for (addrinfo* a = found; a && !accepted; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      accepted = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd wait_for{fd, POLLOUT, 0};
+      int error = 0;
+      socklen_t length = sizeof error;
+      accepted = ::poll(&wait_for, 1, 1000) == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 &&
+                 error == 0;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return accepted;
+}
+
+// c10d's TCPStore logs a warning with the c10::Error's backtrace ("frame #")
+// before it throws, when the store's host is gone. While ddp asks the store
+// something that may fail so, and says so itself, c10's log level is raised
+// to errors. Only c10's LOG(WARNING) is affected, for that moment; TORCH_WARN
+// (the user's warnings, and torch's) goes through its own handler.
+class QuietStoreWarnings {
+ public:
+  QuietStoreWarnings() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (depth()++ == 0) {
+      saved() = FLAGS_caffe2_log_level;
+      FLAGS_caffe2_log_level = std::max<int>(saved(), c10::GLOG_ERROR);
+    }
+  }
+  ~QuietStoreWarnings() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (--depth() == 0) FLAGS_caffe2_log_level = saved();
+  }
+  QuietStoreWarnings(const QuietStoreWarnings&) = delete;
+  QuietStoreWarnings& operator=(const QuietStoreWarnings&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& depth() {
+    static int d = 0;
+    return d;
+  }
+  static int& saved() {
+    static int s = 0;
+    return s;
+  }
+};
 
 // trace_rank3.jsonl for the world's group; trace_group1_rank3.jsonl for
 // subgroup 1, which numbers its own collectives: outside the analyser's
@@ -216,6 +345,7 @@ void ProcessGroup::start_progress_responder() {
       }
       bool asked = false;
       try {
+        QuietStoreWarnings quiet;
         asked = store->check({kStallRequestKey});
       } catch (const std::exception&) {
         // The store is gone (rank 0 ended): nobody is left to ask.
@@ -223,6 +353,7 @@ void ProcessGroup::start_progress_responder() {
       }
       if (asked) {
         try {
+          QuietStoreWarnings quiet;
           const std::string text = progress_of(*trace);
           store->set(progress_key(rank), std::vector<uint8_t>(text.begin(), text.end()));
         } catch (const std::exception&) {
@@ -254,30 +385,59 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
       }
     }
 
+    QuietStoreWarnings quiet;  // a store whose host is gone: said once below, without frames
     const std::string mine = progress_of(*trace_);
-    store_->set(progress_key(world_.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-    store_->set(kStallRequestKey, std::vector<uint8_t>{'1'});
-    // The others answer within about 0.2 s (their responders poll).
-    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2));
-    std::vector<int> waiting;
-    for (int r = 0; r < world_.world_size; ++r) {
-      if (r != world_.rank) waiting.push_back(r);
-    }
     std::vector<std::optional<Progress>> reports(world_.world_size);
-    while (!waiting.empty() && Clock::now() < deadline) {
-      std::vector<int> still;
-      for (int r : waiting) {
-        if (store_->check({progress_key(r)})) {
-          auto bytes = store_->get(progress_key(r));
-          reports[r] = parse_progress(std::string(bytes.begin(), bytes.end()));
-        } else {
-          still.push_back(r);
+    auto exchange = [&](c10d::Store& store) {
+      store.set(progress_key(world_.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+      store.set(kStallRequestKey, std::vector<uint8_t>{'1'});
+      // The others answer within about 0.2 s (their responders poll).
+      const auto deadline =
+          Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2));
+      std::vector<int> waiting;
+      for (int r = 0; r < world_.world_size; ++r) {
+        if (r != world_.rank && !reports[r]) waiting.push_back(r);
+      }
+      while (!waiting.empty() && Clock::now() < deadline) {
+        std::vector<int> still;
+        for (int r : waiting) {
+          if (store.check({progress_key(r)})) {
+            auto bytes = store.get(progress_key(r));
+            reports[r] = parse_progress(std::string(bytes.begin(), bytes.end()));
+          } else {
+            still.push_back(r);
+          }
+        }
+        waiting.swap(still);
+        if (!waiting.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      // Global rank 0 hosts the store (env://): were it to end with its own
+      // report, a peer stalled in the same moment would find the store gone
+      // and could not compare. So it stays until those peers, inside a
+      // collective themselves, have read the reports too, for at most 2 s.
+      store.add(kStallReadKey, 1);
+      if (global_rank_ == 0) {
+        int64_t readers = 1;
+        for (const auto& p : reports) readers += p && p->completed < p->entered ? 1 : 0;
+        const auto until = Clock::now() + std::chrono::seconds(2);
+        while (store.add(kStallReadKey, 0) < readers && Clock::now() < until) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
       }
-      waiting.swap(still);
-      if (!waiting.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    };
+    try {
+      exchange(*store_);
+    } catch (const std::exception&) {
+      // The group's connection to the store can be cut while its host lives
+      // on (seen after the half-timeout stack dump). A new one, if the host
+      // still accepts: c10d would otherwise retry connecting for the whole
+      // timeout.
+      if (!world_.master_addr.empty() && !accepts_connections(world_.master_addr, world_.master_port)) throw;
+      exchange(*store_->clone());
     }
 
+    // Each rank's collectives as its own trace has them: a number two ranks
+    // both passed says nothing unless they issued the same collective there.
     std::vector<std::string> findings;
     for (int r = 0; r < world_.world_size; ++r) {
       if (r == world_.rank) continue;
@@ -287,21 +447,32 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
         continue;
       }
       const Progress& p = *reports[r];
+      const auto difference = first_difference(*trace_, p);
+      if (difference) {
+        const auto& [theirs, own] = *difference;
+        findings.push_back("the ranks issued different collectives (a desync" + on_group + "): " + rank_label(r) +
+                           " issued " + theirs.description + " where this rank issued " + describe(own) +
+                           ". Every rank must call the same collectives in the same order; look for a call that "
+                           "only some ranks make (a save, a log, an evaluation under `if (rank == 0)`), or set "
+                           "DDP_DEBUG=detail, which stops at the first difference");
+      }
       if (p.entered < failed) {
-        std::string last = p.completed == completed ? describe_or_number(completed) : p.last_completed;
         findings.push_back(rank_label(r) + " never entered collective " + what + on_group +
-                           "; its last completed collective is " + last);
+                           "; its last completed collective is " + p.last_completed);
       } else if (p.completed < failed && !p.pending.empty() && record && p.pending != describe(*record)) {
         findings.push_back(rank_label(r) + " is in " + p.pending + " while this rank is in " + what +
-                           ": the ranks issued different collectives (DDP_DEBUG=detail stops at the first difference)");
+                           (difference ? std::string()
+                                       : ": the ranks issued different collectives (DDP_DEBUG=detail stops at the "
+                                         "first difference)"));
       }
     }
     std::string text = "This rank is in collective " + what + on_group + ".";
     for (const auto& f : findings) text += " " + f + ".";
-    if (findings.empty()) text += " Every other rank reported entering it too.";
+    if (findings.empty()) text += " Every other rank reported entering it too, with the same op, size and tag.";
     return text + wrote;
   } catch (const std::exception& e) {
-    return std::string("(the ranks' progress could not be compared: ") + e.what() + ")";
+    return "(the ranks' progress could not be compared: " + detail::message_of(e) +
+           "; if rank 0, which hosts the store, has ended, its own error is the cause)";
   }
 }
 

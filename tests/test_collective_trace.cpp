@@ -276,6 +276,94 @@ TEST(CollectiveTraceRanks, StackDumpOnDemandShowsTheBlockedFrameAndTheJobContinu
   EXPECT_NE(err.find("(all_reduce, blocked step, 16 B) not finished"), std::string::npos) << err;
 }
 
+// Issue 34 item 12: rank 0 saves a distributed checkpoint, rank 1 goes on
+// with its loss all-reduces instead. The stall report said "Every other rank
+// reported entering it too" (both had passed the same numbers, with other
+// collectives), and described rank 1's last collective from rank 0's own
+// record of that number. Each rank's report must name the desync with both
+// sides, each described from its own trace.
+TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyIsReportedAsADesyncNamingBothCollectives) {
+  const std::string dir = shared_dir("save_desync");
+  RanksOptions options;
+  options.collective_timeout_seconds = 3;
+  options.timeout = std::chrono::seconds(90);
+  options.env = {{"DDP_TRACE_DIR", dir}};
+  auto ranks = run_on_ranks(
+      2,
+      [dir](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        torch::manual_seed(1);
+        torch::nn::Linear linear(4, 2);
+        ddp::DistributedDataParallel<torch::nn::Linear> model(linear, group);
+        all_reduce_tagged(*group, "loss 1");
+        const auto start = std::chrono::steady_clock::now();
+        std::string error = error_of([&] {
+          if (group->rank() == 0) {
+            ddp::save_distributed_checkpoint(dir + "/checkpoint", model);
+          } else {
+            all_reduce_tagged(*group, "loss 2");
+            all_reduce_tagged(*group, "loss 3");
+          }
+        });
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::cerr << "RANK" << group->rank() << " ERROR: " << error << "\n";
+        EXPECT_NE(error.find("the ranks issued different collectives (a desync): rank " +
+                             std::to_string(1 - group->rank()) + " issued #"),
+                  std::string::npos)
+            << error;
+        if (group->rank() == 0) {
+          // Rank 1's collective as rank 1 recorded it.
+          EXPECT_NE(error.find("(all_reduce, loss 2, 16 B) where this rank issued #"), std::string::npos) << error;
+        } else {
+          EXPECT_NE(error.find(" where this rank issued #4 (all_reduce, loss 2, 16 B)"), std::string::npos) << error;
+        }
+        EXPECT_EQ(error.find("Every other rank reported entering it too"), std::string::npos) << error;
+        EXPECT_EQ(error.find("frame #"), std::string::npos) << error;
+        EXPECT_LT(seconds, 3 + 2 + 5) << "the collective timeout is 3 s";
+        std::fflush(nullptr);
+        std::_Exit(::testing::Test::HasFailure() ? 1 : 0);  // no shutdown with a peer out of step
+      },
+      options);
+  expect_all_succeeded(ranks);
+  for (const auto& rank : ranks) EXPECT_EQ(rank.err.find("frame #"), std::string::npos) << describe_ranks(ranks);
+  fs::remove_all(dir);
+}
+
+// Issue 34 item 13: rank 0, which hosts the store, has ended; rank 1's stall
+// report cannot reach the store. It printed the c10::Error's what(), frames
+// and all, and c10d's TCPStore logged a warning with frames too. No message
+// and no line of rank 1's output may carry a backtrace.
+TEST(CollectiveTraceRanks, AReportAfterRank0EndedCarriesNoBacktrace) {
+  RanksOptions options;
+  options.collective_timeout_seconds = 3;
+  options.timeout = std::chrono::seconds(60);
+  auto ranks = run_on_ranks(
+      2,
+      [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        all_reduce_tagged(*group, "step A");
+        if (group->rank() == 0) {
+          std::fflush(nullptr);
+          std::_Exit(0);  // the store goes with it
+        }
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        const std::string report = group->explain_stall("a test's question");
+        std::cerr << "RANK1 REPORT: " << report << "\n";
+        EXPECT_NE(report.find("the ranks' progress could not be compared"), std::string::npos) << report;
+        EXPECT_EQ(report.find("frame #"), std::string::npos) << report;
+        EXPECT_EQ(report.find("Exception raised from"), std::string::npos) << report;
+        const std::string error = error_of([&] { all_reduce_tagged(*group, "step B"); });
+        std::cerr << "RANK1 ERROR: " << error << "\n";
+        EXPECT_FALSE(error.empty());
+        EXPECT_EQ(error.find("frame #"), std::string::npos) << error;
+        std::fflush(nullptr);
+        std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+      },
+      options);
+  EXPECT_EQ(ranks[1].exit_code, 0) << describe_ranks(ranks);
+  EXPECT_NE(ranks[1].err.find("RANK1 REPORT"), std::string::npos) << describe_ranks(ranks);
+  EXPECT_EQ(ranks[1].out.find("frame #"), std::string::npos) << describe_ranks(ranks);
+  EXPECT_EQ(ranks[1].err.find("frame #"), std::string::npos) << describe_ranks(ranks);
+}
+
 // Under ddprun --log-dir, the traces land beside the attempt's logs.
 TEST(CollectiveTraceRanks, UnderDdprunTheTraceGoesToTheLogDirectory) {
   const std::string dir = ddp::testing::make_temp_dir("ddp_trace_logdir");
