@@ -17,6 +17,10 @@
 // memory right after the wrapper is built) and rss_before_model_bytes show
 // what construction cost, eager or deferred.
 //
+// training_peak_rss_bytes is the process's peak resident memory over the
+// steps alone (VmHWM reset once the model and optimizer exist):
+// bench/python_fsdp_memory_bench.py measures PyTorch's FSDP2 the same way.
+//
 // --strategy collectives times Gloo's all-reduce, reduce-scatter and
 // all-gather of one layer's worth of floats instead: what FSDP's
 // communication costs next to DDP's.
@@ -60,6 +64,10 @@ int64_t status_bytes(const std::string& field) {
   }
   return -1;
 }
+
+// Starts VmHWM again from the resident memory now (Linux 4.0 and later), so
+// that a later VmHWM is the peak since this call.
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   int64_t bytes = 0;
@@ -195,6 +203,7 @@ int main(int argc, char** argv) {
     std::vector<double> step_ms;
     // The peak over the steps, not over construction.
     if (is_fsdp) fsdp_model->reset_peak_memory();
+    reset_peak_rss();
     for (int64_t s = 0; s < steps; ++s) {
       group->barrier();
       auto start = std::chrono::steady_clock::now();
@@ -223,6 +232,7 @@ int main(int argc, char** argv) {
       }
     }
     int64_t optimizer_bytes = optimizer_state_bytes(full ? *full : zero->local_optimizer());
+    const int64_t training_peak_rss = status_bytes("VmHWM");
     rusage usage{};
     getrusage(RUSAGE_SELF, &usage);
     // Every rank reports; the driver keeps the largest.
@@ -237,6 +247,7 @@ int main(int argc, char** argv) {
                             {"peak_rss_bytes", static_cast<int64_t>(usage.ru_maxrss) * 1024},
                             {"rss_before_model_bytes", rss_before_model},
                             {"construction_peak_rss_bytes", construction_peak_rss},
+                            {"training_peak_rss_bytes", training_peak_rss},
                             {"deferred", deferred},
                             {"peak_param_bytes", peak_param_bytes},
                             {"param_dtype", param_dtype},
