@@ -188,9 +188,14 @@ c10::IValue portable(const c10::IValue& value) {
   return value;
 }
 
+// A tensor's bytes, whatever its layout (nbytes() needs a storage).
+int64_t byte_size(const at::Tensor& tensor) {
+  return tensor.defined() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
+}
+
 // The bytes of the tensors in `value`, for messages about a save's size.
 int64_t tensor_bytes(const c10::IValue& value) {
-  if (value.isTensor()) return static_cast<int64_t>(value.toTensor().nbytes());
+  if (value.isTensor()) return byte_size(value.toTensor());
   int64_t total = 0;
   if (value.isList()) {
     for (const c10::IValue& item : value.toListRef()) total += tensor_bytes(item);
@@ -500,7 +505,7 @@ c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string&
 
 void save_state_dict(const StateDict& state, const std::string& path) {
   int64_t bytes = 0;
-  for (const auto& item : state) bytes += static_cast<int64_t>(item.second.nbytes());
+  for (const auto& item : state) bytes += byte_size(item.second);
   naming_the_file_if_out_of_memory(path, bytes, [&] {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
     for (const auto& [name, tensor] : state) {

@@ -209,16 +209,44 @@ TEST_F(SnapshotFiles, StaleTemporariesOfDeadWritersAreRemovedAtTheNextSave) {
   const std::string dead = std::to_string(child);
   std::ofstream(dir + "/model_225.pt.tmp." + dead) << "half a file";
   std::ofstream(dir + "/snapshot_7.pt.tmp." + dead) << "half a file";
+  std::ofstream(dir + "/model_9.pt.tmp." + dead + ".3f9a20c1") << "half a file, named as writers now name them";
   std::ofstream(dir + "/model_1.pt.tmp.1") << "pid 1 is alive";  // init: never stale
   std::ofstream(dir + "/notes.tmp.txt") << "not our pattern";
   fs::create_directory(dir + "/keep.tmp." + dead);  // not a file we write
   write(3);
   EXPECT_FALSE(fs::exists(dir + "/model_225.pt.tmp." + dead));
   EXPECT_FALSE(fs::exists(dir + "/snapshot_7.pt.tmp." + dead));
+  EXPECT_FALSE(fs::exists(dir + "/model_9.pt.tmp." + dead + ".3f9a20c1"));
   EXPECT_TRUE(fs::exists(dir + "/model_1.pt.tmp.1"));
   EXPECT_TRUE(fs::exists(dir + "/notes.tmp.txt"));
   EXPECT_TRUE(fs::exists(dir + "/keep.tmp." + dead));
   EXPECT_TRUE(fs::exists(dir + "/snapshot_3.pt"));
+}
+
+// Issue 34 item 5: links planted at the names a snapshot's writer used
+// (its old temporary, "<name>.tmp.<pid>", and the snapshot's own name) made
+// every snapshot overwrite the links' target, then become a link to it.
+TEST_F(SnapshotFiles, LinksPlantedAtSnapshotNamesAreNeverFollowed) {
+  const std::string victim = dir + "/victim.txt";
+  std::ofstream(victim) << "precious";
+  auto victim_text = [&] {
+    std::ifstream in(victim);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  for (int epoch = 0; epoch < 4; ++epoch) {
+    fs::create_symlink(victim, dir + "/snapshot_" + std::to_string(epoch) + ".pt.tmp." + std::to_string(::getpid()));
+    const std::string written = write(epoch);
+    EXPECT_FALSE(fs::is_symlink(written)) << written;
+  }
+  EXPECT_EQ(victim_text(), "precious");
+  EXPECT_EQ(ddp::load_newest_snapshot(dir)->epoch, 3);
+
+  const std::string planted = dir + "/snapshot_8.pt";
+  fs::create_symlink(victim, planted);
+  auto message = error_of([&] { write(8); });
+  EXPECT_NE(message.find("'" + planted + "': it is a symbolic link"), std::string::npos) << message;
+  EXPECT_EQ(victim_text(), "precious");
+  EXPECT_EQ(ddp::load_newest_snapshot(dir)->epoch, 3);
 }
 
 // Issue 12 item 10: a legacy (non-zip) torch.save file is named as such, with the conversion,
