@@ -232,7 +232,12 @@ class SaveLock {
                 "': ", std::strerror(errno), "; its directory must be writable");
       if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         const int error = errno;
-        const std::string holder = contents();
+        std::string holder = contents();
+        // Its holder writes who it is right after taking it: give it a moment.
+        for (int wait = 0; holder.empty() && error == EWOULDBLOCK && wait < 20; ++wait) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          holder = contents();
+        }
         ::close(fd_);
         fd_ = -1;
         if (error == ENOLCK || error == EOPNOTSUPP || error == ENOSYS) {
@@ -312,6 +317,14 @@ std::chrono::milliseconds test_commit_delay() {
   return std::chrono::milliseconds(value ? std::atoll(value) : 0);
 }
 
+// Removes what a commit replaced. The new checkpoint is in place by then, so
+// a failure here is no failure of the save.
+void remove_replaced(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) TORCH_WARN("ddp: the checkpoint was saved, but its predecessor '", path, "' could not be removed: ", ec.message());
+}
+
 // Makes `partial` the checkpoint `target`. Never leaves `target` missing:
 // an atomic exchange where the file system has one, else two renames that
 // put the old one back if the second fails.
@@ -320,7 +333,7 @@ void commit_directory(const std::string& partial, const std::string& target) {
   if (::lstat(target.c_str(), &st) != 0) {
     fs::rename(partial, target);
   } else if (::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(partial);  // now the previous checkpoint
+    remove_replaced(partial);  // now the previous checkpoint
   } else {
     DDP_CHECK(errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP, "ddp: cannot move '", partial, "' to '",
               target, "': ", std::strerror(errno));
@@ -335,7 +348,7 @@ void commit_directory(const std::string& partial, const std::string& target) {
       fs::rename(old, target, ignored);
       throw fs::filesystem_error("cannot rename", partial, target, failed);
     }
-    fs::remove_all(old);
+    remove_replaced(old);
   }
 }
 
