@@ -25,7 +25,14 @@
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -326,6 +333,47 @@ TEST(FsdpGradientMemory, EachUnitsFullGradientIsFreedOnceItsReduceScatterIsDone)
   });
   expect_all_succeeded(ranks);
   for (const auto& r : ranks) EXPECT_NE(r.out.find("watched the full gradients"), std::string::npos) << r.out;
+}
+
+// The wait for the previous unit's reduce-scatter (above) is bounded as
+// every collective is: a peer that stops after the forward makes the other
+// rank's backward fail within the collective timeout, naming the unit whose
+// reduction failed, instead of hanging there. SHARD_GRAD_OP, so that
+// backward gathers nothing and a reduce-scatter is the first to miss the peer.
+TEST(FsdpGradientMemory, APeerThatStopsBeforeBackwardFailsItWithinTheTimeout) {
+  RanksOptions options;
+  options.collective_timeout_seconds = 3;
+  options.timeout = std::chrono::seconds(90);
+  auto ranks = run_on_ranks(
+      2,
+      [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        at::set_num_threads(1);
+        auto pids = group->all_gather(at::full({1}, static_cast<int64_t>(::getpid()), at::kLong));
+        torch::manual_seed(0);
+        torch::nn::Sequential net;
+        for (int i = 0; i < 6; ++i) net->push_back(torch::nn::Linear(32, 32));
+        ddp::FullyShardedDataParallel<torch::nn::Sequential> model(
+            net, group,
+            ddp::FSDPOptions().min_num_params(1).sharding_strategy(ddp::ShardingStrategy::kShardGradOp));
+        at::Tensor loss = model.forward(at::ones({2, 32})).square().mean();
+        group->barrier();
+        if (group->rank() == 1) std::raise(SIGSTOP);
+        const auto start = std::chrono::steady_clock::now();
+        const std::string error = error_of([&] { loss.backward(); });
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        EXPECT_NE(error.find("reducing the gradients of FSDP unit"), std::string::npos) << error;
+        EXPECT_LT(seconds, 30) << error;
+        std::printf("backward failed after %.1f s: %s\n", seconds, error.c_str());
+        ::kill(static_cast<pid_t>(pids[1].item<int64_t>()), SIGKILL);
+        std::fflush(nullptr);
+        std::_Exit(::testing::Test::HasFailure() ? 1 : 0);  // no shutdown with a dead peer
+      },
+      options);
+  EXPECT_EQ(ranks[0].exit_code, 0) << describe_ranks(ranks);
+  EXPECT_FALSE(ranks[0].timed_out) << describe_ranks(ranks);
+  EXPECT_EQ(ranks[1].term_signal, SIGKILL) << describe_ranks(ranks);
+  const size_t line = ranks[0].out.find("backward failed after");
+  if (line != std::string::npos) std::printf("rank 0: %s\n", ranks[0].out.substr(line, 400).c_str());
 }
 
 }  // namespace
