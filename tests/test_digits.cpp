@@ -197,6 +197,7 @@ TEST(Digits, MalformedDataNamesFileAndLine) {
       {write_gz("fraction.csv.gz", row + "\n" + pixels + "2.5\n"), "fraction\\.csv\\.gz:3: the label must be an integer"},
       {write_gz("pixel.csv.gz", "17," + row.substr(row.find(',') + 1)), "pixel\\.csv\\.gz:1: column 1: a pixel must be in \\[0, 16\\], found 17"},
       {write_gz("empty.csv.gz", ""), "data file '.*empty\\.csv\\.gz' holds no data rows"},
+      {dir, "data file '[^']*' is a directory; give the gzipped CSV file's path"},
       {dir + "/truncated.csv.gz", "truncated\\.csv\\.gz:[0-9]+: cannot read the data: unexpected end of file"},
       {dir + "/missing.csv.gz", "cannot open data file '.*missing\\.csv\\.gz': No such file or directory"},
       {write_gz("long.csv.gz", row + std::string(1 << 20, '0') + "\n"), "long\\.csv\\.gz:2: the line is longer than 16384 bytes"},

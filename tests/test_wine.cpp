@@ -122,6 +122,8 @@ TEST(Wine, MalformedCsvNamesFileAndLine) {
       {write("columns.csv", row + "1,2,3\n"), "columns.csv:2: expected 14 columns"},
       {write("text.csv", row + row + "1,2,x,4,5,6,7,8,9,10,11,12,13,0\n"), "text.csv:3: column 3 is not a number: 'x'"},
       {write("empty.csv", ""), "empty.csv' holds no data rows"},
+      // Issue 34 item 16: a directory reads as empty; it is named as a directory.
+      {dir, "data file '" + dir + "' is a directory; give the CSV file's path"},
       {write("label.csv", "1,2,3,4,5,6,7,8,9,10,11,12,13,7\n"), "label.csv:1: the label must be an integer"},
       {dir + "/missing.csv", "cannot open data file '" + dir + "/missing.csv'"},
       // One 50 MB line once peaked at 1.5 GB (split into millions of fields)

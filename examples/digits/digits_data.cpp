@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <vector>
 
@@ -99,6 +100,10 @@ bool parse_number(const std::string& text, double& out) {
 }  // namespace
 
 Dataset read_csv_gz(const std::string& path) {
+  // A directory opens and reads as empty, which would say "holds no data rows".
+  std::error_code ignored;
+  TORCH_CHECK(!std::filesystem::is_directory(path, ignored), "data file '", path,
+              "' is a directory; give the gzipped CSV file's path");
   errno = 0;
   GzHandle file(gzopen(path.c_str(), "rb"));
   TORCH_CHECK(file != nullptr, "cannot open data file '", path, "': ",

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -98,6 +99,10 @@ bool next_line(std::istream& in, std::string& line, const std::string& path, int
 }  // namespace
 
 Dataset read_csv(const std::string& path) {
+  // A directory opens and reads as empty, which would say "holds no data rows".
+  std::error_code ignored;
+  TORCH_CHECK(!std::filesystem::is_directory(path, ignored), "data file '", path,
+              "' is a directory; give the CSV file's path");
   std::ifstream in(path);
   TORCH_CHECK(in.good(), "cannot open data file '", path, "': ", std::strerror(errno));
   std::vector<float> features;
