@@ -185,6 +185,29 @@ TEST(CheckpointSafety, TwoJobsSavingIntoOneDirectoryNeverLeaveItMissing) {
   expect_all_succeeded(ranks);
 }
 
+// Where the file system has no atomic exchange, a commit interrupted between
+// its two renames leaves the previous checkpoint as DIR.old and no DIR: a
+// load reads DIR.old, and the next save puts it back before replacing it.
+TEST(CheckpointSafety, ACommitInterruptedBetweenItsRenamesIsRecovered) {
+  RanksTempDir dir;
+  auto ranks = run_on_ranks(2, [&dir](const Group& group) {
+    save_into(group, dir / "ckpt", 2);
+    group->barrier();
+    if (group->rank() == 0) fs::rename(dir / "ckpt", dir / "ckpt.old");
+    group->barrier();
+    TrainSpec check;
+    check.steps = 0;
+    check.load_dcp = dir / "ckpt";
+    EXPECT_NO_THROW(train(group, check));
+    save_into(group, dir / "ckpt", 3);
+    group->barrier();
+    EXPECT_TRUE(fs::exists(dir / "ckpt"));
+    EXPECT_FALSE(fs::exists(dir / "ckpt.old"));
+    EXPECT_NO_THROW(train(group, check));
+  });
+  expect_all_succeeded(ranks);
+}
+
 // Rank 1's disk is full (a file size limit) during a save: rank 1's error
 // says so and is not a PeerFailure, rank 0's is; DIR.partial is removed and
 // the previous checkpoint still loads.
