@@ -326,110 +326,110 @@ SafetensorsIndex::SafetensorsIndex(const std::string& dir) : dir_(dir) {
 }
 
 void SafetensorsIndex::index_file(size_t f) {
-  {
-    const std::string& path = files_[f];
-    const int fd = descriptor(f);
-    struct stat info {};
-    DDP_CHECK(::fstat(fd, &info) == 0, "ddp: cannot stat '", path, "': ", std::strerror(errno));
-    identities_.emplace_back(static_cast<uint64_t>(info.st_dev), static_cast<uint64_t>(info.st_ino));
-    const int64_t file_size = static_cast<int64_t>(info.st_size);
-    DDP_CHECK(file_size >= 8, "ddp: '", path, "' is not a safetensors file (", file_size, " bytes)");
-    unsigned char length_bytes[8];
-    read_exactly(fd, reinterpret_cast<char*>(length_bytes), 8, 0, path);
-    uint64_t length = 0;
-    for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
-    DDP_CHECK(length <= static_cast<uint64_t>(file_size - 8) && length <= kMaxHeaderBytes, "ddp: '", path,
-              "' declares a ", length, "-byte header but has ", file_size,
-              " bytes (and a header may have at most 100 MiB): the file is truncated or not a safetensors file");
-    std::string text(length, '\0');
-    read_exactly(fd, text.data(), length, 8, path);
-    const int64_t data_start = 8 + static_cast<int64_t>(length);
+  const std::string& path = files_[f];
+  const int fd = descriptor(f);
+  struct stat info {};
+  DDP_CHECK(::fstat(fd, &info) == 0, "ddp: cannot stat '", path, "': ", std::strerror(errno));
+  identities_.emplace_back(static_cast<uint64_t>(info.st_dev), static_cast<uint64_t>(info.st_ino));
+  const int64_t file_size = static_cast<int64_t>(info.st_size);
+  DDP_CHECK(file_size >= 8, "ddp: '", path, "' is not a safetensors file (", file_size, " bytes)");
+  unsigned char length_bytes[8];
+  read_exactly(fd, reinterpret_cast<char*>(length_bytes), 8, 0, path);
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
+  DDP_CHECK(length <= static_cast<uint64_t>(file_size - 8) && length <= kMaxHeaderBytes, "ddp: '", path,
+            "' declares a ", length, "-byte header but has ", file_size,
+            " bytes (and a header may have at most 100 MiB): the file is truncated or not a safetensors file");
+  std::string text(length, '\0');
+  read_exactly(fd, text.data(), length, 8, path);
+  const int64_t data_start = 8 + static_cast<int64_t>(length);
 
-    // The header's records, checked one by one as the parse ends each. The
-    // boxes' offsets are in __metadata__, which may come before or after
-    // them, so the chunks wait for it (they are small: at most
-    // kMaxDimensions sizes each).
-    std::vector<std::pair<std::string, Chunk>> chunks;
-    std::set<std::string> seen;
-    std::string sharding_text;
-    bool has_sharding = false;
-    BoundedRecordsReader header(kMaxDimensions, [&](const std::string& key, JsonRecord&& entry) {
-      if (key == "__metadata__") {
-        for (auto& [name, value] : entry.strings) {
-          if (name == "DCP_SHARDING_INFO") {
-            sharding_text = std::move(value);
-            has_sharding = true;
-          } else {
-            metadata_.emplace(name, std::move(value));
-          }
-        }
-        return;
-      }
-      const char* problem = nullptr;
-      auto dtype_name = entry.strings.find("dtype");
-      auto shape = entry.lists.find("shape");
-      auto range = entry.lists.find("data_offsets");
-      Chunk chunk;
-      chunk.file = f;
-      if (dtype_name == entry.strings.end() || shape == entry.lists.end() || range == entry.lists.end() ||
-          range->second.size() != 2) {
-        problem = "lacks a dtype, shape or data_offsets";
-      }
-      if (!problem) {
-        auto dtype = dtype_of(dtype_name->second);
-        if (!dtype) problem = "has a dtype this library cannot read";
-        else chunk.dtype = *dtype;
-      }
-      if (!problem) {
-        chunk.sizes = std::move(shape->second);
-        if (bounded_volume(chunk.sizes) < 0) problem = "has a shape of more than 2^40 elements";
-      }
-      int64_t begin = 0, end = 0;
-      if (!problem) {
-        begin = range->second[0];
-        end = range->second[1];
-        if (end < begin || end > file_size - data_start) {
-          problem = "lies beyond the end of the file (truncated?)";
-        } else if (end - begin != element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
-          problem = "has a byte range that does not match its shape and dtype";
+  // The header's records, checked one by one as the parse ends each and
+  // kept at once in tensors_, so the index is the only copy. The boxes'
+  // offsets are in __metadata__, which may come before or after them, so
+  // this file's chunks are placed in their tensors once it is read.
+  std::vector<std::pair<std::map<std::string, Tensor>::iterator, size_t>> added;
+  std::string sharding_text;
+  bool has_sharding = false;
+  BoundedRecordsReader header(kMaxDimensions, [&](const std::string& key, JsonRecord&& entry) {
+    if (key == "__metadata__") {
+      for (auto& [name, value] : entry.strings) {
+        if (name == "DCP_SHARDING_INFO") {
+          sharding_text = std::move(value);
+          has_sharding = true;
+        } else {
+          metadata_.emplace(name, std::move(value));
         }
       }
-      if (!problem && !seen.insert(key).second) problem = "appears twice in the header";
-      DDP_CHECK(!problem, "ddp: tensor '", key, "' in '", path, "' ", problem,
-                "; the file is damaged or was not written by DCP's HuggingFace storage");
-      chunk.data_begin = data_start + begin;
-      chunk.offsets.assign(chunk.sizes.size(), 0);
-      chunks.emplace_back(key, std::move(chunk));
+      return;
+    }
+    const char* problem = nullptr;
+    auto dtype_name = entry.strings.find("dtype");
+    auto shape = entry.lists.find("shape");
+    auto range = entry.lists.find("data_offsets");
+    Chunk chunk;
+    chunk.file = f;
+    if (dtype_name == entry.strings.end() || shape == entry.lists.end() || range == entry.lists.end() ||
+        range->second.size() != 2) {
+      problem = "lacks a dtype, shape or data_offsets";
+    }
+    if (!problem) {
+      auto dtype = dtype_of(dtype_name->second);
+      if (!dtype) problem = "has a dtype this library cannot read";
+      else chunk.dtype = *dtype;
+    }
+    if (!problem) {
+      chunk.sizes = std::move(shape->second);
+      if (bounded_volume(chunk.sizes) < 0) problem = "has a shape of more than 2^40 elements";
+    }
+    int64_t begin = 0, end = 0;
+    if (!problem) {
+      begin = range->second[0];
+      end = range->second[1];
+      if (end < begin || end > file_size - data_start) {
+        problem = "lies beyond the end of the file (truncated?)";
+      } else if (end - begin != element_count(chunk.sizes) * static_cast<int64_t>(c10::elementSize(chunk.dtype))) {
+        problem = "has a byte range that does not match its shape and dtype";
+      }
+    }
+    auto tensor = tensors_.try_emplace(key).first;
+    // This file's chunks are the last ones of their tensors.
+    if (!problem && !tensor->second.chunks.empty() && tensor->second.chunks.back().file == f) {
+      problem = "appears twice in the header";
+    }
+    DDP_CHECK(!problem, "ddp: tensor '", key, "' in '", path, "' ", problem,
+              "; the file is damaged or was not written by DCP's HuggingFace storage");
+    chunk.data_begin = data_start + begin;
+    chunk.offsets.assign(chunk.sizes.size(), 0);
+    tensor->second.chunks.push_back(std::move(chunk));
+    added.emplace_back(tensor, tensor->second.chunks.size() - 1);
+  });
+  parse_bounded(text, header, "the header of '" + path + "'");
+  text = std::string();
+
+  std::map<std::string, std::vector<int64_t>> saved_offsets;
+  std::set<std::string> lacking_offsets;
+  if (has_sharding) {
+    BoundedRecordsReader sharding(kMaxDimensions, [&](const std::string& key, JsonRecord&& info) {
+      auto offsets = info.lists.find("saved_offsets");
+      if (offsets == info.lists.end()) lacking_offsets.insert(key);
+      else saved_offsets[key] = std::move(offsets->second);
     });
-    parse_bounded(text, header, "the header of '" + path + "'");
-    text = std::string();
-
-    std::map<std::string, std::vector<int64_t>> saved_offsets;
-    std::set<std::string> lacking_offsets;
-    if (has_sharding) {
-      BoundedRecordsReader sharding(kMaxDimensions, [&](const std::string& key, JsonRecord&& info) {
-        auto offsets = info.lists.find("saved_offsets");
-        if (offsets == info.lists.end()) lacking_offsets.insert(key);
-        else saved_offsets[key] = std::move(offsets->second);
-      });
-      parse_bounded(sharding_text, sharding, "DCP_SHARDING_INFO of '" + path + "'");
-      sharding_text = std::string();
-    }
-    for (auto& [key, chunk] : chunks) {
-      auto offsets = saved_offsets.find(key);
-      DDP_CHECK(!lacking_offsets.count(key) &&
-                    (offsets == saved_offsets.end() || offsets->second.size() == chunk.sizes.size()),
-                "ddp: the saved_offsets of '", key, "' in '", path, "' do not match its shape");
-      if (offsets != saved_offsets.end()) chunk.offsets = std::move(offsets->second);
-      Tensor& tensor = tensors_[key];
-      if (tensor.chunks.empty()) tensor.shape.assign(chunk.sizes.size(), 0);
-      DDP_CHECK(tensor.shape.size() == chunk.sizes.size(), "ddp: '", key, "' has boxes of different ranks in '", dir_,
-                "'");
-      for (size_t d = 0; d < chunk.sizes.size(); ++d) {
-        tensor.shape[d] = std::max(tensor.shape[d], chunk.offsets[d] + chunk.sizes[d]);
-      }
-      tensor.chunks.push_back(std::move(chunk));
-    }
+    parse_bounded(sharding_text, sharding, "DCP_SHARDING_INFO of '" + path + "'");
+    sharding_text = std::string();
+  }
+  for (const auto& [tensor, index] : added) {
+    const std::string& key = tensor->first;
+    Chunk& chunk = tensor->second.chunks[index];
+    auto offsets = saved_offsets.find(key);
+    DDP_CHECK(!lacking_offsets.count(key) &&
+                  (offsets == saved_offsets.end() || offsets->second.size() == chunk.sizes.size()),
+              "ddp: the saved_offsets of '", key, "' in '", path, "' do not match its shape");
+    if (offsets != saved_offsets.end()) chunk.offsets = offsets->second;
+    std::vector<int64_t>& shape = tensor->second.shape;
+    if (index == 0) shape.assign(chunk.sizes.size(), 0);
+    DDP_CHECK(shape.size() == chunk.sizes.size(), "ddp: '", key, "' has boxes of different ranks in '", dir_, "'");
+    for (size_t d = 0; d < chunk.sizes.size(); ++d) shape[d] = std::max(shape[d], chunk.offsets[d] + chunk.sizes[d]);
   }
 }
 

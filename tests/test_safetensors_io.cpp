@@ -154,6 +154,34 @@ TEST(SafetensorsIo, HostileHeadersAreRefusedInBoundedMemory) {
   fs::remove_all(root);
 }
 
+// A header that is honest JSON but holds a great many entries (here 200,000
+// empty tensors in 8 MiB) costs memory in proportion to its size: what the
+// index keeps of each entry, a few times its text.
+TEST(SafetensorsIo, AHeaderOfManyEntriesCostsAFewTimesItsSize) {
+  const std::string dir = ddp::testing::make_temp_dir("safetensors_entries");
+  std::string header = "{";
+  for (int k = 0; k < 200000; ++k) {
+    header += (k ? ", \"" : "\"") + std::string("layers.") + std::to_string(k) +
+              ".bias\": {\"dtype\": \"F32\", \"shape\": [0], \"data_offsets\": [0, 0]}";
+  }
+  header += "}";
+  write_file(dir + "/shard-00001-model-00001-of-00001.safetensors", header, 0);
+  const long header_kib = static_cast<long>(header.size() >> 10);
+  header = std::string();
+  auto load = ddp::testing::load_with_memory_limit(
+      [&] {
+        SafetensorsIndex index(dir);
+        DDP_CHECK(index.keys_with_prefix("layers.").size() == 200000, "entries lost");
+      },
+      size_t{1} << 30);
+  ASSERT_TRUE(load.finished);
+  EXPECT_EQ(load.error, "");
+  EXPECT_LT(load.peak_growth_kib, 6 * header_kib);  // 4.5 times here; a JSON tree took 15
+  RecordProperty("header_kib", std::to_string(header_kib));
+  RecordProperty("peak_growth_kib", std::to_string(load.peak_growth_kib));
+  fs::remove_all(dir);
+}
+
 // Issue 34 item 10: every file used to stay open from the index's
 // construction to its end, so a checkpoint of more files than the limit on
 // open files (ulimit -n) could not be read.
