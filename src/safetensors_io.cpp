@@ -81,8 +81,9 @@ int64_t bounded_volume(const std::vector<int64_t>& sizes) {
 // built that the index will not keep. Anything deeper, a list of more than
 // `max_list` numbers, or a number that is not a size in [0, kMaxExtent]
 // stops the parse at once with `problem` set: a hostile header costs memory
-// in proportion to its own text (about its size, and up to five times the
-// length of one long string while nlohmann's lexer builds it).
+// in proportion to its own text: at most about five times it, for what the
+// index keeps of many small entries, or for the lexer's copies of one long
+// string as it builds it.
 struct JsonRecord {
   std::map<std::string, std::string> strings;
   std::map<std::string, std::vector<int64_t>> lists;
