@@ -450,9 +450,9 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
       const auto difference = first_difference(*trace_, p);
       if (difference) {
         const auto& [theirs, own] = *difference;
-        findings.push_back("the ranks issued different collectives (a desync" + on_group + "): " + rank_label(r) +
-                           " issued " + theirs.description + " where this rank issued " + describe(own) +
-                           ". Every rank must call the same collectives in the same order; look for a call that "
+        findings.push_back(rank_label(r) + " issued " + theirs.description + " where this rank issued " +
+                           describe(own) + ": the ranks issued different collectives (a desync" + on_group +
+                           "). Every rank must call the same collectives in the same order; look for a call that "
                            "only some ranks make (a save, a log, an evaluation under `if (rank == 0)`), or set "
                            "DDP_DEBUG=detail, which stops at the first difference");
       }

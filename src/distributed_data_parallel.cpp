@@ -2,6 +2,8 @@
 
 #include <ddp/error.h>
 
+#include "error_text.h"
+
 #include <ATen/Functions.h>
 
 namespace ddp {
@@ -59,7 +61,7 @@ void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group
     try {
       load_file_into(module.state_dict(), path);
     } catch (const std::exception& e) {
-      error = e.what();
+      error = detail::message_of(e);  // sent to every rank: no backtrace
     }
   }
   at::Tensor failed = at::full({1}, error.empty() ? 0 : 1, group.control_options().dtype(at::kInt));
