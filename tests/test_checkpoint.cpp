@@ -1,6 +1,7 @@
 #include <ddp/checkpoint.h>
 
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <support/hostile_files.h>
@@ -379,6 +380,20 @@ TEST(CheckpointMemory, ASaveIsStreamedToTheFile) {
   auto loaded = ddp::load_state_dict(path);
   ASSERT_EQ(loaded.size(), 2u);
   EXPECT_TRUE(at::equal(loaded[0].second, state[0].second));
+
+  // With room for the copy but not for the doubling buffer, the old writer's
+  // allocation failure met its destructor's second write and ended the
+  // process in std::terminate (the report's "transport failed" misdiagnosis).
+  // One intra-op thread: OpenMP's pool does not survive fork, and a parallel
+  // copy in the child would hang.
+  auto roomier = ddp::testing::load_with_memory_limit(
+      [&] {
+        at::set_num_threads(1);
+        ddp::save_state_dict(state, path);
+      },
+      size_t{320} << 20);
+  ASSERT_TRUE(roomier.finished) << "the save died (std::terminate?)";
+  EXPECT_EQ(roomier.error, "");
   fs::remove_all(dir);
 }
 
