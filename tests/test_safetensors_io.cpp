@@ -187,7 +187,7 @@ TEST(SafetensorsIo, AHeaderOfManyEntriesCostsAFewTimesItsSize) {
 // open files (ulimit -n) could not be read.
 TEST(SafetensorsIo, ACheckpointOfMoreFilesThanTheOpenFileLimitLoads) {
   const std::string dir = ddp::testing::make_temp_dir("safetensors_many");
-  const int files = 300;
+  const int files = 2120;  // the report's checkpoint, under its ulimit -n 1024
   for (int k = 0; k < files; ++k) {
     char name[64];
     std::snprintf(name, sizeof name, "/shard-%05d-model-00001-of-00001.safetensors", k + 1);
@@ -202,7 +202,7 @@ TEST(SafetensorsIo, ACheckpointOfMoreFilesThanTheOpenFileLimitLoads) {
       [&] {
         struct rlimit limit {};
         ::getrlimit(RLIMIT_NOFILE, &limit);
-        limit.rlim_cur = 128;
+        limit.rlim_cur = 1024;
         ::setrlimit(RLIMIT_NOFILE, &limit);
         SafetensorsIndex index(dir);
         TensorBox box{"a", {0}, at::zeros({files}, at::kFloat)};
