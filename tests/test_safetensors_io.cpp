@@ -219,6 +219,29 @@ TEST(SafetensorsIo, ACheckpointOfMoreFilesThanTheOpenFileLimitLoads) {
   fs::remove_all(dir);
 }
 
+// Files are opened again as they are read, so one replaced after the index
+// read its header (another job saving into the directory) is named, never
+// read at the old header's offsets.
+TEST(SafetensorsIo, AFileReplacedAfterItsHeaderWasReadIsNamed) {
+  const std::string dir = ddp::testing::make_temp_dir("safetensors_replaced");
+  std::vector<std::string> paths;
+  for (int k = 0; k < static_cast<int>(SafetensorsIndex::kMaxOpenFiles) + 1; ++k) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/shard-%05d-model-00001-of-00001.safetensors", k + 1);
+    paths.push_back(dir + name);
+    write_file(paths.back(), f32("a", "[1]", 4, "[" + std::to_string(k) + "]"), 4);
+  }
+  SafetensorsIndex index(dir);  // the first file is closed by now, to make room
+  write_file(paths[0] + ".new", f32("a", "[1]", 4, "[0]"), 4);
+  fs::rename(paths[0] + ".new", paths[0]);
+  TensorBox box{"a", {0}, at::zeros({static_cast<int64_t>(paths.size())}, at::kFloat)};
+  auto message = ddp::testing::error_of([&] { index.read_into(box); });
+  EXPECT_NE(message.find("'" + paths[0] + "' was replaced while the checkpoint in '" + dir + "' was being loaded"),
+            std::string::npos)
+      << message;
+  fs::remove_all(dir);
+}
+
 // write_safetensors_file goes through a temporary, as every checkpoint file:
 // a link planted at its name is refused and its target left alone.
 TEST(SafetensorsIo, APlantedLinkAtAFilesNameIsRefused) {
