@@ -106,12 +106,12 @@ void refuse_symbolic_link(const std::string& path) {
 // created only if nothing is there: a planted file or link makes O_EXCL
 // fail instead of being followed, and another name is tried.
 std::pair<int, std::string> create_temporary(const std::string& path) {
-  std::random_device random;
+  std::random_device entropy;
   const std::string prefix = path + ".tmp." + std::to_string(::getpid()) + ".";
   std::string temporary;
   for (int attempt = 0; attempt < 64; ++attempt) {
     char suffix[9];
-    std::snprintf(suffix, sizeof suffix, "%08x", static_cast<unsigned>(random()));
+    std::snprintf(suffix, sizeof suffix, "%08x", static_cast<unsigned>(entropy()));
     temporary = prefix + suffix;
     int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd >= 0) return {fd, temporary};
