@@ -77,7 +77,8 @@ FileDescriptor open_own_subdirectory(int parent_fd, const std::string& name, con
   FileDescriptor directory(fd);
   struct stat info {};
   if (::fstat(fd, &info) != 0) throw_errno("cannot inspect log directory '" + path + "'");
-  if (info.st_uid != ::geteuid()) {
+  // What mkdirat just made is ours even if it shows another owner (root on a root-squashed NFS).
+  if (!made && info.st_uid != ::geteuid()) {
     refuse_planted(path, "a directory of user id " + std::to_string(info.st_uid) + ", not this user's",
                    "remove it");
   }
@@ -96,10 +97,13 @@ FileDescriptor open_own_subdirectory(int parent_fd, const std::string& name, con
 // dir_fd/name as an empty regular file of this user's, opened for appending (the lines of
 // several workers may share it): created, or an earlier run's emptied. path names it.
 FileDescriptor create_log_file(int dir_fd, const std::string& name, const std::string& path) {
-  // No O_TRUNC: what is there is checked before anything of it is lost. O_NONBLOCK keeps a
-  // planted FIFO from blocking the open.
-  const int fd = ::openat(dir_fd, name.c_str(),
-                          O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+  // A fresh file first: O_EXCL with O_NOFOLLOW creates it only where nothing, not even a
+  // dangling link, is. O_NONBLOCK keeps a planted FIFO from blocking the open below.
+  constexpr int kFlags = O_WRONLY | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+  int fd = ::openat(dir_fd, name.c_str(), kFlags | O_CREAT | O_EXCL, 0644);
+  if (fd >= 0) return FileDescriptor(fd);
+  // An earlier run's log, or a plant: checked before anything of it is lost (so no O_TRUNC).
+  if (errno == EEXIST) fd = ::openat(dir_fd, name.c_str(), kFlags);
   if (fd < 0) {
     const int saved = errno;
     const unsigned mode = entry_mode(dir_fd, name);
