@@ -4,6 +4,7 @@
 #include <ddp/launch_env.h>
 #include <ddp/launch_errors.h>
 
+#include "atomic_file.h"
 #include "json_text.h"
 
 #include <c10/util/Exception.h>
@@ -20,19 +21,6 @@
 
 namespace ddp {
 namespace {
-
-bool write_whole(int fd, const std::string& text) {
-  const char* data = text.data();
-  size_t left = text.size();
-  while (left > 0) {
-    ssize_t n = ::write(fd, data, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data += n;
-    left -= static_cast<size_t>(n);
-  }
-  return true;
-}
 
 // `consequence`: the error is a consequence of another process's failure.
 bool write_record(const std::string& message, bool consequence) noexcept {
@@ -55,17 +43,9 @@ bool write_record(const std::string& message, bool consequence) noexcept {
                  {"pid", ::getpid()}}},
     };
     const std::string json = detail::python_style_json(record) + "\n";
-    // Written whole under another name, then renamed: a launcher never reads
-    // half a file.
-    std::string temporary = std::string(path) + ".tmp." + std::to_string(::getpid());
-    int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return false;
-    bool ok = write_whole(fd, json);
-    ::close(fd);
-    if (!ok || ::rename(temporary.c_str(), path) != 0) {
-      ::unlink(temporary.c_str());
-      return false;
-    }
+    // Written whole under a fresh name, then renamed (a launcher never reads
+    // half a file), and never through a link planted at either name.
+    detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { sink(json.data(), json.size()); });
     return true;
   } catch (...) {
     return false;

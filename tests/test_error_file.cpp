@@ -18,6 +18,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <unistd.h>
+
 namespace {
 
 // Records `error` into a fresh error file and returns the file's text.
@@ -41,6 +43,35 @@ bool recorded_as_consequence(const std::exception& error) {
   const bool no = text.find("\"consequence\": false") != std::string::npos;
   EXPECT_NE(yes, no) << text;
   return yes;
+}
+
+// Anyone who can write into the attempt directory can plant links where the
+// record will be written: at its temporary's old predictable name, and at the
+// error file itself. Neither is followed; the victims keep their bytes.
+TEST(ErrorFile, LinksPlantedWhereTheRecordIsWrittenAreNeverFollowed) {
+  namespace fs = std::filesystem;
+  const std::string dir = ddp::testing::make_temp_dir("ddp_error_file_links");
+  const std::string victim = dir + "/victim.txt";
+  { std::ofstream(victim) << "the user's own words"; }
+  const std::string path = dir + "/error.json";
+  fs::create_symlink(victim, path + ".tmp." + std::to_string(::getpid()));
+  ::setenv("TORCHELASTIC_ERROR_FILE", path.c_str(), 1);
+  ddp::record_error(ddp::Error("ddp: bad option"));
+  std::ifstream in(victim);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str(), "the user's own words");
+  EXPECT_TRUE(fs::exists(path)) << "the record itself is still written, under a fresh temporary";
+
+  const std::string other_victim = dir + "/empty_victim.txt";
+  { std::ofstream touch(other_victim); }
+  fs::remove(path);
+  fs::create_symlink(other_victim, path);
+  EXPECT_FALSE(ddp::record_error(ddp::Error("ddp: bad option")));
+  ::unsetenv("TORCHELASTIC_ERROR_FILE");
+  EXPECT_EQ(fs::file_size(other_victim), 0u);
+  EXPECT_TRUE(fs::is_symlink(path));
+  fs::remove_all(dir);
 }
 
 TEST(ErrorFile, APeerFailureIsAConsequenceByItsType) {
