@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -133,7 +134,15 @@ void ProgressLine::draw(bool force) {
 
 MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
   if (path.empty()) return;
-  file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  // O_NOFOLLOW: in a shared run directory a link planted at the metrics
+  // file's name would have the job write into whatever it points to.
+  const int flags = O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC | (append ? O_APPEND : O_TRUNC);
+  const int fd = ::open(path.c_str(), flags, 0644);
+  DDP_CHECK(fd >= 0 || errno != ELOOP, "ddp: refusing to write the metrics file '", path,
+            "': it is a symbolic link; give the file's own path, or remove the link");
+  DDP_CHECK(fd >= 0, "ddp: cannot open metrics file '", path, "': ", std::strerror(errno));
+  file_ = ::fdopen(fd, append ? "a" : "w");
+  if (file_ == nullptr) ::close(fd);
   DDP_CHECK(file_ != nullptr, "ddp: cannot open metrics file '", path, "': ", std::strerror(errno));
 }
 

@@ -113,6 +113,23 @@ TEST(Metrics, OneJsonObjectPerLine) {
   fs::remove_all(dir);
 }
 
+TEST(Metrics, ALinkPlantedAtTheMetricsFileIsRefusedByName) {
+  auto dir = ddp::testing::make_temp_dir();
+  const std::string victim = dir + "/victim.txt";
+  std::ofstream(victim) << "the user's own words";
+  fs::create_symlink(victim, dir + "/m.jsonl");
+  for (bool append : {false, true}) {
+    auto message = ddp::testing::error_of([&] { ddp::MetricsWriter metrics(dir + "/m.jsonl", append); });
+    EXPECT_NE(message.find("symbolic link"), std::string::npos) << message;
+    EXPECT_NE(message.find(dir + "/m.jsonl"), std::string::npos) << message;
+  }
+  std::ifstream in(victim);
+  std::string text;
+  std::getline(in, text);
+  EXPECT_EQ(text, "the user's own words");
+  fs::remove_all(dir);
+}
+
 TEST(Plot, DrawsCurvesOfSeveralMetricsFiles) {
   auto dir = ddp::testing::make_temp_dir();
   for (int run = 0; run < 2; ++run) {
