@@ -11,6 +11,7 @@
 #include <ddp/stack_dump.h>
 
 #include "error_text.h"
+#include "stall_check.h"
 
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -30,6 +31,8 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace ddp {
 
@@ -78,11 +81,25 @@ std::string fingerprint_of(const CollectiveRecord& r) {
   return out;
 }
 
+// Traces of groups that issued a send or recv. Such a transfer is numbered
+// on its two ranks only, so later numbers need not line up across the group,
+// and the early desync check draws no verdict from them (a stale pointer of a
+// destroyed group only switches that check off for a new one).
+std::mutex point_to_point_mutex;
+std::unordered_set<const CollectiveTrace*> traces_with_point_to_point;
+
+bool is_point_to_point(const std::string& op) { return op == "send" || op == "recv"; }
+
+bool has_point_to_point(const CollectiveTrace& trace) {
+  std::lock_guard<std::mutex> lock(point_to_point_mutex);
+  return traces_with_point_to_point.count(&trace) != 0;
+}
+
 // How many of its newest collectives a rank publishes with its progress, for
 // the others to compare with theirs number by number.
 constexpr size_t kPublishedRecords = 32;
 
-// "<entered> <completed>\n<first unfinished>\n<last completed>\n" then one
+// "<entered> <completed> <p2p>\n<first unfinished>\n<last completed>\n" then one
 // line per recent record: "<seq>\t<fingerprint>\t<description>". Each rank
 // describes its collectives from its own trace.
 std::string progress_of(const CollectiveTrace& trace) {
@@ -90,7 +107,8 @@ std::string progress_of(const CollectiveTrace& trace) {
   const uint64_t completed = trace.last_completed();
   auto pending = trace.find(completed + 1);
   auto done = trace.find(completed);
-  std::string text = std::to_string(entered) + " " + std::to_string(completed) + "\n" +
+  std::string text = std::to_string(entered) + " " + std::to_string(completed) + " " +
+                     (has_point_to_point(trace) ? "1" : "0") + "\n" +
                      (pending ? describe(*pending) : "") + "\n" +
                      (done ? describe(*done) : (completed ? "#" + std::to_string(completed) : "none"));
   for (const auto& r : trace.recent(kPublishedRecords)) {
@@ -112,6 +130,7 @@ struct Progress {
   uint64_t completed = 0;
   std::string pending;
   std::string last_completed;
+  bool point_to_point = false;  // it issued a send or recv (see traces_with_point_to_point)
   std::vector<PublishedRecord> records;
 };
 
@@ -121,6 +140,7 @@ Progress parse_progress(const std::string& text) {
   in >> p.entered >> p.completed;
   std::string line;
   std::getline(in, line);
+  p.point_to_point = line.find('1') != std::string::npos;
   std::getline(in, p.pending);
   std::getline(in, p.last_completed);
   while (std::getline(in, line)) {
@@ -146,7 +166,10 @@ std::optional<std::pair<PublishedRecord, CollectiveRecord>> first_difference(con
                                                                              const Progress& peer) {
   for (const PublishedRecord& theirs : peer.records) {  // oldest first
     auto own = mine.find(theirs.seq);
-    if (own && fingerprint_of(*own) != theirs.fingerprint) return std::make_pair(theirs, *own);
+    // A send on one rank is a recv on the other: never compared.
+    const bool transfer = own && (is_point_to_point(own->op) ||
+                                  is_point_to_point(theirs.fingerprint.substr(0, theirs.fingerprint.find(' '))));
+    if (own && !transfer && fingerprint_of(*own) != theirs.fingerprint) return std::make_pair(theirs, *own);
   }
   return std::nullopt;
 }
@@ -176,6 +199,55 @@ bool accepts_connections(const std::string& host, int port) {
   ::freeaddrinfo(found);
   return accepted;
 }
+
+// Asks every other rank for its progress: a new request number under the
+// request key, which each rank's responder answers (and a rank in its own
+// stall report answers itself) under its progress key, prefixed with the
+// request number it answered. Waits at most `wait` for answers to this
+// request or a later one; fills in the ranks not yet in `reports`.
+void collect_progress(c10d::Store& store, const CollectiveTrace& trace, int rank,
+                      std::vector<std::optional<Progress>>& reports, std::chrono::milliseconds wait) {
+  const int64_t request = store.add(kStallRequestKey, 1);
+  const std::string mine = std::to_string(request) + "\n" + progress_of(trace);
+  store.set(progress_key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  const auto deadline = Clock::now() + wait;
+  std::vector<int> waiting;
+  for (int r = 0; r < static_cast<int>(reports.size()); ++r) {
+    if (r != rank && !reports[r]) waiting.push_back(r);
+  }
+  while (!waiting.empty() && Clock::now() < deadline) {
+    std::vector<int> still;
+    for (int r : waiting) {
+      if (store.check({progress_key(r)})) {
+        auto bytes = store.get(progress_key(r));
+        const std::string text(bytes.begin(), bytes.end());
+        const size_t newline = text.find('\n');
+        int64_t answered = -1;
+        try {
+          answered = std::stoll(text.substr(0, newline));
+        } catch (const std::exception&) {
+        }
+        if (newline != std::string::npos && answered >= request) {
+          reports[r] = parse_progress(text.substr(newline + 1));
+          continue;
+        }
+      }
+      still.push_back(r);
+    }
+    waiting.swap(still);
+    if (!waiting.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// What the early desync check (issued_other_collectives) last heard from the
+// other ranks of a group, for the stall report that follows it: by then a
+// peer that failed at the same check may have ended.
+struct HeardReports {
+  Clock::time_point when;
+  std::vector<std::optional<Progress>> reports;
+};
+std::mutex heard_mutex;
+std::unordered_map<const CollectiveTrace*, HeardReports> heard_reports;
 
 // c10d's TCPStore logs a warning with the c10::Error's backtrace ("frame #")
 // before it throws, when the store's host is gone. While ddp asks the store
@@ -234,6 +306,10 @@ bool write_text(const std::string& path, const std::string& text) {
 
 uint64_t ProcessGroup::enter(const char* op, const at::Tensor& tensor) {
   if (!tracing_) return 0;
+  if (is_point_to_point(op)) {
+    std::lock_guard<std::mutex> lock(point_to_point_mutex);
+    traces_with_point_to_point.insert(trace_.get());
+  }
   const uint64_t seq = trace_->begin(op, tensor);
   // monitored_barrier has no desync check: it would wait for the very
   // ranks the barrier is to name.
@@ -323,8 +399,13 @@ void ProcessGroup::start_progress_responder() {
   const int global_rank = global_rank_;
   const std::string path = trace_path();
   const auto timeout = options_.timeout();
-  state->thread = std::thread([state, store, trace, rank, global_rank, path, timeout] {
+  const std::string master_addr = world_.master_addr;
+  const int master_port = world_.master_port;
+  state->thread = std::thread([state, store, trace, rank, global_rank, path, timeout, master_addr,
+                               master_port]() mutable {
     uint64_t dumped_for = 0;
+    std::string answered;
+    int reconnects = 0;
     while (!state->stop) {
       // A collective waiting half its timeout: show every thread's stack
       // once, while there is still time to look at the live process.
@@ -343,23 +424,39 @@ void ProcessGroup::start_progress_responder() {
           }
         }
       }
-      bool asked = false;
+      std::string request;
       try {
         QuietStoreWarnings quiet;
-        asked = store->check({kStallRequestKey});
+        if (store->check({kStallRequestKey})) {
+          const auto bytes = store->get(kStallRequestKey);
+          request.assign(bytes.begin(), bytes.end());
+        }
       } catch (const std::exception&) {
-        // The store is gone (rank 0 ended): nobody is left to ask.
-        return;
+        // The store is gone (rank 0 ended): nobody is left to ask. Or only
+        // this connection was cut while the host lives on (seen after the
+        // half-timeout stack dump): then a new one, a few times at most.
+        const bool host_lives =
+            !master_addr.empty() && reconnects < 3 && accepts_connections(master_addr, master_port);
+        if (!host_lives) return;
+        try {
+          ++reconnects;
+          store = store->clone();
+        } catch (const std::exception&) {
+          return;
+        }
+        continue;
       }
-      if (asked) {
+      // Each request once: the early desync check asks while the job may
+      // still go on, a stall report when it is failing.
+      if (!request.empty() && request != answered) {
+        answered = request;
         try {
           QuietStoreWarnings quiet;
-          const std::string text = progress_of(*trace);
+          const std::string text = request + "\n" + progress_of(*trace);
           store->set(progress_key(rank), std::vector<uint8_t>(text.begin(), text.end()));
         } catch (const std::exception&) {
         }
         write_text(path, trace->json_lines(global_rank));
-        return;
       }
       for (int i = 0; i < 4 && !state->stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -386,31 +483,11 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     }
 
     QuietStoreWarnings quiet;  // a store whose host is gone: said once below, without frames
-    const std::string mine = progress_of(*trace_);
     std::vector<std::optional<Progress>> reports(world_.world_size);
     auto exchange = [&](c10d::Store& store) {
-      store.set(progress_key(world_.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-      store.set(kStallRequestKey, std::vector<uint8_t>{'1'});
       // The others answer within about 0.2 s (their responders poll).
-      const auto deadline =
-          Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2));
-      std::vector<int> waiting;
-      for (int r = 0; r < world_.world_size; ++r) {
-        if (r != world_.rank && !reports[r]) waiting.push_back(r);
-      }
-      while (!waiting.empty() && Clock::now() < deadline) {
-        std::vector<int> still;
-        for (int r : waiting) {
-          if (store.check({progress_key(r)})) {
-            auto bytes = store.get(progress_key(r));
-            reports[r] = parse_progress(std::string(bytes.begin(), bytes.end()));
-          } else {
-            still.push_back(r);
-          }
-        }
-        waiting.swap(still);
-        if (!waiting.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
+      collect_progress(store, *trace_, world_.rank, reports,
+                       std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2)));
       // Global rank 0 hosts the store (env://): were it to end with its own
       // report, a peer stalled in the same moment would find the store gone
       // and could not compare. So it stays until those peers, inside a
@@ -425,16 +502,34 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
         }
       }
     };
+    // What the early desync check heard just before, for the peers that
+    // do not answer now (one that failed at the same check may have ended).
+    auto fill_from_early_check = [&] {
+      std::lock_guard<std::mutex> lock(heard_mutex);
+      auto heard = heard_reports.find(trace_.get());
+      if (heard == heard_reports.end() || Clock::now() - heard->second.when > std::chrono::seconds(30)) return false;
+      bool any = false;
+      for (size_t r = 0; r < reports.size() && r < heard->second.reports.size(); ++r) {
+        if (!reports[r] && heard->second.reports[r]) reports[r] = heard->second.reports[r];
+        any = any || reports[r].has_value();
+      }
+      return any;
+    };
     try {
-      exchange(*store_);
+      try {
+        exchange(*store_);
+      } catch (const std::exception&) {
+        // The group's connection to the store can be cut while its host
+        // lives on (seen after the half-timeout stack dump). A new one, if
+        // the host still accepts: c10d would otherwise retry connecting for
+        // the whole timeout.
+        if (!world_.master_addr.empty() && !accepts_connections(world_.master_addr, world_.master_port)) throw;
+        exchange(*store_->clone());
+      }
     } catch (const std::exception&) {
-      // The group's connection to the store can be cut while its host lives
-      // on (seen after the half-timeout stack dump). A new one, if the host
-      // still accepts: c10d would otherwise retry connecting for the whole
-      // timeout.
-      if (!world_.master_addr.empty() && !accepts_connections(world_.master_addr, world_.master_port)) throw;
-      exchange(*store_->clone());
+      if (!fill_from_early_check()) throw;
     }
+    fill_from_early_check();
 
     // Each rank's collectives as its own trace has them: a number two ranks
     // both passed says nothing unless they issued the same collective there.
@@ -475,6 +570,29 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
            "; if rank 0, which hosts the store, has ended, its own error is the cause)";
   }
 }
+
+namespace detail {
+
+bool issued_other_collectives(c10d::Store& store, const CollectiveTrace& trace, int rank, int world_size) {
+  try {
+    QuietStoreWarnings quiet;
+    std::vector<std::optional<Progress>> reports(world_size);
+    collect_progress(store, trace, rank, reports, std::chrono::seconds(2));
+    {
+      std::lock_guard<std::mutex> lock(heard_mutex);
+      heard_reports[&trace] = HeardReports{Clock::now(), reports};
+    }
+    if (has_point_to_point(trace)) return false;
+    for (const auto& report : reports) {
+      if (report && !report->point_to_point && first_difference(trace, *report)) return true;
+    }
+  } catch (const std::exception&) {
+    // No answer through the store: the collective's own timeout decides.
+  }
+  return false;
+}
+
+}  // namespace detail
 
 std::string ProcessGroup::describe_or_number(uint64_t seq) const {
   auto record = trace_->find(seq);

@@ -15,6 +15,7 @@
 #include "fnv1a.h"
 #include "rendezvous.h"
 #include "ring_collectives.h"
+#include "stall_check.h"
 
 #include <ddp/device.h>
 #include <ddp/stack_dump.h>
@@ -376,6 +377,47 @@ std::vector<at::Tensor> ProcessGroup::all_gather_as(const char* op, const at::Te
   return outputs[0];
 }
 
+namespace {
+
+// Waits for `work` up to `timeout`. A collective that several ranks issue
+// differently (one rank saves a checkpoint, the other logs its loss) would
+// otherwise wait out the whole timeout, 30 minutes by default: every
+// desync_check_interval the ranks compare their newest collectives through
+// the store, and a difference ends the wait at once. Throws as
+// Work::wait does.
+void wait_watching_for_desync(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+                              c10d::Store* store, const CollectiveTrace* trace, int rank, int world_size) {
+  const auto interval = detail::desync_check_interval(timeout);
+  if (!store || !trace || world_size == 1 || interval.count() == 0) {
+    work->wait(timeout);
+    return;
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto until = Clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+    if (left <= interval) {
+      work->wait(std::max(left, std::chrono::milliseconds(1)));
+      return;
+    }
+    try {
+      work->wait(interval);
+      return;
+    } catch (const c10::Error& e) {
+      // Only Work::wait's own timeout: the collective itself still runs.
+      if (work->isCompleted() || std::string(e.what_without_backtrace()).find("timed out") == std::string::npos) {
+        throw;
+      }
+    }
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(timeout - left + interval);
+    DDP_CHECK(!detail::issued_other_collectives(*store, *trace, rank, world_size),
+              "the ranks issued different collectives, found after ", waited.count(),
+              " s of waiting, before the timeout");
+  }
+}
+
+}  // namespace
+
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const {
   try {
     if (backend_kind_ == BackendKind::kNccl) {
@@ -385,7 +427,9 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* 
       // options_.timeout() (set in make_nccl_backend).
       work->wait();
     } else {
-      work->wait(options_.timeout());
+      const bool compare = tracing_ && backend_kind_ != BackendKind::kMpi;
+      wait_watching_for_desync(work, options_.timeout(), compare ? store_.get() : nullptr, trace_.get(), world_.rank,
+                               world_.world_size);
     }
   } catch (const c10::Error& e) {
     const std::string stall = explain_stall(e.what_without_backtrace());

@@ -330,6 +330,46 @@ TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyIsReportedAsADesyncNamingBothCollec
   fs::remove_all(dir);
 }
 
+// Issue 34 item 12, the hang: with the 30-minute default the ranks above
+// waited for the whole timeout. While a collective waits, the ranks compare
+// their newest collectives every quarter of the timeout (at most 30 s), and a
+// difference ends the wait: here after 10 s of a 40 s timeout.
+TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyFailsLongBeforeTheTimeout) {
+  const std::string dir = shared_dir("save_desync_early");
+  RanksOptions options;
+  options.collective_timeout_seconds = 40;
+  options.timeout = std::chrono::seconds(120);
+  options.env = {{"DDP_TRACE_DIR", dir}};
+  auto ranks = run_on_ranks(
+      2,
+      [dir](const std::shared_ptr<ddp::ProcessGroup>& group) {
+        torch::manual_seed(1);
+        torch::nn::Linear linear(4, 2);
+        ddp::DistributedDataParallel<torch::nn::Linear> model(linear, group);
+        all_reduce_tagged(*group, "loss 1");
+        const auto start = std::chrono::steady_clock::now();
+        std::string error = error_of([&] {
+          if (group->rank() == 0) {
+            ddp::save_distributed_checkpoint(dir + "/checkpoint", model);
+          } else {
+            all_reduce_tagged(*group, "loss 2");
+            all_reduce_tagged(*group, "loss 3");
+          }
+        });
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::cerr << "RANK" << group->rank() << " ERROR after " << seconds << " s: " << error << "\n";
+        EXPECT_NE(error.find(": the ranks issued different collectives (a desync)."), std::string::npos) << error;
+        EXPECT_NE(error.find("the ranks issued different collectives, found after 10 s of waiting"), std::string::npos)
+            << error;
+        EXPECT_LT(seconds, 25) << "the timeout is 40 s; the check runs after 10 s";
+        std::fflush(nullptr);
+        std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+      },
+      options);
+  expect_all_succeeded(ranks);
+  fs::remove_all(dir);
+}
+
 // Issue 34 item 13: rank 0, which hosts the store, has ended; rank 1's stall
 // report cannot reach the store. It printed the c10::Error's what(), frames
 // and all, and c10d's TCPStore logged a warning with frames too. No message
