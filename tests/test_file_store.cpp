@@ -328,6 +328,40 @@ TEST(FileStore, GarbageAppendedMidRendezvousIsRefusedByEveryRankWithBoundedMemor
   expect_all_succeeded(ranks);
 }
 
+// The same after the rendezvous: the job's store is the file's for as long
+// as the job runs (subgroups, the stall reports' progress responders).
+TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperation) {
+  RanksTempDir dir;
+  const std::string path = dir / "rdzv.store";
+  auto ranks = run_on_ranks(
+      2,
+      [&](const Group&) {
+        use_file(path, "60");
+        Group group = ddp::init_process_group();
+        at::Tensor one = at::ones({1});
+        group->all_reduce(one);
+        const double rss_before = peak_rss_mib();
+        if (group->rank() == 0) {
+          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
+          ASSERT_GE(fd, 0);
+          const uint32_t length = 200u << 20;
+          ASSERT_EQ(::write(fd, &length, sizeof length), static_cast<ssize_t>(sizeof length));
+          ::close(fd);
+        }
+        group->all_reduce(one);  // the garbage is there for both ranks now
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the responders poll meanwhile
+        const auto start = Clock::now();
+        const std::string error = error_of([&] { group->store().check({"test/anything"}); });
+        EXPECT_NE(error.find("the rendezvous file " + path + " holds 4 bytes from byte"), std::string::npos) << error;
+        EXPECT_LT(seconds_since(start), 5.0) << error;
+        const double grew = peak_rss_mib() - rss_before;
+        EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB";
+        crash_now();
+      },
+      ranks_within(60));
+  expect_all_succeeded(ranks);
+}
+
 // Issue 34 item 9: the file deleted while the ranks meet. c10d makes a new,
 // empty one without a word, and both ranks waited out the whole timeout;
 // rank 1, which had arrived, then printed rank 0's verdict that it had not.
