@@ -100,7 +100,7 @@ bool parse_number(const std::string& text, double& out) {
 }  // namespace
 
 Dataset read_csv_gz(const std::string& path) {
-  // A directory opens and reads as empty, which would say "holds no data rows".
+  // A directory fails only at its first read, with a message about reading.
   std::error_code ignored;
   TORCH_CHECK(!std::filesystem::is_directory(path, ignored), "data file '", path,
               "' is a directory; give the gzipped CSV file's path");
