@@ -228,14 +228,17 @@ TEST(DdprunStalledConsole, ANodeWithAStalledConsoleDoesNotHoldUpTheOthers) {
 }
 
 // The heartbeat speaks for the supervision loop, not only for its own thread: a node whose loop
-// is stuck (held here by ddprun's test hook, as a blocking call would hold it) stops
-// heartbeating, so the store declares it lost and the other node's failure ends the job within
-// the heartbeat timeout instead of waiting for the stuck node to come back.
+// is stuck (held here by the launcher's test seam, as a blocking call would hold it, in the test
+// build of ddprun) stops heartbeating, so the store declares it lost and the other node's
+// failure ends the job within the heartbeat timeout instead of waiting for the stuck node to
+// come back.
 TEST(DdprunStalledSupervisor, ANodeWhoseLoopIsStuckIsDeclaredLostAndTheJobEnds) {
   TempDir dir;
   const std::string endpoint = "127.0.0.1:" + std::to_string(ddp::testing::free_port());
   auto agent = [&](int index, std::vector<std::string> program) {
-    std::vector<std::string> argv = {bin_path("ddprun"), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    // The stuck node runs ddprun_test_build, which reads the stall from its environment.
+    std::vector<std::string> argv = {bin_path(index == 1 ? "ddprun_test_build" : "ddprun"),
+                                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                                      "--local-addr", "127.0.0." + std::to_string(2 + index), "--nnodes", "2",
                                      "--rdzv-conf", "join_timeout=20,heartbeat_timeout=3"};
     argv.insert(argv.end(), program.begin(), program.end());

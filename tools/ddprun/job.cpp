@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "console.h"
+#include "launcher_test_seams.h"
 #include "rdzv.h"
 #include "signal_pipe.h"
 #include "watchdog.h"
@@ -65,10 +66,11 @@ AttemptOutcome Job::run() {
 }
 
 void Job::watch_until_done() {
-  // A test hook (tests/test_ddprun_console.cpp): hold this loop once, as a call that blocks
-  // would, so that a test can show the heartbeat then stops speaking for this node.
-  if (const char* stall = std::getenv("DDPRUN_TEST_STALL_SUPERVISOR_SECONDS"); stall && client_ != nullptr) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(stall)));
+  // A test seam (tests/test_ddprun_console.cpp, through the launcher the tests build): hold this
+  // loop once, as a call that blocks would, so that a test can show the heartbeat then stops
+  // speaking for this node. Zero in the shipped ddprun.
+  if (const auto stall = detail::test_seams().stall_supervisor; stall.count() > 0 && client_ != nullptr) {
+    std::this_thread::sleep_for(stall);
   }
   while (true) {
     // The heartbeat speaks for this loop: a node stuck here must look lost to the others.
