@@ -507,7 +507,7 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     auto fill_from_early_check = [&] {
       std::lock_guard<std::mutex> lock(heard_mutex);
       auto heard = heard_reports.find(trace_.get());
-      if (heard == heard_reports.end() || Clock::now() - heard->second.when > std::chrono::seconds(30)) return false;
+      if (heard == heard_reports.end() || Clock::now() - heard->second.when > std::chrono::seconds(5)) return false;
       bool any = false;
       for (size_t r = 0; r < reports.size() && r < heard->second.reports.size(); ++r) {
         if (!reports[r] && heard->second.reports[r]) reports[r] = heard->second.reports[r];
