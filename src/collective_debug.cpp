@@ -208,14 +208,24 @@ bool accepts_connections(const std::string& host, int port) {
 void collect_progress(c10d::Store& store, const CollectiveTrace& trace, int rank,
                       std::vector<std::optional<Progress>>& reports, std::chrono::milliseconds wait) {
   const int64_t request = store.add(kStallRequestKey, 1);
-  const std::string mine = std::to_string(request) + "\n" + progress_of(trace);
-  store.set(progress_key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  int64_t answered = 0;
+  // This rank answers too, its own request and any later one while it waits
+  // here: a peer stalled at the same moment may ask after this rank did, and
+  // this rank's responder may be reconnecting just then.
+  auto answer = [&](int64_t number) {
+    const std::string mine = std::to_string(number) + "\n" + progress_of(trace);
+    store.set(progress_key(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+    answered = number;
+  };
+  answer(request);
   const auto deadline = Clock::now() + wait;
   std::vector<int> waiting;
   for (int r = 0; r < static_cast<int>(reports.size()); ++r) {
     if (r != rank && !reports[r]) waiting.push_back(r);
   }
   while (!waiting.empty() && Clock::now() < deadline) {
+    const int64_t latest = store.add(kStallRequestKey, 0);
+    if (latest > answered) answer(latest);
     std::vector<int> still;
     for (int r : waiting) {
       if (store.check({progress_key(r)})) {
