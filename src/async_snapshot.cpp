@@ -2,6 +2,8 @@
 
 #include <ddp/error.h>
 
+#include "error_text.h"
+
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <c10/util/Exception.h>
@@ -120,7 +122,8 @@ AsyncSnapshotWriter::~AsyncSnapshotWriter() {
       std::rethrow_exception(error_);
     } catch (const std::exception& e) {
       try {
-        TORCH_WARN("ddp: an asynchronous snapshot save failed and nobody called wait() to see it: ", e.what());
+        TORCH_WARN("ddp: an asynchronous snapshot save failed and nobody called wait() to see it: ",
+                   detail::message_of(e));
       } catch (...) {  // a warning handler that throws must not end the program
       }
     }
@@ -213,7 +216,7 @@ void AsyncSnapshotWriter::run() {
           std::rethrow_exception(error);
         } catch (const std::exception& e) {
           try {
-            TORCH_WARN(e.what());  // the first error is the one save() or wait() throws
+            TORCH_WARN(detail::message_of(e));  // the first error is the one save() or wait() throws
           } catch (...) {  // a warning handler that throws must not end the thread
           }
         }

@@ -1,6 +1,7 @@
 #include "checked_backend.h"
 
 #include "duration_text.h"
+#include "error_text.h"
 
 #include <ddp/error.h>
 
@@ -33,7 +34,7 @@ class CheckedWork final : public c10d::Work {
     } catch (const c10::Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw Error(e.what());
+      throw Error(detail::message_of(e));
     }
   }
   void blockCurrentStream() override { inner_->blockCurrentStream(); }
@@ -120,7 +121,7 @@ class CheckedBackend final : public c10d::Backend {
     } catch (const c10::Error& e) {
       fail(operation, e.what_without_backtrace());
     } catch (const std::exception& e) {
-      fail(operation, e.what());  // Gloo's own exceptions are not c10::Errors
+      fail(operation, detail::message_of(e));  // Gloo's own exceptions are not c10::Errors
     }
   }
   [[noreturn]] void fail(const char* operation, const std::string& cause) const {

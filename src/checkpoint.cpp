@@ -3,6 +3,7 @@
 #include <ddp/error.h>
 
 #include "atomic_file.h"
+#include "error_text.h"
 #include "torch_save_file.h"
 #include "weights_only_unpickler.h"
 
@@ -438,7 +439,7 @@ std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_archive(
     // The reader's std::stoull of the archive's version record, which
     // throws std::out_of_range for a number of 20 digits.
     DDP_CHECK(false, "ddp: cannot load '", name, "': its version record is not a number in range (",
-              e.what(), "); the file is corrupt or not a torch.save file");
+              detail::message_of(e), "); the file is corrupt or not a torch.save file");
   }
 }
 
@@ -452,7 +453,7 @@ c10::IValue naming_the_file(const std::string& name, const Load& load) {
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    DDP_CHECK(false, "ddp: cannot load '", name, "': ", e.what());
+    DDP_CHECK(false, "ddp: cannot load '", name, "': ", detail::message_of(e));
   }
 }
 

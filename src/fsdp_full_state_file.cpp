@@ -12,6 +12,7 @@
 
 #include <ddp/error.h>
 
+#include "error_text.h"
 #include "fsdp_unit.h"
 #include "torch_save_file.h"
 #include "weights_only_unpickler.h"
@@ -199,7 +200,7 @@ void FsdpRuntime::load_full_state_dict_file(const std::string& path) {
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& e) {
-    DDP_CHECK(false, "ddp: cannot load '", path, "': ", e.what());
+    DDP_CHECK(false, "ddp: cannot load '", path, "': ", detail::message_of(e));
   }
 
   // load_full_state_dict's checks, on the index: every entry the model

@@ -3,6 +3,7 @@
 #include <ddp/error.h>
 #include <ddp/collective_trace.h>
 
+#include "error_text.h"
 #include "fnv1a.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -304,7 +305,9 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
       }
     } catch (const std::exception& e) {
       bytes.clear();
-      if (skipped) skipped->push_back(std::string("ddp: cannot scan '") + dir + "' for snapshots: " + e.what());
+      if (skipped) {
+        skipped->push_back(std::string("ddp: cannot scan '") + dir + "' for snapshots: " + detail::message_of(e));
+      }
     }
   }
   CollectiveTag tag("snapshot broadcast");
