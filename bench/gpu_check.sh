@@ -341,6 +341,8 @@ JSON_DIR=$(find_header nlohmann/json.hpp)
 CLI11_DIR=$(find_header CLI/CLI.hpp)
 [[ -n $JSON_DIR ]] || MISSING+=("nlohmann's JSON headers (nlohmann-json3-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
 [[ -n $CLI11_DIR ]] || MISSING+=("CLI11's headers (libcli11-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
+SSL_DIR=$(find_header openssl/hmac.h)
+[[ -n $SSL_DIR ]] || MISSING+=("OpenSSL's headers (libssl-dev: run scripts/fetch_gpu_debs.sh and carry .gpu-debs)")
 HAVE_GTEST=0 HAVE_ZLIB=0
 [[ -n $GTEST_DIR ]] && HAVE_GTEST=1
 [[ -n $ZLIB_DIR ]] && HAVE_ZLIB=1
@@ -359,8 +361,20 @@ DEPS_ARGS=()
 # nlohmann_json and CLI11 are found by find_package through their CMake
 # configs, which live under the prefix's usr/share/cmake.
 [[ -n $PREFIX_INCLUDE ]] && DEPS_ARGS+=("-DCMAKE_PREFIX_PATH=$DEPS_PREFIX/usr")
+CXX_FLAGS=
 [[ -n $PREFIX_INCLUDE && ( $GLOO_DIR == "$PREFIX_INCLUDE" || $GTEST_DIR == "$PREFIX_INCLUDE" || $ZLIB_DIR == "$PREFIX_INCLUDE" ) ]] &&
-  DEPS_ARGS+=("-DCMAKE_CXX_FLAGS=-isystem $PREFIX_INCLUDE")
+  CXX_FLAGS="-isystem $PREFIX_INCLUDE"
+# libcrypto (ddprun's HMAC) is named to FindOpenSSL, as zlib is to FindZLIB.
+# Debian keeps OpenSSL's configuration.h in the multiarch include folder,
+# which only the compiler's own search path names, so it goes on the flags.
+if [[ -n $PREFIX_INCLUDE && $SSL_DIR == "$PREFIX_INCLUDE" ]]; then
+  SSL_LIB=$(compgen -G "$DEPS_PREFIX/usr/lib/*/libcrypto.so" | head -1)
+  DEPS_ARGS+=("-DOPENSSL_INCLUDE_DIR=$SSL_DIR")
+  [[ -n $SSL_LIB ]] && DEPS_ARGS+=("-DOPENSSL_CRYPTO_LIBRARY=$SSL_LIB")
+  SSL_CONF=$(compgen -G "$PREFIX_INCLUDE/*/openssl/configuration.h" | head -1)
+  [[ -n $SSL_CONF ]] && CXX_FLAGS+="${CXX_FLAGS:+ }-isystem ${SSL_CONF%/openssl/configuration.h}"
+fi
+[[ -n $CXX_FLAGS ]] && DEPS_ARGS+=("-DCMAKE_CXX_FLAGS=$CXX_FLAGS")
 if [[ $HAVE_ZLIB == 1 && $ZLIB_DIR == "$PREFIX_INCLUDE" ]]; then
   ZLIB_LIB=$(compgen -G "$DEPS_PREFIX/usr/lib/*/libz.so" || compgen -G "$DEPS_PREFIX/usr/lib/*/libz.a" | head -1)
   ZLIB_LIB=${ZLIB_LIB%%$'\n'*}
@@ -411,7 +425,7 @@ elif [[ $HAVE_GTEST == 0 ]]; then
 fi
 [[ $HAVE_ZLIB == 0 ]] && NOTES+=("zlib.h not found (zlib1g-dev): examples not built, Wine runs skipped")
 [[ $GENERATOR != Ninja ]] && NOTES+=("ninja not found: using make")
-[[ -n $PREFIX_INCLUDE ]] && NOTES+=("carried Debian packages unpacked in $DEPS_PREFIX: Gloo from $GLOO_DIR, googletest from ${GTEST_CONFIG:-${GTEST_DIR:-nowhere}}, zlib from ${ZLIB_DIR:-nowhere}")
+[[ -n $PREFIX_INCLUDE ]] && NOTES+=("carried Debian packages unpacked in $DEPS_PREFIX: Gloo from $GLOO_DIR, googletest from ${GTEST_CONFIG:-${GTEST_DIR:-nowhere}}, zlib from ${ZLIB_DIR:-nowhere}, OpenSSL from ${SSL_DIR:-nowhere}")
 for note in "${NOTES[@]}"; do log "NOTE $note"; done
 
 # ---------------------------------------------------------------------------

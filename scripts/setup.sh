@@ -11,10 +11,11 @@ REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # openmpi-bin, slurm-wlm and iproute2 serve the cluster tests (mpirun, a
 # single-host Slurm, network namespaces); libopenmpi-dev the mpi backend; binutils' nm and readelf the Gloo
 # header checks; nlohmann-json3-dev and libcli11-dev the JSON and command-line
-# libraries (header-only) of the library, ddprun, the examples and benchmarks.
+# libraries (header-only) of the library, ddprun, the examples and benchmarks;
+# libssl-dev the HMAC-SHA256 (OpenSSL's libcrypto) of ddprun's rendezvous secret.
 APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
               python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm valgrind
-              nlohmann-json3-dev libcli11-dev)
+              nlohmann-json3-dev libcli11-dev libssl-dev)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

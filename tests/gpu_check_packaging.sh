@@ -22,8 +22,9 @@ case $mode in
     done
     # What the build cannot do without (Gloo's headers for the library,
     # googletest for the gpu tests, zlib.h for the examples' configure,
-    # nlohmann's JSON and CLI11 for the library, ddprun and the examples).
-    for needed in libgloo-dev libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev; do
+    # nlohmann's JSON and CLI11 for the library, ddprun and the examples,
+    # OpenSSL's libcrypto for ddprun).
+    for needed in libgloo-dev libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev libssl-dev libssl3; do
       printf '%s\n' "${pins[@]}" | grep -q "^$needed=" || fail "$needed is not pinned in $manifest"
     done
     dupes=$(printf '%s\n' "${pins[@]}" | cut -d= -f1 | sort | uniq -d)

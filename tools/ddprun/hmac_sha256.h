@@ -1,5 +1,6 @@
-// SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), for the rendezvous store's challenge and
-// response: ddprun links no crypto library, and this is all it needs of one.
+// HMAC-SHA256 (RFC 2104) for the rendezvous store's challenge and response, computed by
+// OpenSSL's libcrypto: security code is where a hand-written version hurts most. Only this file
+// includes OpenSSL, so the rest of ddprun and its tests see plain strings and arrays.
 #pragma once
 
 #include <array>
@@ -10,7 +11,7 @@ namespace ddprun {
 
 using Sha256Digest = std::array<uint8_t, 32>;
 
-Sha256Digest sha256(const std::string& data);
+// Throws std::runtime_error, with libcrypto's reason, if libcrypto cannot compute it.
 Sha256Digest hmac_sha256(const std::string& key, const std::string& message);
 
 // Lower-case hex of bytes.
