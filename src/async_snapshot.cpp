@@ -3,6 +3,7 @@
 #include <ddp/error.h>
 
 #include "error_text.h"
+#include "test_seams.h"
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -79,13 +80,6 @@ void lower_this_threads_priority() {
   param.sched_priority = 0;
   if (::sched_setscheduler(0, SCHED_IDLE, &param) == 0) return;
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
-}
-
-// Tests hold the writer back for this long before each write, so they can
-// change the parameters or fill the queue while a save is pending.
-std::chrono::milliseconds test_write_delay() {
-  const char* value = std::getenv("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS");
-  return std::chrono::milliseconds(value ? std::atoll(value) : 0);
 }
 
 }  // namespace
@@ -187,7 +181,7 @@ size_t AsyncSnapshotWriter::pending() const {
 
 void AsyncSnapshotWriter::run() {
   if (options_.low_priority()) lower_this_threads_priority();
-  const auto delay = test_write_delay();
+  const auto delay = detail::test_seams().async_snapshot_write_delay;  // zero outside tests
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     changed_.wait(lock, [&] { return stopping_ || !queue_.empty(); });

@@ -11,6 +11,7 @@
 #include "fmt_header_only.h"
 #include "optimizer_state.h"
 #include "safetensors_io.h"
+#include "test_seams.h"
 
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>
@@ -310,13 +311,6 @@ std::string error_text(const std::exception& e) {
   return error ? error->what_without_backtrace() : e.what();
 }
 
-// Tests hold rank 0 back for this long before the commit, with the lock
-// held, so that a second job's save surely meets the first.
-std::chrono::milliseconds test_commit_delay() {
-  const char* value = std::getenv("DDP_TEST_CHECKPOINT_COMMIT_DELAY_MS");
-  return std::chrono::milliseconds(value ? std::atoll(value) : 0);
-}
-
 // Removes what a commit replaced. The new checkpoint is in place by then, so
 // a failure here is no failure of the save.
 void remove_replaced(const std::string& path) {
@@ -429,7 +423,10 @@ void commit_boxes(const std::string& dir, const std::vector<TensorBox>& boxes,
 
   if (group.rank() == 0) {
     try {
-      if (const auto delay = test_commit_delay(); delay.count() > 0) std::this_thread::sleep_for(delay);
+      // Zero outside tests, which hold the commit back so that a second job's save surely meets it.
+      if (const auto delay = detail::test_seams().checkpoint_commit_delay; delay.count() > 0) {
+        std::this_thread::sleep_for(delay);
+      }
       fsync_directory(partial);
       commit_directory(partial, target);
       fsync_directory(parent_of(target));

@@ -14,6 +14,8 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include "test_seams.h"
+
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -31,15 +33,17 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Sets an environment variable for one test; the writer reads its test hook
-// when its thread starts.
-class ScopedEnv {
+// Holds each write of the writers made in one test back by `delay`, through
+// the library's test seam (src/test_seams.h); a writer reads it when its
+// thread starts, so declare this before the writer.
+class ScopedWriteDelay {
  public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) { ::setenv(name, value.c_str(), 1); }
-  ~ScopedEnv() { ::unsetenv(name_); }
-
- private:
-  const char* name_;
+  explicit ScopedWriteDelay(std::chrono::milliseconds delay) {
+    ddp::detail::test_seams().async_snapshot_write_delay = delay;
+  }
+  ~ScopedWriteDelay() { ddp::detail::test_seams().async_snapshot_write_delay = std::chrono::milliseconds(0); }
+  ScopedWriteDelay(const ScopedWriteDelay&) = delete;
+  ScopedWriteDelay& operator=(const ScopedWriteDelay&) = delete;
 };
 
 void train_steps(torch::nn::Linear& model, torch::optim::Optimizer& optimizer, int first, int count) {
@@ -88,7 +92,7 @@ ddp::Snapshot filled(int64_t epoch, int64_t numel, float value) {
 // although training changes the parameters, the Adam moments and the extra
 // tensors in place while the write waits. Skipping the copy fails this.
 TEST(AsyncSnapshot, WritesTheStateOfTheMomentSaveWasCalled) {
-  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "300");  // training runs first, surely
+  ScopedWriteDelay delay(300ms);  // training runs first, surely
   const std::string reference_dir = ddp::testing::make_temp_dir();
   const std::string async_dir = ddp::testing::make_temp_dir();
   torch::manual_seed(0);
@@ -254,7 +258,7 @@ TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
 // fails (a full disk, say), save() throws its error and queues nothing,
 // rather than starting one more write that would fail the same way.
 TEST(AsyncSnapshot, ASaveThatWaitedForRoomThrowsTheErrorOfTheWriteThatMadeIt) {
-  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "300");
+  ScopedWriteDelay delay(300ms);
   const std::string root = ddp::testing::make_temp_dir();
   const std::string blocked = blocked_directory(root, {0});
   ddp::AsyncSnapshotWriter writer;  // queue_depth 1: the second save waits for the first write
@@ -297,7 +301,7 @@ TEST(AsyncSnapshot, SaveMakesItsDirectoryOrSaysAtOnceThatItCannot) {
 // The queue is bounded: with queue_depth(2), a third save() waits until the
 // writer has finished the first.
 TEST(AsyncSnapshot, SaveWaitsWhileTheQueueIsFull) {
-  ScopedEnv delay("DDP_TEST_ASYNC_SNAPSHOT_DELAY_MS", "400");
+  ScopedWriteDelay delay(400ms);
   const std::string dir = ddp::testing::make_temp_dir();
   ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().queue_depth(2).keep(3));
   writer.save(dir, filled(0, 10, 1.0f));

@@ -7,6 +7,7 @@
 #include "support/fsdp_trainers.h"
 #include "support/ranks.h"
 #include "support/torch_errors.h"
+#include "test_seams.h"
 
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/error.h>
@@ -124,11 +125,11 @@ TEST(CheckpointSafety, TwoJobsSavingIntoOneDirectoryNeverLeaveItMissing) {
   RanksTempDir dir;
   RanksOptions options;
   options.timeout = std::chrono::seconds(240);
-  // The lock is held this long before each commit: the jobs surely meet.
-  options.env = {{"DDP_TEST_CHECKPOINT_COMMIT_DELAY_MS", "300"}};
   auto ranks = run_on_ranks(
       5,
       [&dir](const Group& world) {
+        // The lock is held this long before each commit: the jobs surely meet.
+        ddp::detail::test_seams().checkpoint_commit_delay = std::chrono::milliseconds(300);
         const int job = world->rank() / 2;  // 0 and 1 save; 2 watches
         auto group = world->split(job);
         const std::string target = dir / "ckpt";

@@ -87,6 +87,8 @@ add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict
   test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp test_clip_grad.cpp)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_hsdp.cpp)
 target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+# The checkpoint tests set the library's test seams (src/test_seams.h).
+target_include_directories(ddp_fsdp_rank_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -1,0 +1,28 @@
+#pragma once
+
+// Internal, never installed: hooks that let tests hold the library back at
+// the moment a race would happen. Only test code sets them (in its own
+// process, or in a rank process of support/ranks.h before the library
+// runs); no environment variable, option or file reaches them, so nothing
+// outside a test can steer a production program through them. All zero by
+// default.
+
+#include <chrono>
+
+namespace ddp::detail {
+
+struct TestSeams {
+  /// AsyncSnapshotWriter's thread waits this long before each write, so a
+  /// test can change the parameters or fill the queue while a save is
+  /// pending. Read when a writer's thread starts.
+  std::chrono::milliseconds async_snapshot_write_delay{0};
+  /// Rank 0 waits this long before it commits a distributed checkpoint, with
+  /// the directory's lock held, so that a second job's save surely meets it.
+  std::chrono::milliseconds checkpoint_commit_delay{0};
+};
+
+/// This process's seams. Defined in the library, not inline, so a test and
+/// libddp.so share one instance.
+TestSeams& test_seams();
+
+}  // namespace ddp::detail
