@@ -1,6 +1,7 @@
 #include <ddp/stack_dump.h>
 
 #include <ddp/collective_trace.h>
+#include <ddp/error.h>
 #include <ddp/error_file.h>
 
 #include <c10/util/Exception.h>
@@ -210,6 +211,7 @@ std::terminate_handler previous_terminate = nullptr;
 [[noreturn]] void on_terminate() {
   std::string what;
   bool from_transport = false;
+  bool peer_failure = false;
   if (std::exception_ptr error = std::current_exception()) {
     std::string type = "an exception of unknown type";
     if (const std::type_info* info = abi::__cxa_current_exception_type()) type = c10::demangle(info->name());
@@ -218,6 +220,11 @@ std::terminate_handler previous_terminate = nullptr;
     } catch (const c10::DistError& e) {
       what = e.what_without_backtrace();
       from_transport = true;
+    } catch (const PeerFailure& e) {
+      // Its type, not its text, tells the launcher that another rank caused it.
+      what = e.what_without_backtrace();
+      from_transport = what.find("gloo/") != std::string::npos;
+      peer_failure = true;
     } catch (const c10::Error& e) {
       what = e.what_without_backtrace();
       from_transport = what.find("gloo/") != std::string::npos;
@@ -263,7 +270,11 @@ std::terminate_handler previous_terminate = nullptr;
                 end + "Collectives in flight on this rank: " + in_flight +
                 ". Catch it where it was thrown (a thread's function must catch its own exceptions), or fix its "
                 "cause.";
-  record_error(message);
+  if (peer_failure) {
+    record_error(PeerFailure(message));
+  } else {
+    record_error(message);
+  }
   std::fprintf(stderr, "error: %s\n", message.c_str());
   std::fflush(stderr);
   std::_Exit(1);

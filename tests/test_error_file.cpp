@@ -96,6 +96,32 @@ TEST(ErrorFile, OtherExceptionsAreJudgedByTheirText) {
   }
 }
 
+// The text is read only for other libraries' words (launch_errors.h): each pattern as Gloo, c10d
+// or the OS words it, and none of ddp's own phrases, which its PeerFailure type has replaced.
+TEST(ErrorFile, OnlyOtherLibrariesPhrasesReadAsConsequences) {
+  for (const char* foreign : {
+           "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242",
+           "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Write error [127.0.0.1]:4242: Broken pipe",
+           "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+           "operation to complete",
+           "wait timeout after 300ms, keys: /default_pg/0//cuda//0",
+       }) {
+    EXPECT_TRUE(recorded_as_consequence(std::runtime_error(foreign))) << foreign;
+  }
+  // ddp's own messages, quoted by a program that rethrew them as its own exception.
+  for (const char* ddps : {
+           "training failed: ddp: all_reduce failed on rank 0 of 2; a peer may have died or stopped calling "
+           "collectives.",
+           "training failed: ddp: rank 0 waited 5 s for the other 1 rank(s), but not all of them joined",
+           "training failed: ddp: the checkpoint failed on rank 1 (rank 0 stops too)",
+           "training failed: ddp: rank 1 cannot reach the master at 10.0.0.5:29500 within 5 s",
+           "training failed: ddp: rank 1 reached the store but rank 0 did not publish its run id there",
+           "training failed: ddp: rank 1 waited 5 s for rank 0 to join, but it did not",
+       }) {
+    EXPECT_FALSE(recorded_as_consequence(std::runtime_error(ddps))) << ddps;
+  }
+}
+
 // The throw sites: a rank whose peers never come fails with a PeerFailure, and so does a rank
 // that cannot reach its master, so their error files name them consequences.
 TEST(ErrorFile, RendezvousWithoutPeersThrowsPeerFailure) {

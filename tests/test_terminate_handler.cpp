@@ -3,6 +3,7 @@
 // group). It blames the transport only for an exception that came from the
 // transport; issue 34 item 11 saw an out-of-memory in a save blamed on it.
 #include <ddp/collective_trace.h>
+#include <ddp/error.h>
 #include <ddp/stack_dump.h>
 
 #include <ATen/Functions.h>
@@ -11,6 +12,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -82,6 +87,31 @@ TEST(TerminateHandler, GloosTransportFailureIsStillNamedAsOne) {
             std::string::npos)
       << ending.err;
   EXPECT_NE(ending.err.find("issued different collectives"), std::string::npos) << ending.err;
+}
+
+// The launcher learns from the error file's type flag, not from the text, that a PeerFailure
+// which escaped was caused by another rank (ddp's phrases are no longer read as consequences).
+TEST(TerminateHandler, AnEscapedPeerFailureIsRecordedAsAConsequence) {
+  char dir[] = "/tmp/ddp_terminate_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/error.json";
+  auto recorded = [&](void (*escape)()) {
+    ::setenv("TORCHELASTIC_ERROR_FILE", path.c_str(), 1);
+    Ending ending = terminate_with(escape);
+    ::unsetenv("TORCHELASTIC_ERROR_FILE");
+    EXPECT_EQ(ending.exit_code, 1) << ending.err;
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    std::remove(path.c_str());
+    return text.str();
+  };
+  std::string text = recorded([] { throw ddp::PeerFailure("ddp: rank 2 left the job"); });
+  EXPECT_NE(text.find("\"consequence\": true"), std::string::npos) << text;
+  EXPECT_NE(text.find("nothing caught: ddp: rank 2 left the job"), std::string::npos) << text;
+  text = recorded([] { throw ddp::Error("ddp: rank 3 ran out of patience"); });
+  EXPECT_NE(text.find("\"consequence\": false"), std::string::npos) << text;
+  ::rmdir(dir);
 }
 
 }  // namespace
