@@ -97,29 +97,6 @@ std::vector<char> chars_of(const at::Tensor& bytes, int64_t size) {
   return std::vector<char>(begin, begin + size);
 }
 
-// `value` with every list an untyped one. torch's Pickler writes a list of
-// ints, floats, bools or tensors as a call of torch.jit._pickle's builders,
-// which the weights-only unpickler refuses (it runs nothing); untyped lists
-// are plain pickle lists.
-c10::IValue portable(const c10::IValue& value) {
-  if (value.isList()) {
-    c10::impl::GenericList list(c10::AnyType::get());
-    for (const c10::IValue& item : value.toListRef()) list.push_back(portable(item));
-    return list;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> items;
-    for (const c10::IValue& item : value.toTupleRef().elements()) items.push_back(portable(item));
-    return c10::ivalue::Tuple::create(std::move(items));
-  }
-  if (value.isGenericDict()) {
-    c10::impl::GenericDict dict(value.toGenericDict().keyType(), c10::AnyType::get());
-    for (const auto& entry : value.toGenericDict()) dict.insert(entry.key(), portable(entry.value()));
-    return dict;
-  }
-  return value;
-}
-
 at::Tensor tensor_of(const std::vector<char>& bytes, int64_t padded_size) {
   at::Tensor tensor = at::zeros({padded_size}, at::TensorOptions().dtype(at::kByte));
   if (!bytes.empty()) std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
@@ -345,7 +322,7 @@ void ProcessGroup::broadcast_object(c10::IValue& value, int root) {
   require_usable("broadcast_object");
   check_group_rank(*this, "broadcast_object", "root", root);
   std::vector<char> bytes;
-  if (rank() == root) bytes = serialize_value(portable(value));
+  if (rank() == root) bytes = serialize_value(value);
   at::Tensor length = to_control(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong));
   broadcast_as("broadcast_object", length, root);
   const int64_t size = length.cpu().item<int64_t>();
@@ -360,7 +337,7 @@ void ProcessGroup::broadcast_object(c10::IValue& value, int root) {
 
 std::vector<c10::IValue> ProcessGroup::all_gather_object(const c10::IValue& value) {
   require_usable("all_gather_object");
-  const std::vector<char> bytes = serialize_value(portable(value));
+  const std::vector<char> bytes = serialize_value(value);
   std::vector<at::Tensor> lengths =
       all_gather_as("all_gather_object", to_control(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong)));
   std::vector<int64_t> sizes;
