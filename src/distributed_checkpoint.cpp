@@ -11,6 +11,7 @@
 #include "fmt_header_only.h"
 #include "optimizer_state.h"
 #include "safetensors_io.h"
+#include "shard_range.h"
 #include "test_seams.h"
 
 #include <ATen/Functions.h>
@@ -80,17 +81,12 @@ void add_boxes(std::vector<TensorBox>& out, const std::string& key, const std::v
   }
 }
 
-// What rank `rank` of `world` writes of `count` elements every rank holds.
-std::pair<int64_t, int64_t> even_part(int64_t count, int rank, int world) {
-  return {count * rank / world, count * (rank + 1) / world};
-}
-
 // A whole tensor that every rank holds: each writes its equal part.
 void add_replicated(std::vector<TensorBox>& out, const std::string& key, const at::Tensor& tensor, int rank,
                     int world) {
   at::Tensor flat = tensor.detach().contiguous().view({-1});
-  auto [begin, end] = even_part(flat.numel(), rank, world);
-  add_boxes(out, key, tensor.sizes().vec(), flat, 0, begin, end);
+  const ShardRange part = balanced_part(flat.numel(), world, rank);
+  add_boxes(out, key, tensor.sizes().vec(), flat, 0, part.begin, part.end);
 }
 
 void check_shape(const SafetensorsIndex& index, const std::string& key, at::IntArrayRef shape) {
@@ -559,9 +555,12 @@ void add_unit_boxes(std::vector<TensorBox>& out, const UnitLayout& unit, const a
 // where `replicas` ranks hold the same shard, this replica's equal part of it.
 std::pair<int64_t, int64_t> written_range(const UnitLayout& unit, int rank, int world, int replica, int replicas) {
   const int64_t held = unit.shard.numel();
-  if (held == unit.padded && world > 1) return even_part(unit.padded, rank, world);
-  const auto [begin, end] = even_part(held, replica, replicas);
-  return {unit.shard_start + begin, unit.shard_start + end};
+  if (held == unit.padded && world > 1) {
+    const ShardRange part = balanced_part(unit.padded, world, rank);
+    return {part.begin, part.end};
+  }
+  const ShardRange part = balanced_part(held, replicas, replica);
+  return {unit.shard_start + part.begin, unit.shard_start + part.end};
 }
 
 }  // namespace

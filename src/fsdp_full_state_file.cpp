@@ -14,6 +14,7 @@
 
 #include "error_text.h"
 #include "fsdp_unit.h"
+#include "shard_range.h"
 #include "torch_save_file.h"
 #include "weights_only_unpickler.h"
 
@@ -239,14 +240,14 @@ void FsdpRuntime::load_full_state_dict_file(const std::string& path) {
   // so that a read error leaves the model as it was.
   std::vector<at::Tensor> shards;
   for (const auto& unit : units_) {
-    auto [start, length] = shard_range(*unit);
-    at::Tensor shard = at::zeros({length}, unit->shard.options().requires_grad(false));
+    const ShardRange mine = shard_range(*unit);
+    at::Tensor shard = at::zeros({mine.numel()}, unit->shard.options().requires_grad(false));
     for (size_t j = 0; j < unit->params.size(); ++j) {
-      const int64_t begin = std::max(start, unit->offsets[j]);
-      const int64_t end = std::min(start + length, unit->offsets[j] + unit->params[j].numel());
-      if (begin >= end) continue;
-      at::Tensor piece = reader.read(*by_name.at(unit->param_names[j]), begin - unit->offsets[j], end - begin);
-      shard.narrow(0, begin - start, end - begin).copy_(piece);
+      const int64_t offset = unit->offsets[j];
+      const ShardRange part = clip(mine, {offset, offset + unit->params[j].numel()});
+      if (part.empty()) continue;
+      at::Tensor piece = reader.read(*by_name.at(unit->param_names[j]), part.begin - offset, part.numel());
+      shard.narrow(0, part.begin - mine.begin, part.numel()).copy_(piece);
     }
     shards.push_back(std::move(shard));
   }

@@ -9,6 +9,7 @@
 
 #include "fsdp_unit.h"
 #include "optimizer_state.h"
+#include "shard_range.h"
 
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>
@@ -82,8 +83,8 @@ void FsdpRuntime::load_full_state_dict(const StateDict& state) {
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = *units_[u];
-    auto [start, length] = shard_range(unit);
-    unit.shard.detach().copy_(flats[u].narrow(0, start, length));
+    const ShardRange mine = shard_range(unit);
+    unit.shard.detach().copy_(flats[u].narrow(0, mine.begin, mine.numel()));
     if (unit.gathered && !shard_is_full()) unit.full.copy_(flats[u]);
   }
   for (auto& [target, value] : buffers) target.detach().copy_(value);
@@ -115,9 +116,9 @@ FlatLayout FsdpRuntime::layout_of(const Unit& unit) const {
   return layout;
 }
 
-std::pair<int64_t, int64_t> FsdpRuntime::shard_range(const Unit& unit) const {
+ShardRange FsdpRuntime::shard_range(const Unit& unit) const {
   if (!sharded()) return {0, unit.padded};
-  return {group_->rank() * unit.shard_numel, unit.shard_numel};
+  return padded_shard(unit.numel, group_->size(), group_->rank());
 }
 
 std::map<std::string, int64_t> FsdpRuntime::parameter_indices() const {
@@ -142,7 +143,7 @@ c10::IValue FsdpRuntime::full_optim_state_dict(torch::optim::Optimizer& optimize
     if (found == local.state.end()) continue;  // not stepped yet: the same on every rank
     // The unit's flat entry: its per-element state gathered from every
     // rank's shard (collectives, so on every rank), the rest as it is.
-    const int64_t length = shard_range(unit).second;
+    const int64_t length = shard_range(unit).numel();
     auto flat = map_per_element_state(found->value().toGenericDict(), [&](const std::string& key,
                                                                           const at::Tensor& tensor) {
       DDP_CHECK(tensor.defined() && tensor.numel() == length, "ddp: optimizer state '", key, "' of unit '",
@@ -183,8 +184,9 @@ void FsdpRuntime::load_full_optim_state_dict(torch::optim::Optimizer& optimizer,
     if (entries.empty()) continue;
     DDP_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
               unit.name, "'; FSDP needs all or none");
-    auto [start, length] = shard_range(unit);
-    state.insert(static_cast<int64_t>(u), slice_flat_entry(join_flat_entry(entries, layout_of(unit)), start, length));
+    const ShardRange mine = shard_range(unit);
+    state.insert(static_cast<int64_t>(u),
+                 slice_flat_entry(join_flat_entry(entries, layout_of(unit)), mine.begin, mine.numel()));
   }
   load_optimizer_state_dict(optimizer, one_group_state(state, group, static_cast<int64_t>(units_.size())));
 }
@@ -220,7 +222,7 @@ c10::IValue FsdpRuntime::sharded_state_dict(torch::optim::Optimizer* optimizer) 
     entry.insert("offsets", offsets);
     entry.insert("shapes", shapes);
     entry.insert("padded", unit->padded);
-    entry.insert("shard_start", shard_range(*unit).first);
+    entry.insert("shard_start", shard_range(*unit).begin);
     entry.insert("shard", unit->shard.detach().clone());
     units.push_back(entry);
   }
@@ -256,7 +258,7 @@ void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim
     auto entry = units.get(u).toGenericDict();
     at::Tensor shard = entry.at("shard").toTensor();
     DDP_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
-                    shard.numel() == shard_range(*units_[u]).second,
+                    shard.numel() == shard_range(*units_[u]).numel(),
                 "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
                 entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
                 units_[u]->numel, " elements)");

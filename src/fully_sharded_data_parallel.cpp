@@ -25,6 +25,7 @@
 #include "fsdp_unit.h"
 #include "fsdp_unit_grouping.h"
 #include "gradient_sync_engine.h"
+#include "shard_range.h"
 
 #include <ATen/Functions.h>
 #include <c10/core/StorageImpl.h>
@@ -399,9 +400,8 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
     unit->offsets.push_back(unit->numel);
     unit->numel += param.numel();
   }
-  const int64_t world = group_->size();
-  unit->padded = (unit->numel + world - 1) / world * world;
-  unit->shard_numel = unit->padded / world;
+  unit->padded = padded_numel(unit->numel, group_->size());
+  unit->shard_numel = padded_shard(unit->numel, group_->size(), group_->rank()).numel();
 
   at::NoGradGuard no_grad;
   // The unit's values in the parameters' own dtype: what the shard keeps.
@@ -426,7 +426,8 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
     unit->params[j].set_data(unit->full.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()));
   }
   if (sharded()) {
-    unit->shard = master.narrow(0, group_->rank() * unit->shard_numel, unit->shard_numel).clone();
+    const ShardRange mine = shard_range(*unit);
+    unit->shard = master.narrow(0, mine.begin, mine.numel()).clone();
   } else {
     unit->shard = mixed_ ? master : unit->full.detach();
   }

@@ -13,6 +13,7 @@ add_executable(ddp_unit_tests
   test_env.cpp
   test_sampler.cpp
   test_bucket_assignment.cpp
+  test_shard_range.cpp
   test_fsdp_units.cpp
   test_optimizer_state.cpp
   test_checkpoint.cpp

@@ -31,6 +31,7 @@ class Optimizer;
 namespace ddp::detail {
 
 struct FlatLayout;          // src/optimizer_state.h
+struct ShardRange;          // src/shard_range.h
 class GradientSyncEngine;  // src/gradient_sync_engine.h
 
 /// The groups FSDP runs over. Units are sharded over `shard`; under HSDP
@@ -158,8 +159,9 @@ class FsdpRuntime : private ReductionPolicy {
   /// The shard is the unit's flat tensor itself: nothing is ever freed or
   /// gathered (kNoShard without param_dtype).
   bool shard_is_full() const { return !sharded() && !mixed_; }
-  /// This rank's part of the unit's flat tensor: [first, first + second).
-  std::pair<int64_t, int64_t> shard_range(const Unit& unit) const;
+  /// This rank's part of the unit's flat tensor: padded_shard() of the
+  /// shard group, or the whole padded tensor when nothing is sharded.
+  ShardRange shard_range(const Unit& unit) const;
   FlatLayout layout_of(const Unit& unit) const;
   /// Each parameter's index in the root's named_parameters(), by name:
   /// the unwrapped model's optimizer-state keys.
