@@ -200,8 +200,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
   }
   if (store_deadline) store_deadline->disarm();
   if (world.world_size > 1) group->start_progress_responder();
-  install_stack_dump_handler(SIGUSR1);
-  detail::install_transport_failure_handler();
+  // Process-wide handlers only when asked (ddprun's workers are, through
+  // DDP_DIAGNOSTIC_HANDLERS): a program's signals and std::terminate are its own.
+  if (options.install_stack_dump_handler()) ddp::install_stack_dump_handler(SIGUSR1);
+  if (options.install_terminate_handler()) detail::install_transport_failure_handler();
   detail::register_trace_for_dumps(group.get(), group->trace_.get(), world.rank);
   return group;
 }

@@ -3,6 +3,8 @@
 #include <ddp/collective_trace.h>
 #include <ddp/error.h>
 #include <ddp/error_file.h>
+#include <ddp/launch_env.h>
+#include <ddp/process_group.h>
 
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
@@ -16,7 +18,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -108,6 +112,24 @@ std::vector<pid_t> thread_ids() {
   return ids;
 }
 
+// Every dump needs the other threads to answer kCaptureSignal, whose
+// default action would end the process: installed on the first dump or with
+// the SIGUSR1 handler, whichever comes first, never merely with a group.
+void install_capture_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // backtrace() loads its unwinder on first use: do that now, outside any
+    // signal handler.
+    void* warm[2];
+    ::backtrace(warm, 2);
+    struct sigaction capture {};
+    capture.sa_handler = on_capture;
+    capture.sa_flags = SA_RESTART;
+    sigemptyset(&capture.sa_mask);
+    ::sigaction(kCaptureSignal, &capture, nullptr);
+  });
+}
+
 void dumper_loop() {
   char byte;
   while (::read(request_pipe[0], &byte, 1) >= 0) {
@@ -118,6 +140,7 @@ void dumper_loop() {
 }  // namespace
 
 void dump_stacks(const std::string& reason) {
+  install_capture_handler();
   std::lock_guard<std::mutex> lock(dump_mutex);
   std::ostringstream out;
   out << "ddp: stack dump of pid " << ::getpid() << " (" << reason << "); the program carries on\n";
@@ -172,15 +195,7 @@ bool install_stack_dump_handler(int signal) {
   }
   static std::once_flag once;
   std::call_once(once, [signal] {
-    // backtrace() loads its unwinder on first use: do that now, outside any
-    // signal handler.
-    void* warm[2];
-    ::backtrace(warm, 2);
-    struct sigaction capture {};
-    capture.sa_handler = on_capture;
-    capture.sa_flags = SA_RESTART;
-    sigemptyset(&capture.sa_mask);
-    ::sigaction(kCaptureSignal, &capture, nullptr);
+    install_capture_handler();
     if (::pipe(request_pipe) != 0) return;
     ::fcntl(request_pipe[0], F_SETFD, FD_CLOEXEC);
     ::fcntl(request_pipe[1], F_SETFD, FD_CLOEXEC);
@@ -281,6 +296,19 @@ std::terminate_handler previous_terminate = nullptr;
 }
 
 }  // namespace
+
+bool default_diagnostic_handlers() {
+  const char* text = std::getenv(launch_env::kDiagnosticHandlers);
+  if (text == nullptr || *text == '\0') return false;
+  std::string value(text);
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "1" || value == "on" || value == "true") return true;
+  if (value == "0" || value == "off" || value == "false") return false;
+  DDP_CHECK(false, "ddp: ", launch_env::kDiagnosticHandlers, "='", text,
+            "' must be 1 (install the SIGUSR1 stack dump and the terminate handler) or 0 (leave SIGUSR1 and "
+            "std::terminate to the program)");
+  return false;
+}
 
 namespace detail {
 

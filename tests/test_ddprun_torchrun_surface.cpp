@@ -33,7 +33,7 @@ const std::vector<std::string> kLauncherVariables = {
     "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "DDP_RUN_ID", "DDP_RDZV_SECRET_FILE", "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+    "DDP_RUN_ID", "DDP_RDZV_SECRET_FILE", "DDP_DIAGNOSTIC_HANDLERS", "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
     "PET_MASTER_PORT", "PET_STANDALONE", "PET_RDZV_BACKEND", "PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_ROLE",
     "PET_MAX_RESTARTS", "PET_SIGNALS_TO_HANDLE", "PET_VIRTUAL_LOCAL_RANK", "PET_LOG_DIR", "PET_TEE",
     "PET_REDIRECTS", "PET_START_METHOD", "PET_MODULE", "PET_RUN_PATH", "PET_NO_PYTHON"};
@@ -133,7 +133,7 @@ bool is_uuid(const std::string& value) {
 }
 
 // Variables only ddprun sets (README, launcher section).
-const std::set<std::string> kDdprunExtras = {"DDP_RUN_ID", "DDPRUN_ATTEMPT"};
+const std::set<std::string> kDdprunExtras = {"DDP_RUN_ID", "DDPRUN_ATTEMPT", "DDP_DIAGNOSTIC_HANDLERS"};
 
 // One variable of one worker. Values that differ per run (ports, temporary paths, fresh ids)
 // are compared by shape; the deliberate differences are the README's.
@@ -452,9 +452,13 @@ TEST(DdprunTorchrunFlags, WorkersGetTorchrunsRoleSignalAndStoreVariables) {
   EXPECT_EQ(env.at("TORCHELASTIC_SIGNALS_TO_HANDLE"), "SIGTERM,SIGINT,SIGHUP,SIGQUIT");
   EXPECT_EQ(env.at("TORCHELASTIC_USE_AGENT_STORE"), "False");
   EXPECT_EQ(env.at("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "1");
+  // ddprun's own: ddp's stack dump on SIGUSR1 and its terminate handler are on for its workers.
+  EXPECT_EQ(env.at("DDP_DIAGNOSTIC_HANDLERS"), "1");
   // The user's own choice passes through.
-  dumps = ddprun_dumps({"--signals-to-handle", "SIGTERM,SIGUSR2"}, {{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"}});
+  dumps = ddprun_dumps({"--signals-to-handle", "SIGTERM,SIGUSR2"},
+                       {{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"}, {"DDP_DIAGNOSTIC_HANDLERS", "0"}});
   EXPECT_EQ(dumps["0.0"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "3");
+  EXPECT_EQ(dumps["0.0"]["DDP_DIAGNOSTIC_HANDLERS"], "0");
   EXPECT_EQ(dumps["0.0"]["TORCHELASTIC_SIGNALS_TO_HANDLE"], "SIGTERM,SIGUSR2");
   // --standalone makes up a fresh run id, as torchrun does, unless one is given.
   dumps = ddprun_dumps({"--standalone"});

@@ -146,3 +146,6 @@ target_sources(ddp_integration_rank_tests PRIVATE test_collectives.cpp)
 target_sources(ddp_mpi_tests PRIVATE test_collectives_mpi.cpp)
 # What checkpoints and sharded snapshots may never do: delete what is not theirs, lose the last one, prune the good.
 target_sources(ddp_fsdp_rank_tests PRIVATE test_checkpoint_safety.cpp)
+# ddp's SIGUSR1 and terminate handlers only when asked for (ProcessGroupOptions, DDP_DIAGNOSTIC_HANDLERS),
+# as ddprun asks for its workers.
+target_sources(ddp_trace_tests PRIVATE test_diagnostic_handlers.cpp)

@@ -29,4 +29,10 @@ constexpr const char* kErrorFile = "TORCHELASTIC_ERROR_FILE";
 /// ddprun's --log-dir for this attempt; ddp writes collective traces there.
 constexpr const char* kLogDir = "DDP_LOG_DIR";
 
+// What ddp may do to the worker's process.
+/// "1": ProcessGroup::create installs ddp's SIGUSR1 stack dump and
+/// std::terminate handler (ProcessGroupOptions); ddprun sets it unless the
+/// user did.
+constexpr const char* kDiagnosticHandlers = "DDP_DIAGNOSTIC_HANDLERS";
+
 }  // namespace ddp::launch_env

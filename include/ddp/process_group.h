@@ -73,6 +73,11 @@ enum class DebugLevel {
 /// is kDetail, unset or "off" is kOff.
 DebugLevel default_debug_level();
 
+/// Whether ddp installs its diagnostic handlers unless told otherwise:
+/// DDP_DIAGNOSTIC_HANDLERS from the environment, "1" (ddprun exports it to
+/// its workers) or "0"; unset is "0", for a program ddprun did not start.
+bool default_diagnostic_handlers();
+
 /// Options for init_process_group.
 ///
 ///   auto pg = ddp::init_process_group(
@@ -99,6 +104,27 @@ struct ProcessGroupOptions {
   /// kDetail compares every collective's fingerprint across ranks before it
   /// runs, so a desync is an error naming both sides instead of a hang.
   TORCH_ARG(DebugLevel, debug) = default_debug_level();
+  /// Whether creating the group installs a SIGUSR1 handler that prints
+  /// every thread's stack and the last collectives, then lets the program
+  /// go on (stack_dump.h; `kill -USR1 PID`, or SIGUSR1 to ddprun, which
+  /// forwards it). Signal handlers belong to the whole process, so ddp takes
+  /// SIGUSR1 only when asked: this option, or DDP_DIAGNOSTIC_HANDLERS=1,
+  /// which ddprun sets for its workers (default_diagnostic_handlers()).
+  /// Under torchrun or your own launcher, export DDP_DIAGNOSTIC_HANDLERS=1
+  /// or set this. Once installed it stays for the life of the process;
+  /// DDP_STACK_DUMP_SIGNAL=off still refuses it.
+  ///
+  ///   ddp::ProcessGroupOptions().install_stack_dump_handler(true)
+  TORCH_ARG(bool, install_stack_dump_handler) = default_diagnostic_handlers();
+  /// Whether creating the group installs a std::terminate handler: an
+  /// exception that nothing caught (one thrown in Gloo's transport thread
+  /// when ranks issued different collectives, say) then ends the process
+  /// with ddp's error line (rank, collectives in flight, likely cause),
+  /// recorded for the launcher, and exit status 1, instead of abort()'s bare
+  /// "terminate called". It replaces the program's own handler, which it
+  /// calls for an exception while no process group lives; hence opt-in, with
+  /// the same default as install_stack_dump_handler.
+  TORCH_ARG(bool, install_terminate_handler) = default_diagnostic_handlers();
 };
 
 /// One send or receive of ProcessGroup::batch_isend_irecv, like

@@ -11,7 +11,8 @@
 //
 // How: the test process re-executes its own binary N times with
 // --gtest_filter=<this test> and RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT. In such a
+// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT and, as ddprun
+// exports, DDP_DIAGNOSTIC_HANDLERS=1. In such a
 // child, run_on_ranks joins the group, runs `body`, and ends the process:
 // exit 0 if `body` returned and no gtest assertion failed, 1 otherwise (an
 // exception's message goes to stderr). A failed EXPECT/ASSERT inside `body`
@@ -200,7 +201,9 @@ inline std::vector<std::vector<ProcessResult>> run_phases_on_ranks(const std::ve
                  {"GROUP_RANK", "0"},
                  {"MASTER_ADDR", "127.0.0.1"},
                  {"MASTER_PORT", port},
-                 {"DDP_TIMEOUT_SECONDS", std::to_string(options.collective_timeout_seconds)}};
+                 {"DDP_TIMEOUT_SECONDS", std::to_string(options.collective_timeout_seconds)},
+                 // As ddprun's workers: ddp's SIGUSR1 stack dump and terminate handler.
+                 {"DDP_DIAGNOSTIC_HANDLERS", "1"}};
       run.env.insert(run.env.end(), options.env.begin(), options.env.end());
       run.unset_env = {"SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_RUN_ID",
                        "DDP_RUN_ID"};

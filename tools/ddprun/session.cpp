@@ -285,6 +285,12 @@ class Session {
     if (std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING") == nullptr) {
       environment.set("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
     }
+    // ddp installs its SIGUSR1 stack dump and std::terminate handler only when asked: under
+    // ddprun the workers are, so that SIGUSR1 to ddprun dumps every worker's stacks. The user's
+    // own value (0 for a program that handles SIGUSR1 itself) passes through.
+    if (std::getenv(ddp::launch_env::kDiagnosticHandlers) == nullptr) {
+      environment.set(ddp::launch_env::kDiagnosticHandlers, "1");
+    }
     environment.set(ddp::launch_env::kRunId, options_.run_id);
     environment.set(ddp::launch_env::kDdpRunId, options_.run_id);
     if (setup_.omp_threads_from_cpus) {
