@@ -14,7 +14,6 @@
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>
 
-#include <filesystem>
 #include <map>
 
 namespace ddp {
@@ -290,36 +289,5 @@ void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim
 }
 
 }  // namespace detail
-
-std::string save_sharded_checkpoint(const c10::IValue& state, const std::string& dir, ProcessGroup& group) {
-  std::filesystem::create_directories(dir);
-  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
-  save_value(state, path);
-  group.barrier();
-  return path;
-}
-
-c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group) {
-  std::string path = dir + "/shard_" + std::to_string(group.rank()) + "_of_" + std::to_string(group.size()) + ".pt";
-  if (!std::filesystem::exists(path)) {
-    std::string found;
-    if (std::filesystem::is_directory(dir)) {
-      for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-        std::string name = entry.path().filename().string();
-        if (name.rfind("shard_", 0) == 0) {
-          found = name;
-          break;
-        }
-      }
-    }
-    DDP_CHECK(false, "ddp: no sharded checkpoint for rank ", group.rank(), " of ", group.size(), " in '", dir,
-                "' (expected ", path, ")",
-                found.empty() ? std::string()
-                              : "; it holds " + found +
-                                    ", written by another world size: a sharded checkpoint reloads only into the "
-                                    "same world size, load a full state dict instead");
-  }
-  return load_value(path);
-}
 
 }  // namespace ddp

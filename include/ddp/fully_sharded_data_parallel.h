@@ -503,8 +503,11 @@ class FullyShardedDataParallel {
     runtime_->load_full_optim_state_dict(optimizer, state);
   }
 
-  /// This rank's shards, buffers and (if given) optimizer state: to be saved
-  /// per rank and loaded back into the same world size and units.
+  /// This rank's shards, buffers and (if given) optimizer state, in memory:
+  /// what save_distributed_checkpoint writes (<ddp/distributed_checkpoint.h>),
+  /// which is the way to put them on disk and to load them at another world
+  /// size. load_sharded_state_dict takes only this job's own: the same world
+  /// size, rank and units.
   c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer = nullptr) {
     return runtime_->sharded_state_dict(optimizer);
   }
@@ -568,12 +571,5 @@ class FullyShardedDataParallel {
   std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<detail::FsdpRuntime> runtime_;
 };
-
-/// Writes `state` (a sharded_state_dict) to DIR/shard_<rank>_of_<world>.pt
-/// atomically, then waits for every rank. Returns the path written.
-std::string save_sharded_checkpoint(const c10::IValue& state, const std::string& dir, ProcessGroup& group);
-/// Reads this rank's file written by save_sharded_checkpoint; a checkpoint of
-/// another world size is refused with an error that says so.
-c10::IValue load_sharded_checkpoint(const std::string& dir, ProcessGroup& group);
 
 }  // namespace ddp

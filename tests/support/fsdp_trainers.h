@@ -67,9 +67,9 @@ struct TrainSpec {
   int64_t init_seed = 0;
   /// Backward passes per optimizer step (gradient accumulation).
   int64_t micro_batches = 1;
-  /// Full checkpoints (PREFIX.model.pt, PREFIX.optim.pt; any world size) and
-  /// sharded ones (a directory; FSDP, the same world size): "" for none.
-  std::string load_full, save_full, load_sharded, save_sharded;
+  /// Full checkpoints (PREFIX.model.pt, PREFIX.optim.pt; any world size):
+  /// "" for none.
+  std::string load_full, save_full;
   /// Distributed checkpoints (a directory in DCP's HuggingFace layout; any
   /// world size and strategy but single): "" for none.
   std::string load_dcp, save_dcp;
@@ -133,8 +133,6 @@ struct Trainer {
   // FSDP only.
   virtual std::string units() { return ""; }
   virtual ddp::ShardedMemory memory() { return {}; }
-  virtual void save_sharded(const std::string&, ddp::ProcessGroup&) { throw std::invalid_argument("not FSDP"); }
-  virtual void load_sharded(const std::string&, ddp::ProcessGroup&) { throw std::invalid_argument("not FSDP"); }
   virtual void save_dcp(const std::string&) { throw std::invalid_argument("single has no process group"); }
   virtual ddp::DistributedCheckpointReport load_dcp(const std::string&) {
     throw std::invalid_argument("single has no process group");
@@ -237,12 +235,6 @@ struct FsdpTrainer : Trainer {
     return names;
   }
   ddp::ShardedMemory memory() override { return fsdp.memory(); }
-  void save_sharded(const std::string& dir, ddp::ProcessGroup& group) override {
-    ddp::save_sharded_checkpoint(fsdp.sharded_state_dict(plain.get()), dir, group);
-  }
-  void load_sharded(const std::string& dir, ddp::ProcessGroup& group) override {
-    fsdp.load_sharded_state_dict(ddp::load_sharded_checkpoint(dir, group), plain.get());
-  }
   void save_dcp(const std::string& dir) override { ddp::save_distributed_checkpoint(dir, fsdp, plain.get()); }
   ddp::DistributedCheckpointReport load_dcp(const std::string& dir) override {
     return ddp::load_distributed_checkpoint(dir, fsdp, plain.get());
@@ -327,7 +319,6 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
   if (!spec.load_full.empty()) {
     trainer->load_full(ddp::load_state_dict(spec.load_full + ".model.pt"), ddp::load_value(spec.load_full + ".optim.pt"));
   }
-  if (!spec.load_sharded.empty()) trainer->load_sharded(spec.load_sharded, *group);
   if (!spec.load_dcp.empty()) result.loaded = trainer->load_dcp(spec.load_dcp);
 
   for (int64_t step = spec.first_step; step < spec.first_step + spec.steps; ++step) {
@@ -363,7 +354,6 @@ inline TrainResult train(const std::shared_ptr<ddp::ProcessGroup>& group, const 
       ddp::save_value(optim_state, spec.save_full + ".optim.pt");
     }
   }
-  if (!spec.save_sharded.empty()) trainer->save_sharded(spec.save_sharded, *group);
   if (!spec.save_dcp.empty()) trainer->save_dcp(spec.save_dcp);
   result.state = trainer->full_state();
   if (!single) group->barrier();
