@@ -44,7 +44,11 @@ case "$mode" in
     # 2 cores; unoptimised (-O0), as in examples mode, since what is checked
     # is that it builds and links this way.
     args=(-G Ninja -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O0"
-          -DDDP_CONSUME=fetchcontent -DDDP_SOURCE="$source" -DDDP_PYTHON="$python") ;;
+          -DDDP_CONSUME=fetchcontent -DDDP_SOURCE="$source" -DDDP_PYTHON="$python"
+          # What only ddprun and ddp's tests need is made unfindable: a
+          # project that includes ddp need not have it.
+          -DCMAKE_DISABLE_FIND_PACKAGE_CLI11=TRUE -DCMAKE_DISABLE_FIND_PACKAGE_OpenSSL=TRUE
+          -DCMAKE_DISABLE_FIND_PACKAGE_GTest=TRUE) ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
 cmake -S "$source/tests/consumer" -B "$work/build" "${args[@]}" > "$work/configure.log" 2>&1 \
@@ -53,6 +57,23 @@ cmake --build "$work/build" -j 2 > "$work/build.log" 2>&1 || { tail -50 "$work/b
 out=$("$work/build/consumer")
 echo "$out"
 [ "$out" = "consumer ok: world 1, 2 tensors" ]
+if [ "$mode" = fetchcontent ]; then
+  # Included, ddp follows the including project: no launcher, no install
+  # rules, and a static libddp since the project did not ask for shared ones.
+  if find "$work/build" -name ddprun -type f | grep -q .; then
+    echo "ddprun was built in a project that includes ddp" >&2; exit 1
+  fi
+  find "$work/build" -name libddp.a | grep -q . \
+    || { echo "no static libddp.a in a project without BUILD_SHARED_LIBS" >&2; exit 1; }
+  if find "$work/build" -name 'libddp.so*' | grep -q .; then
+    echo "a shared libddp in a project without BUILD_SHARED_LIBS" >&2; exit 1
+  fi
+  cmake --install "$work/build" --prefix "$work/fc-prefix" > "$work/fc-install.log"
+  if [ -n "$(find "$work/fc-prefix" -type f 2>/dev/null)" ]; then
+    echo "the including project installs ddp's files:" >&2; find "$work/fc-prefix" -type f >&2; exit 1
+  fi
+  echo "fetchcontent ok: without CLI11, OpenSSL and GTest; static libddp; no launcher; nothing installed"
+fi
 if [ "$mode" = installed ]; then
   # The installed package carries the launcher and the headers too.
   test -x "$work/prefix/bin/ddprun"
@@ -63,6 +84,8 @@ if [ "$mode" = installed ]; then
   lib=$(ls "$work/prefix"/lib*/libddp.so)
   rpath=$(readelf -d "$lib" | sed -n 's/.*R\(UN\)\{0,1\}PATH.*\[\(.*\)\]/\2/p')
   echo "installed libddp.so RUNPATH: $rpath"
+  # An empty entry would make the loader search the working directory.
+  case ":$rpath:" in *::*) echo "empty RUNPATH entry in $lib" >&2; exit 1 ;; esac
   IFS=: read -ra dirs <<< "$rpath"
   for dir in "${dirs[@]}"; do
     case "$dir" in
