@@ -276,6 +276,28 @@ TEST(CollectiveTraceRanks, StackDumpOnDemandShowsTheBlockedFrameAndTheJobContinu
   EXPECT_NE(err.find("(all_reduce, blocked step, 16 B) not finished"), std::string::npos) << err;
 }
 
+// Rank 0 saves a distributed checkpoint while rank 1 goes on with its loss
+// all-reduces: the ranks' collectives differ from #4 on. Returns this rank's
+// error and how long it took to come.
+std::pair<std::string, double> save_on_rank_0_only(const std::shared_ptr<ddp::ProcessGroup>& shared,
+                                                   const std::string& dir) {
+  ddp::ProcessGroup& group = *shared;
+  torch::manual_seed(1);
+  torch::nn::Linear linear(4, 2);
+  ddp::DistributedDataParallel<torch::nn::Linear> model(linear, shared);
+  all_reduce_tagged(group, "loss 1");
+  const auto start = std::chrono::steady_clock::now();
+  std::string error = error_of([&] {
+    if (group.rank() == 0) {
+      ddp::save_distributed_checkpoint(dir + "/checkpoint", model);
+    } else {
+      all_reduce_tagged(group, "loss 2");
+      all_reduce_tagged(group, "loss 3");
+    }
+  });
+  return {error, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
 // Issue 34 item 12: rank 0 saves a distributed checkpoint, rank 1 goes on
 // with its loss all-reduces instead. The stall report said "Every other rank
 // reported entering it too" (both had passed the same numbers, with other
@@ -291,20 +313,7 @@ TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyIsReportedAsADesyncNamingBothCollec
   auto ranks = run_on_ranks(
       2,
       [dir](const std::shared_ptr<ddp::ProcessGroup>& group) {
-        torch::manual_seed(1);
-        torch::nn::Linear linear(4, 2);
-        ddp::DistributedDataParallel<torch::nn::Linear> model(linear, group);
-        all_reduce_tagged(*group, "loss 1");
-        const auto start = std::chrono::steady_clock::now();
-        std::string error = error_of([&] {
-          if (group->rank() == 0) {
-            ddp::save_distributed_checkpoint(dir + "/checkpoint", model);
-          } else {
-            all_reduce_tagged(*group, "loss 2");
-            all_reduce_tagged(*group, "loss 3");
-          }
-        });
-        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const auto [error, seconds] = save_on_rank_0_only(group, dir);
         std::cerr << "RANK" << group->rank() << " ERROR: " << error << "\n";
         EXPECT_NE(error.find("rank " + std::to_string(1 - group->rank()) + " issued #"), std::string::npos) << error;
         EXPECT_NE(error.find(": the ranks issued different collectives (a desync)."), std::string::npos) << error;
@@ -343,20 +352,7 @@ TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyFailsLongBeforeTheTimeout) {
   auto ranks = run_on_ranks(
       2,
       [dir](const std::shared_ptr<ddp::ProcessGroup>& group) {
-        torch::manual_seed(1);
-        torch::nn::Linear linear(4, 2);
-        ddp::DistributedDataParallel<torch::nn::Linear> model(linear, group);
-        all_reduce_tagged(*group, "loss 1");
-        const auto start = std::chrono::steady_clock::now();
-        std::string error = error_of([&] {
-          if (group->rank() == 0) {
-            ddp::save_distributed_checkpoint(dir + "/checkpoint", model);
-          } else {
-            all_reduce_tagged(*group, "loss 2");
-            all_reduce_tagged(*group, "loss 3");
-          }
-        });
-        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const auto [error, seconds] = save_on_rank_0_only(group, dir);
         std::cerr << "RANK" << group->rank() << " ERROR after " << seconds << " s: " << error << "\n";
         EXPECT_NE(error.find(": the ranks issued different collectives (a desync)."), std::string::npos) << error;
         EXPECT_NE(error.find("the ranks issued different collectives, found after 10 s of waiting"), std::string::npos)
