@@ -14,6 +14,8 @@
 // ddp::optimizer_state_dict / ddp::load_optimizer_state_dict
 // (<ddp/snapshot.h>), defined in src/optimizer_state.cpp too.
 
+#include "flat_layout.h"
+
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -68,12 +70,6 @@ GenericDict merge_states(const std::vector<GenericDict>& parts);
 /// Where parameters lie in one flat tensor (an FSDP unit): parameter j
 /// holds elements [offsets[j], offsets[j] + numel of shapes[j]), and the
 /// flat tensor has `padded` elements (the tail, if any, is padding).
-struct FlatLayout {
-  std::vector<std::string> names;  ///< for errors
-  std::vector<int64_t> offsets;
-  std::vector<std::vector<int64_t>> shapes;
-  int64_t padded = 0;
-};
 
 /// One flat entry (per-element state, is_per_element_state(), as tensors of
 /// layout.padded elements; the rest, "step", for the whole flat tensor) as
