@@ -248,6 +248,49 @@ TEST(DistributedDataParallel, CommunicationHooks) {
   }));
 }
 
+// An inner hook that records the dtype of every bucket it is handed and
+// all-reduces it.
+class DtypeRecordingHook : public ddp::CommHook {
+ public:
+  c10::intrusive_ptr<c10::ivalue::Future> run(ddp::ProcessGroup& group, ddp::GradBucket& bucket) override {
+    seen.push_back(bucket.buffer().scalar_type());
+    for (const at::Tensor& g : bucket.gradients()) seen.push_back(g.scalar_type());
+    return inner_->run(group, bucket);
+  }
+  std::vector<at::ScalarType> seen;
+
+ private:
+  std::shared_ptr<ddp::CommHook> inner_ = ddp::allreduce_hook();
+};
+
+// One backward of Mlp under `hook`; its gradients, flattened.
+at::Tensor gradients_under(const Group& group, std::shared_ptr<ddp::CommHook> hook) {
+  torch::manual_seed(11);
+  Mlp model;
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group, ddp::DDPOptions().bucket_cap_mb(1e-4).comm_hook(hook));
+  at::manual_seed(17 + group->rank());
+  ddp_model.forward(at::randn({8, 10})).pow(2).mean().backward();
+  std::vector<at::Tensor> grads;
+  for (auto& p : model->parameters()) grads.push_back(p.grad().flatten());
+  return at::cat(grads);
+}
+
+TEST(DistributedDataParallel, CompressHookDecoratesAnyInnerHook) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    auto recording = std::make_shared<DtypeRecordingHook>();
+    const at::Tensor decorated = gradients_under(group, ddp::compress_hook(at::kHalf, recording));
+    // The inner hook reduced float16 buckets, their per-parameter views too,
+    // and the gradients came back as float32, with the same bits as
+    // fp16_compress_hook's (the same casts around the same all-reduce).
+    EXPECT_FALSE(recording->seen.empty());
+    for (at::ScalarType dtype : recording->seen) EXPECT_EQ(dtype, at::kHalf);
+    EXPECT_EQ(decorated.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(decorated, gradients_under(group, ddp::fp16_compress_hook())));
+    EXPECT_FALSE(at::equal(decorated, gradients_under(group, ddp::allreduce_hook()))) << "fp16 rounding must show";
+    EXPECT_NE(error_of([] { ddp::compress_hook(at::kHalf, nullptr); }).find("needs an inner hook"), std::string::npos);
+  }));
+}
+
 }  // namespace
 
 namespace {

@@ -82,10 +82,16 @@ class CommHook {
 
 /// The default: all-reduce (sum) in place, or reduce-scatter into the shard.
 std::shared_ptr<CommHook> allreduce_hook();
-/// Casts the bucket to float16 for the all-reduce (or reduce-scatter),
-/// halving the bytes sent, and back to the gradients' dtype afterwards.
+/// A decorator (PyTorch's fp16_compress_wrapper, for any dtype): casts the
+/// bucket (its buffer, and its shard when it scatters) to `dtype`, lets
+/// `inner` reduce that, and casts the result back into the bucket's dtype.
+/// The bytes on the wire are `dtype`'s whatever `inner` sends.
+///
+///   ddp::DDPOptions().comm_hook(ddp::compress_hook(at::kHalf, ddp::powersgd_hook()))
+std::shared_ptr<CommHook> compress_hook(at::ScalarType dtype, std::shared_ptr<CommHook> inner = allreduce_hook());
+/// compress_hook(at::kHalf): half the bytes of float32.
 std::shared_ptr<CommHook> fp16_compress_hook();
-/// The same with bfloat16: fewer mantissa bits, float32's range.
+/// compress_hook(at::kBFloat16): fewer mantissa bits, float32's range.
 std::shared_ptr<CommHook> bf16_compress_hook();
 
 class DeviceMesh;
