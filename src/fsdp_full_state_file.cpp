@@ -13,6 +13,7 @@
 #include <ddp/error.h>
 
 #include "error_text.h"
+#include "fsdp_runtime.h"
 #include "fsdp_unit.h"
 #include "shard_range.h"
 #include "torch_save_file.h"

@@ -7,6 +7,7 @@
 #include <ddp/error.h>
 #include <ddp/snapshot.h>
 
+#include "fsdp_runtime.h"
 #include "fsdp_unit.h"
 #include "optimizer_state.h"
 #include "shard_range.h"

@@ -8,6 +8,7 @@
 
 #include <ddp/error.h>
 
+#include "fsdp_runtime.h"
 #include "fsdp_unit.h"
 #include "gradient_sync_engine.h"
 

@@ -6,7 +6,7 @@
 // fsdp_step.cpp (forward and backward) and fsdp_state_dict.cpp (state dicts).
 
 #include <ddp/comm_hooks.h>
-#include <ddp/fully_sharded_data_parallel.h>
+#include "fsdp_runtime.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>

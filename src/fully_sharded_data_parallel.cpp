@@ -22,6 +22,7 @@
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/error.h>
 
+#include "fsdp_runtime.h"
 #include "fsdp_unit.h"
 #include "fsdp_unit_grouping.h"
 #include "gradient_sync_engine.h"
@@ -249,8 +250,6 @@ void FsdpRuntime::finish_construction() {
   sync.collectives = sharded() ? "reduce-scatters" : "all-reduces";
   // As in PyTorch's FSDP, a parameter without a gradient contributes zeros.
   sync.allow_unused = true;
-  sync.rounds_start_on_first_gradient = false;
-  sync.track_rounds_without_sync = true;
   engine_ = std::make_unique<GradientSyncEngine>(std::move(params), std::move(names), group_,
                                                  static_cast<ReductionPolicy&>(*this), sync);
   engine_->set_groups(std::move(groups));
@@ -574,5 +573,106 @@ void FsdpUnitModule::adopt(const std::shared_ptr<torch::nn::Module>& inner) {
 }
 
 }  // namespace detail
+
+// --- the wrapper's non-template part: forwards to the runtime ----------------
+
+FullParamsGuard::FullParamsGuard(detail::FsdpRuntime& runtime) : runtime_(&runtime) { runtime_->gather_all(); }
+
+FullParamsGuard::~FullParamsGuard() {
+  if (runtime_) runtime_->free_all();
+}
+
+FsdpNoSyncGuard::FsdpNoSyncGuard(detail::FsdpRuntime& runtime)
+    : runtime_(&runtime), previous_(runtime.requires_gradient_sync()) {
+  runtime_->set_requires_gradient_sync(false);
+}
+
+FsdpNoSyncGuard::~FsdpNoSyncGuard() {
+  if (runtime_) runtime_->set_requires_gradient_sync(previous_);
+}
+
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch::nn::Module> root,
+                                                           std::shared_ptr<ProcessGroup> group,
+                                                           const FSDPOptions& options) {
+  auto groups = detail::fsdp_groups(std::move(group), options);
+  group_ = groups.whole;
+  runtime_ = std::make_unique<detail::FsdpRuntime>(std::move(root), std::move(groups), options);
+}
+
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch::nn::Module> root,
+                                                           const DeviceMesh& mesh, const FSDPOptions& options)
+    : group_(mesh.process_group()),
+      runtime_(std::make_unique<detail::FsdpRuntime>(std::move(root), detail::fsdp_groups(mesh), options)) {}
+
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch::nn::SequentialImpl> root,
+                                                           const DeferredSequential& children,
+                                                           std::shared_ptr<ProcessGroup> group,
+                                                           const FSDPOptions& options)
+    : group_(group),
+      runtime_(std::make_unique<detail::FsdpRuntime>(std::move(root), children,
+                                                     detail::fsdp_groups(std::move(group), options), options)) {}
+
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(std::shared_ptr<torch::nn::SequentialImpl> root,
+                                                           const DeferredSequential& children,
+                                                           const DeviceMesh& mesh, const FSDPOptions& options)
+    : group_(mesh.process_group()),
+      runtime_(std::make_unique<detail::FsdpRuntime>(std::move(root), children, detail::fsdp_groups(mesh), options)) {}
+
+FullyShardedDataParallelBase::~FullyShardedDataParallelBase() = default;
+FullyShardedDataParallelBase::FullyShardedDataParallelBase(FullyShardedDataParallelBase&&) noexcept = default;
+FullyShardedDataParallelBase& FullyShardedDataParallelBase::operator=(FullyShardedDataParallelBase&&) noexcept =
+    default;
+
+std::vector<at::Tensor> FullyShardedDataParallelBase::parameters() const { return runtime_->shards(); }
+FullParamsGuard FullyShardedDataParallelBase::summon_full_params() { return FullParamsGuard(*runtime_); }
+StateDict FullyShardedDataParallelBase::full_state_dict(bool rank0_only) {
+  return runtime_->full_state_dict(rank0_only);
+}
+void FullyShardedDataParallelBase::load_full_state_dict(const StateDict& state) {
+  runtime_->load_full_state_dict(state);
+}
+void FullyShardedDataParallelBase::load_full_state_dict_file(const std::string& path) {
+  runtime_->load_full_state_dict_file(path);
+}
+c10::IValue FullyShardedDataParallelBase::full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only) {
+  return runtime_->full_optim_state_dict(optimizer, rank0_only);
+}
+void FullyShardedDataParallelBase::load_full_optim_state_dict(torch::optim::Optimizer& optimizer,
+                                                              const c10::IValue& state) {
+  runtime_->load_full_optim_state_dict(optimizer, state);
+}
+c10::IValue FullyShardedDataParallelBase::sharded_state_dict(torch::optim::Optimizer* optimizer) {
+  return runtime_->sharded_state_dict(optimizer);
+}
+void FullyShardedDataParallelBase::load_sharded_state_dict(const c10::IValue& state,
+                                                           torch::optim::Optimizer* optimizer) {
+  runtime_->load_sharded_state_dict(state, optimizer);
+}
+FsdpNoSyncGuard FullyShardedDataParallelBase::no_sync() { return FsdpNoSyncGuard(*runtime_); }
+void FullyShardedDataParallelBase::set_requires_gradient_sync(bool sync) {
+  runtime_->set_requires_gradient_sync(sync);
+}
+std::vector<std::string> FullyShardedDataParallelBase::unit_names() const { return runtime_->unit_names(); }
+ShardedMemory FullyShardedDataParallelBase::memory() const { return runtime_->memory(); }
+void FullyShardedDataParallelBase::reset_peak_memory() { runtime_->reset_peak_memory(); }
+const std::shared_ptr<ProcessGroup>& FullyShardedDataParallelBase::shard_group() const {
+  return runtime_->shard_group();
+}
+const std::shared_ptr<ProcessGroup>& FullyShardedDataParallelBase::replicate_group() const {
+  return runtime_->replicate_group();
+}
+ShardingStrategy FullyShardedDataParallelBase::sharding_strategy() const { return runtime_->sharding_strategy(); }
+void FullyShardedDataParallelBase::begin_forward() { runtime_->begin_forward(); }
+void FullyShardedDataParallelBase::end_forward(const std::vector<at::Tensor>& outputs) {
+  runtime_->end_forward(outputs);
+}
+std::optional<at::ScalarType> FullyShardedDataParallelBase::input_dtype() const { return runtime_->input_dtype(); }
+std::optional<at::ScalarType> FullyShardedDataParallelBase::output_dtype() const {
+  return runtime_->output_dtype();
+}
+bool FullyShardedDataParallelBase::runs_sequential() const { return runtime_->runs_sequential(); }
+at::Tensor FullyShardedDataParallelBase::run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
+  return runtime_->run_sequential(sequential, std::move(input));
+}
 
 }  // namespace ddp

@@ -53,6 +53,7 @@
 // FSDPOptions().min_num_params(1) (every child a unit): the same shards, the
 // same steps.
 
+#include <ddp/export.h>
 #include <ddp/error.h>
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
@@ -98,8 +99,8 @@ enum class ShardingStrategy {
 /// "full_shard", "shard_grad_op", "no_shard", "hybrid_shard" or
 /// "hybrid_shard_zero2" (PyTorch's upper-case names, and its
 /// "_hybrid_shard_zero2", too); throws on anything else.
-ShardingStrategy parse_sharding_strategy(const std::string& name);
-std::string to_string(ShardingStrategy strategy);
+DDP_API ShardingStrategy parse_sharding_strategy(const std::string& name);
+DDP_API std::string to_string(ShardingStrategy strategy);
 
 /// Per-unit settings, by unit name (as unit_names() lists them).
 using FsdpUnitFlags = std::map<std::string, bool>;
@@ -221,7 +222,7 @@ class FsdpRuntime;
 
 /// The part of an fsdp_unit wrapper that is not a template: the unit it
 /// stands for, once a FullyShardedDataParallel has claimed it.
-class FsdpUnitModule : public torch::nn::Module {
+class DDP_API FsdpUnitModule : public torch::nn::Module {
  public:
   /// Runs before the wrapped module's forward: gathers the unit.
   void before_forward();
@@ -311,13 +312,6 @@ std::vector<at::Tensor> forward_outputs(const T& result) {
 }
 
 }  // namespace detail
-}  // namespace ddp
-
-// detail::FsdpRuntime, FSDP's runtime: internal, not API, declared in a header
-// because FullyShardedDataParallel's templates call it inline.
-#include <ddp/detail/fsdp_runtime.h>
-
-namespace ddp {
 
 /// A submodule wrapped as its own FSDP unit where the model is built:
 ///
@@ -354,53 +348,159 @@ std::shared_ptr<FsdpUnitImpl<ModuleType>> fsdp_unit(ModuleType module) {
 }
 
 /// Releases full parameters gathered by summon_full_params() when destroyed.
-class FullParamsGuard {
+class DDP_API FullParamsGuard {
  public:
-  explicit FullParamsGuard(detail::FsdpRuntime& runtime) : runtime_(&runtime) { runtime_->gather_all(); }
+  explicit FullParamsGuard(detail::FsdpRuntime& runtime);
   FullParamsGuard(FullParamsGuard&& other) noexcept : runtime_(other.runtime_) { other.runtime_ = nullptr; }
   FullParamsGuard(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(const FullParamsGuard&) = delete;
   FullParamsGuard& operator=(FullParamsGuard&&) = delete;
-  ~FullParamsGuard() {
-    if (runtime_) runtime_->free_all();
-  }
+  ~FullParamsGuard();
 
  private:
   detail::FsdpRuntime* runtime_;
 };
 
 /// Turns gradient synchronisation back on when destroyed (see
-/// FullyShardedDataParallel::no_sync()).
-class FsdpNoSyncGuard {
+/// FullyShardedDataParallelBase::no_sync()).
+class DDP_API FsdpNoSyncGuard {
  public:
-  explicit FsdpNoSyncGuard(detail::FsdpRuntime& runtime)
-      : runtime_(&runtime), previous_(runtime.requires_gradient_sync()) {
-    runtime_->set_requires_gradient_sync(false);
-  }
+  explicit FsdpNoSyncGuard(detail::FsdpRuntime& runtime);
   FsdpNoSyncGuard(FsdpNoSyncGuard&& other) noexcept : runtime_(other.runtime_), previous_(other.previous_) {
     other.runtime_ = nullptr;
   }
   FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
   FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
   FsdpNoSyncGuard& operator=(FsdpNoSyncGuard&&) = delete;
-  ~FsdpNoSyncGuard() {
-    if (runtime_) runtime_->set_requires_gradient_sync(previous_);
-  }
+  ~FsdpNoSyncGuard();
 
  private:
   detail::FsdpRuntime* runtime_;
   bool previous_;
 };
 
+/// What FullyShardedDataParallel does whatever the module's type: everything
+/// but forward() and module(). Its runtime (units, gathers, reduce-scatters)
+/// is internal to the library and may change in any release.
+class DDP_API FullyShardedDataParallelBase {
+ public:
+  FullyShardedDataParallelBase(FullyShardedDataParallelBase&&) noexcept;
+  FullyShardedDataParallelBase& operator=(FullyShardedDataParallelBase&&) noexcept;
+  FullyShardedDataParallelBase(const FullyShardedDataParallelBase&) = delete;
+  FullyShardedDataParallelBase& operator=(const FullyShardedDataParallelBase&) = delete;
+
+  /// This rank's shards, one flat tensor per unit: what the optimizer must
+  /// be built over (an elementwise optimizer such as SGD, Adam or AdamW then
+  /// steps exactly as it would on the full parameters).
+  std::vector<at::Tensor> parameters() const;
+
+  /// Gathers every unit's full parameters until the guard is destroyed, for
+  /// evaluation or inspection. Collective.
+  [[nodiscard]] FullParamsGuard summon_full_params();
+
+  /// The unwrapped model's state dict (same keys, full tensors), on rank 0
+  /// only unless rank0_only is false; other ranks get an empty one.
+  /// Collective.
+  StateDict full_state_dict(bool rank0_only = true);
+  /// Loads a full state dict (from any world size, or from an unwrapped
+  /// model) on every rank; each keeps its shard.
+  void load_full_state_dict(const StateDict& state);
+  /// Loads a full state dict file (ddp::save_state_dict's or Python's
+  /// torch.save(model.state_dict(), path)) straight into the shards: each
+  /// rank reads only the bytes of its own part of each parameter (and the
+  /// buffers and frozen parameters, which every rank keeps whole), so the
+  /// whole model is never in memory. The same checks as
+  /// load_full_state_dict: every entry present with its shape, none extra;
+  /// on an error nothing of the model has changed. Every rank reads the file
+  /// itself (a shared file system, or a copy per node). Collective only in
+  /// that every rank must call it.
+  void load_full_state_dict_file(const std::string& path);
+
+  /// `optimizer`'s state (built over parameters()) in the layout of Python's
+  /// optimizer.state_dict() for the unwrapped model: one entry per original
+  /// parameter. Loadable at any world size and by any strategy. Collective.
+  c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only = true);
+  /// Loads what full_optim_state_dict returned (every rank needs it all).
+  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
+
+  /// This rank's shards, buffers and (if given) optimizer state, in memory:
+  /// what save_distributed_checkpoint writes (<ddp/distributed_checkpoint.h>),
+  /// which is the way to put them on disk and to load them at another world
+  /// size. load_sharded_state_dict takes only this job's own: the same world
+  /// size, rank and units.
+  c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer = nullptr);
+  void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer = nullptr);
+
+  /// Gradient accumulation without communication, as DDP's no_sync():
+  ///
+  ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
+  ///   loss_of(micro_batch_2).backward();  // reduce-scatters the sum of both
+  ///
+  /// Backward passes inside the scope start no reduce-scatter: each unit's
+  /// full (unsharded) gradient is summed locally, which holds a full
+  /// gradient per unit until the next synchronised backward.
+  [[nodiscard]] FsdpNoSyncGuard no_sync();
+  /// The same without a scope: false skips synchronisation until it is set
+  /// back to true (PyTorch FSDP2's set_requires_gradient_sync).
+  void set_requires_gradient_sync(bool sync);
+
+  /// The units, by name ("" is the root unit).
+  std::vector<std::string> unit_names() const;
+  ShardedMemory memory() const;
+  /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
+  void reset_peak_memory();
+  /// Every rank of the model: the group (or the mesh's) it was built with.
+  const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
+  /// The ranks each unit is sharded over: process_group() itself, or under
+  /// HSDP this rank's shard group (the mesh's second dimension).
+  const std::shared_ptr<ProcessGroup>& shard_group() const;
+  /// Under HSDP the ranks holding the same shards (the mesh's first
+  /// dimension); null otherwise.
+  const std::shared_ptr<ProcessGroup>& replicate_group() const;
+  /// The strategy in force: kNoShard when the shard group has one rank
+  /// whatever was asked, since one rank then holds everything; kHybridShard
+  /// or kHybridShardZero2 under HSDP.
+  ShardingStrategy sharding_strategy() const;
+
+ protected:
+  /// Forms the units of `root` (see FullyShardedDataParallel's constructors).
+  FullyShardedDataParallelBase(std::shared_ptr<torch::nn::Module> root, std::shared_ptr<ProcessGroup> group,
+                               const FSDPOptions& options);
+  FullyShardedDataParallelBase(std::shared_ptr<torch::nn::Module> root, const DeviceMesh& mesh,
+                               const FSDPOptions& options);
+  /// Deferred construction: builds `children` into the empty `root`.
+  FullyShardedDataParallelBase(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
+                               std::shared_ptr<ProcessGroup> group, const FSDPOptions& options);
+  FullyShardedDataParallelBase(std::shared_ptr<torch::nn::SequentialImpl> root, const DeferredSequential& children,
+                               const DeviceMesh& mesh, const FSDPOptions& options);
+  ~FullyShardedDataParallelBase();
+
+  // The steps of forward() around the module's own.
+  void begin_forward();
+  void end_forward(const std::vector<at::Tensor>& outputs);
+  /// FSDPOptions::param_dtype, if it casts: what floating inputs become.
+  std::optional<at::ScalarType> input_dtype() const;
+  std::optional<at::ScalarType> output_dtype() const;
+  /// Whether the root is a Sequential whose children form units, run by
+  /// run_sequential() so that each unit is gathered around its children.
+  bool runs_sequential() const;
+  at::Tensor run_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input);
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  std::unique_ptr<detail::FsdpRuntime> runtime_;
+};
+
 /// Wraps a module (a ModuleHolder or a shared_ptr to a Module) for fully
 /// sharded data-parallel training over `group`.
 template <typename ModuleType>
-class FullyShardedDataParallel {
+class FullyShardedDataParallel : public FullyShardedDataParallelBase {
  public:
   /// Checks that all ranks built the same model, copies rank 0's weights,
   /// forms the units and keeps only this rank's shard of each. Collective.
   FullyShardedDataParallel(ModuleType module, std::shared_ptr<ProcessGroup> group, FSDPOptions options = {})
-      : FullyShardedDataParallel(std::move(module), detail::fsdp_groups(std::move(group), options), options) {}
+      : FullyShardedDataParallelBase(detail::as_module_ptr(module), std::move(group), options),
+        module_(std::move(module)) {}
 
   /// HSDP on a 2-D mesh, as FSDP2's fully_shard(mesh=...): each unit is
   /// sharded along the mesh's second dimension ("shard": the ranks of one
@@ -416,7 +516,7 @@ class FullyShardedDataParallel {
   ///   auto mesh = ddp::DeviceMesh::from_launcher(world);   // nodes x local ranks
   ///   ddp::FullyShardedDataParallel<Net> model(net, mesh);
   FullyShardedDataParallel(ModuleType module, const DeviceMesh& mesh, FSDPOptions options = {})
-      : FullyShardedDataParallel(std::move(module), detail::fsdp_groups(mesh), options) {}
+      : FullyShardedDataParallelBase(detail::as_module_ptr(module), mesh, options), module_(std::move(module)) {}
 
   /// Deferred construction (see the top of this file): builds the
   /// Sequential's children one at a time, each a unit, sharding and freeing
@@ -434,25 +534,20 @@ class FullyShardedDataParallel {
   /// thing deferred construction avoids. Collective.
   FullyShardedDataParallel(const DeferredSequential& children, std::shared_ptr<ProcessGroup> group,
                            FSDPOptions options = {})
-      : module_(empty_sequential()),
-        group_(group),
-        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children,
-                                                       detail::fsdp_groups(std::move(group), options), options)) {}
+      : FullyShardedDataParallel(empty_sequential(), children, std::move(group), options) {}
   /// Deferred construction on a mesh (HSDP, as above).
   FullyShardedDataParallel(const DeferredSequential& children, const DeviceMesh& mesh, FSDPOptions options = {})
-      : module_(empty_sequential()),
-        group_(mesh.process_group()),
-        runtime_(std::make_unique<detail::FsdpRuntime>(module_.ptr(), children, detail::fsdp_groups(mesh), options)) {}
+      : FullyShardedDataParallel(empty_sequential(), children, mesh, options) {}
 
   /// Runs the model's forward with each unit gathered as it runs. All ranks
   /// must run the same units in the same order.
   template <typename... Args>
   auto forward(Args&&... args) {
-    runtime_->begin_forward();
-    const auto dtype = runtime_->input_dtype();
+    begin_forward();
+    const auto dtype = input_dtype();
     auto result = run(detail::cast_input(std::forward<Args>(args), dtype)...);
-    runtime_->end_forward(detail::forward_outputs(result));
-    if (auto output = runtime_->output_dtype()) detail::cast_output(result, *output);
+    end_forward(detail::forward_outputs(result));
+    if (auto output = output_dtype()) detail::cast_output(result, *output);
     return result;
   }
   template <typename... Args>
@@ -460,107 +555,27 @@ class FullyShardedDataParallel {
     return forward(std::forward<Args>(args)...);
   }
 
-  /// This rank's shards, one flat tensor per unit: what the optimizer must
-  /// be built over (an elementwise optimizer such as SGD, Adam or AdamW then
-  /// steps exactly as it would on the full parameters).
-  std::vector<at::Tensor> parameters() const { return runtime_->shards(); }
-
   /// The wrapped module. Its parameters hold data only while gathered (in
   /// forward, backward, or inside summon_full_params()).
   ModuleType& module() { return module_; }
   auto operator->() { return &*module_; }
 
-  /// Gathers every unit's full parameters until the guard is destroyed, for
-  /// evaluation or inspection. Collective.
-  [[nodiscard]] FullParamsGuard summon_full_params() { return FullParamsGuard(*runtime_); }
-
-  /// The unwrapped model's state dict (same keys, full tensors), on rank 0
-  /// only unless rank0_only is false; other ranks get an empty one.
-  /// Collective.
-  StateDict full_state_dict(bool rank0_only = true) { return runtime_->full_state_dict(rank0_only); }
-  /// Loads a full state dict (from any world size, or from an unwrapped
-  /// model) on every rank; each keeps its shard.
-  void load_full_state_dict(const StateDict& state) { runtime_->load_full_state_dict(state); }
-  /// Loads a full state dict file (ddp::save_state_dict's or Python's
-  /// torch.save(model.state_dict(), path)) straight into the shards: each
-  /// rank reads only the bytes of its own part of each parameter (and the
-  /// buffers and frozen parameters, which every rank keeps whole), so the
-  /// whole model is never in memory. The same checks as
-  /// load_full_state_dict: every entry present with its shape, none extra;
-  /// on an error nothing of the model has changed. Every rank reads the file
-  /// itself (a shared file system, or a copy per node). Collective only in
-  /// that every rank must call it.
-  void load_full_state_dict_file(const std::string& path) { runtime_->load_full_state_dict_file(path); }
-
-  /// `optimizer`'s state (built over parameters()) in the layout of Python's
-  /// optimizer.state_dict() for the unwrapped model: one entry per original
-  /// parameter. Loadable at any world size and by any strategy. Collective.
-  c10::IValue full_optim_state_dict(torch::optim::Optimizer& optimizer, bool rank0_only = true) {
-    return runtime_->full_optim_state_dict(optimizer, rank0_only);
-  }
-  /// Loads what full_optim_state_dict returned (every rank needs it all).
-  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
-    runtime_->load_full_optim_state_dict(optimizer, state);
-  }
-
-  /// This rank's shards, buffers and (if given) optimizer state, in memory:
-  /// what save_distributed_checkpoint writes (<ddp/distributed_checkpoint.h>),
-  /// which is the way to put them on disk and to load them at another world
-  /// size. load_sharded_state_dict takes only this job's own: the same world
-  /// size, rank and units.
-  c10::IValue sharded_state_dict(torch::optim::Optimizer* optimizer = nullptr) {
-    return runtime_->sharded_state_dict(optimizer);
-  }
-  void load_sharded_state_dict(const c10::IValue& state, torch::optim::Optimizer* optimizer = nullptr) {
-    runtime_->load_sharded_state_dict(state, optimizer);
-  }
-
-  /// Gradient accumulation without communication, as DDP's no_sync():
-  ///
-  ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
-  ///   loss_of(micro_batch_2).backward();  // reduce-scatters the sum of both
-  ///
-  /// Backward passes inside the scope start no reduce-scatter: each unit's
-  /// full (unsharded) gradient is summed locally, which holds a full
-  /// gradient per unit until the next synchronised backward.
-  [[nodiscard]] FsdpNoSyncGuard no_sync() { return FsdpNoSyncGuard(*runtime_); }
-  /// The same without a scope: false skips synchronisation until it is set
-  /// back to true (PyTorch FSDP2's set_requires_gradient_sync).
-  void set_requires_gradient_sync(bool sync) { runtime_->set_requires_gradient_sync(sync); }
-
-  /// The units, by name ("" is the root unit).
-  std::vector<std::string> unit_names() const { return runtime_->unit_names(); }
-  ShardedMemory memory() const { return runtime_->memory(); }
-  /// Starts ShardedMemory::peak_parameter_bytes again from what is held now.
-  void reset_peak_memory() { runtime_->reset_peak_memory(); }
-  /// Every rank of the model: the group (or the mesh's) it was built with.
-  const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
-  /// The ranks each unit is sharded over: process_group() itself, or under
-  /// HSDP this rank's shard group (the mesh's second dimension).
-  const std::shared_ptr<ProcessGroup>& shard_group() const { return runtime_->shard_group(); }
-  /// Under HSDP the ranks holding the same shards (the mesh's first
-  /// dimension); null otherwise.
-  const std::shared_ptr<ProcessGroup>& replicate_group() const { return runtime_->replicate_group(); }
-  /// The strategy in force: kNoShard when the shard group has one rank
-  /// whatever was asked, since one rank then holds everything; kHybridShard
-  /// or kHybridShardZero2 under HSDP.
-  ShardingStrategy sharding_strategy() const { return runtime_->sharding_strategy(); }
-
  private:
-  FullyShardedDataParallel(ModuleType module, detail::FsdpGroups groups, const FSDPOptions& options)
-      : module_(std::move(module)),
-        group_(groups.whole),
-        runtime_(std::make_unique<detail::FsdpRuntime>(detail::as_module_ptr(module_), std::move(groups), options)) {}
+  template <typename Group>
+  FullyShardedDataParallel(torch::nn::Sequential built, const DeferredSequential& children, Group&& group,
+                           const FSDPOptions& options)
+      : FullyShardedDataParallelBase(built.ptr(), children, std::forward<Group>(group), options),
+        module_(std::move(built)) {}
 
   template <typename... Args>
   auto run(Args&&... args) {
     if constexpr (std::is_same_v<ModuleType, torch::nn::Sequential> && sizeof...(Args) == 1) {
-      if (runtime_->runs_sequential()) return runtime_->run_sequential(*module_, std::forward<Args>(args)...);
+      if (runs_sequential()) return run_sequential(*module_, std::forward<Args>(args)...);
     }
     return module_->forward(std::forward<Args>(args)...);
   }
 
-  static ModuleType empty_sequential() {
+  static torch::nn::Sequential empty_sequential() {
     static_assert(std::is_same_v<ModuleType, torch::nn::Sequential>,
                   "ddp: deferred construction (DeferredSequential) builds a torch::nn::Sequential; use "
                   "FullyShardedDataParallel<torch::nn::Sequential>");
@@ -568,8 +583,6 @@ class FullyShardedDataParallel {
   }
 
   ModuleType module_;
-  std::shared_ptr<ProcessGroup> group_;
-  std::unique_ptr<detail::FsdpRuntime> runtime_;
 };
 
 }  // namespace ddp

@@ -1,17 +1,17 @@
 #pragma once
 
-// Internal, not API: FullyShardedDataParallel's runtime (its units, their
-// gathers, frees and reduce-scatters, its state dicts), which may change in
-// any release. Only <ddp/fully_sharded_data_parallel.h> includes this file,
-// after declaring FSDPOptions, ShardedMemory and detail::FsdpUnitModule,
-// because FullyShardedDataParallel's templates call it inline. Use
-// ddp::FullyShardedDataParallel instead.
+// Internal to src/, not installed: FullyShardedDataParallel's runtime (its
+// units, their gathers, frees and reduce-scatters, its state dicts).
+// FullyShardedDataParallelBase holds one and forwards to it.
+
+#include <ddp/fully_sharded_data_parallel.h>
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
-#include <ddp/detail/reduction_policy.h>
 #include <ddp/device_mesh.h>
 #include <ddp/process_group.h>
+
+#include "gradient_sync_engine.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -55,7 +55,7 @@ FsdpGroups fsdp_groups(const DeviceMesh& mesh);
 
 /// FullyShardedDataParallel, independent of the module type: units, their
 /// gathering and freeing, and state dicts. As the gradient engine's reduction
-/// policy (detail/reduction_policy.h), a unit is a group: when its gradients are
+/// policy (gradient_sync_engine.h), a unit is a group: when its gradients are
 /// final it is flattened and reduce-scattered into the shard.
 class FsdpRuntime : private ReductionPolicy {
  public:
@@ -147,6 +147,8 @@ class FsdpRuntime : private ReductionPolicy {
   void on_round_end(bool synchronised) override;
   std::string group_label(size_t unit) const override;
   std::string collective_tag(size_t unit) const override;
+  bool rounds_start_on_first_gradient() const override { return false; }
+  bool tracks_rounds_without_sync() const override { return true; }
 
   /// HSDP: starts the replicate all-reduces of units whose reduce-scatter
   /// has finished, in launch order (so in the same order on every rank), up
