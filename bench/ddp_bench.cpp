@@ -53,7 +53,7 @@ struct Config {
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
   std::string backend = "gloo";
-  double bucket_cap_mb = 25.0;       // DDP modes: ReducerOptions::bucket_cap_mb
+  double bucket_cap_mb = 25.0;       // DDP modes: DDPOptions::bucket_cap_mb
   std::string comm_hook = "allreduce";  // DDP modes: allreduce, fp16, bf16 or powersgd
   int64_t powersgd_rank = 4;          // --comm-hook powersgd: matrix_approximation_rank
   bool only_4kb = false;              // collective mode: the 4 KB all-reduce alone
@@ -234,7 +234,7 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
           [&] { return make_loss([&](const at::Tensor& x) { return ddp_model.forward(x); }); }, nullptr,
           step_in_backward);
       ddp_model.stop_stepping_in_backward();
-      extra["buckets"] = ddp_model.reducer().bucket_assignment().size();
+      extra["buckets"] = ddp_model.bucket_assignment().size();
       extra["bucket_cap_mb"] = c.bucket_cap_mb;
       extra["comm_hook"] = c.comm_hook;
       extra["step_in_backward"] = c.step_in_backward;

@@ -227,8 +227,8 @@ int main(int argc, char** argv) {
         param_bytes += static_cast<int64_t>(p.nbytes());
         if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
       }
-      for (size_t b = 0; b < ddp_model->reducer().bucket_assignment().size(); ++b) {
-        bucket_bytes += static_cast<int64_t>(ddp_model->reducer().bucket_buffer(b).nbytes());
+      for (size_t b = 0; b < ddp_model->bucket_assignment().size(); ++b) {
+        bucket_bytes += static_cast<int64_t>(ddp_model->bucket_buffer(b).nbytes());
       }
     }
     int64_t optimizer_bytes = optimizer_state_bytes(full ? *full : zero->local_optimizer());

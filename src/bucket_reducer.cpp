@@ -1,21 +1,15 @@
-#include <ddp/bucket_reducer.h>
+#include "bucket_reducer.h"
 
 #include <ddp/error.h>
 
 #include "bucket_assignment.h"
-#include "gradient_sync_engine.h"
-#include "stepped_in_backward.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
-#include <torch/optim/lbfgs.h>
-#include <torch/optim/optimizer.h>
 
-#include <mutex>
 #include <numeric>
-#include <unordered_map>
 
-namespace ddp {
+namespace ddp::detail {
 namespace {
 
 size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
@@ -32,49 +26,21 @@ at::Tensor gradient_alias(const at::Tensor& slot, const at::Tensor& flat) {
   return at::from_blob(slot.data_ptr(), slot.sizes(), [keep_alive](void*) {}, slot.options());
 }
 
-std::vector<detail::BucketTensorInfo> infos_of(const std::vector<at::Tensor>& params) {
-  std::vector<detail::BucketTensorInfo> infos;
+std::vector<BucketTensorInfo> infos_of(const std::vector<at::Tensor>& params) {
+  std::vector<BucketTensorInfo> infos;
   for (const auto& p : params) infos.push_back({p.numel(), p.scalar_type(), p.device()});
   return infos;
 }
 
-// How many live reducers step each optimizer inside backward.
-struct SteppedInBackward {
-  std::mutex mutex;
-  std::unordered_map<const torch::optim::Optimizer*, int> counts;
-};
-SteppedInBackward& stepped_in_backward() {
-  static SteppedInBackward registry;
-  return registry;
-}
-
 }  // namespace
 
-namespace detail {
-
-void note_stepped_in_backward(const torch::optim::Optimizer* optimizer, bool stepped) {
-  if (!optimizer) return;
-  auto& registry = stepped_in_backward();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  auto& counts = registry.counts;
-  if (stepped) {
-    ++counts[optimizer];
-  } else if (auto it = counts.find(optimizer); it != counts.end() && --it->second == 0) {
-    counts.erase(it);
-  }
-}
-
-bool is_stepped_in_backward(const torch::optim::Optimizer* optimizer) {
-  auto& registry = stepped_in_backward();
-  std::lock_guard<std::mutex> lock(registry.mutex);
-  return registry.counts.count(optimizer) != 0;
-}
-
-}  // namespace detail
-
 BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::string> names,
-                             std::shared_ptr<ProcessGroup> group, ReducerOptions options)
-    : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)), options_(options) {
+                             std::shared_ptr<ProcessGroup> group, DDPOptions options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      group_(std::move(group)),
+      options_(std::move(options)),
+      comm_hook_(options_.comm_hook()) {
   DDP_CHECK(params_.size() == names_.size(), "ddp: BucketReducer needs one name per parameter");
   DDP_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
               "ddp: bucket caps must be positive, got bucket_cap_mb=", options_.bucket_cap_mb(),
@@ -86,30 +52,15 @@ BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::st
     DDP_CHECK(p.layout() == c10::kStrided, "ddp: parameter '", names_[i],
                 "' is not dense; sparse parameters are not supported");
   }
-  DDP_CHECK(!(options_.carry_loss() && options_.comm_hook()), "ddp: DDPOptions::carry_loss rides on the default "
-            "all-reduce, which a comm hook replaces; drop one of them (with a hook, check the loss with "
-            "ddp::check_loss_is_finite(loss, group, ...), one small all-reduce)");
-  comm_hook_ = options_.comm_hook() ? options_.comm_hook() : allreduce_hook();
   world_size_ = at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble);
-  detail::EngineOptions sync;
+  EngineOptions sync;
   sync.collectives = "all-reduces";
   sync.allow_unused = options_.find_unused_parameters();
   sync.overlap = options_.overlap_with_backward();
-  // One process has nothing to average: no hooks, no cost.
-  sync.install_hooks = group_->size() > 1;
-  engine_ = std::make_unique<detail::GradientSyncEngine>(params_, names_, group_,
-                                                         static_cast<detail::ReductionPolicy&>(*this), sync);
-  build_buckets(detail::compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
+  engine_ = std::make_unique<GradientSyncEngine>(params_, names_, group_, static_cast<ReductionPolicy&>(*this), sync);
+  build_buckets(compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
                                           mib_to_bytes(options_.bucket_cap_mb())));
 }
-
-BucketReducer::~BucketReducer() { detail::note_stepped_in_backward(optimizer_in_backward_, false); }
-
-void BucketReducer::set_require_sync(bool require_sync) { engine_->set_require_sync(require_sync); }
-
-bool BucketReducer::require_sync() const { return engine_->require_sync(); }
-
-const std::vector<std::vector<size_t>>& BucketReducer::bucket_assignment() const { return engine_->groups(); }
 
 void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
   buckets_.clear();
@@ -117,23 +68,22 @@ void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assign
   position_in_bucket_.assign(params_.size(), 0);
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket bucket;
-    int64_t total = 0;
+    std::vector<std::string> names;
     for (size_t j = 0; j < assignment[b].size(); ++j) {
-      size_t i = assignment[b][j];
+      const size_t i = assignment[b][j];
       bucket_of_param_[i] = b;
       position_in_bucket_[i] = j;
-      bucket.offsets.push_back(total);
-      total += params_[i].numel();
+      bucket.params.push_back(params_[i]);
+      names.push_back(names_[i]);
     }
-    const int64_t rider = options_.carry_loss() ? group_->size() + 1 : 0;
-    bucket.sent = at::zeros({total + rider}, params_[assignment[b].front()].options().requires_grad(false));
-    bucket.flat = rider ? bucket.sent.narrow(0, 0, total) : bucket.sent;
+    bucket.layout = FlatLayout::of(bucket.params, std::move(names));
+    bucket.flat = at::zeros({bucket.layout.numel}, bucket.params.front().options().requires_grad(false));
+    // Made once per bucket layout, not on every launch: hooks that use them
+    // (PowerSGD) get them for free, the others pay nothing per step.
+    bucket.gradients = bucket.layout.views(bucket.flat);
     buckets_.push_back(std::move(bucket));
   }
   engine_->set_groups(assignment);
-  // Made once per bucket layout, not on every launch: hooks that use them
-  // (PowerSGD) get them for free, the others pay nothing per step.
-  for (size_t b = 0; b < buckets_.size(); ++b) buckets_[b].gradient_views = gradient_views(b, buckets_[b].flat);
   if (options_.gradient_as_bucket_view()) {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -143,13 +93,6 @@ void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assign
       params_[i].mutable_grad() = gradient_alias(slot, buckets_[bucket_of_param_[i]].flat);
     }
   }
-}
-
-at::Tensor BucketReducer::slot_of(size_t param_index) {
-  const Bucket& bucket = buckets_[bucket_of_param_[param_index]];
-  const at::Tensor& param = params_[param_index];
-  return bucket.flat.narrow(0, bucket.offsets[position_in_bucket_[param_index]], param.numel())
-      .view(param.sizes());
 }
 
 void BucketReducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
@@ -212,60 +155,10 @@ void BucketReducer::on_gradient_ready(size_t param_index, bool has_gradient) {
   }
 }
 
-std::vector<at::Tensor> BucketReducer::gradient_views(size_t b, const at::Tensor& buffer) const {
-  std::vector<at::Tensor> views;
-  for (size_t i : engine_->groups()[b]) {
-    const at::Tensor& param = params_[i];
-    views.push_back(buffer.narrow(0, buckets_[b].offsets[position_in_bucket_[i]], param.numel()).view(param.sizes()));
-  }
-  return views;
-}
-
-void BucketReducer::note_loss(const at::Tensor& loss) {
-  DDP_CHECK(options_.carry_loss(), "ddp: note_loss needs DDPOptions().carry_loss(true)");
-  DDP_CHECK(loss.numel() == 1, "ddp: note_loss takes the loss itself, one element; got ", loss.numel());
-  noted_loss_ = loss.detach().reshape({1});
-  if (group_->size() == 1) {
-    // Nothing to reduce with: what the rider would have carried.
-    at::Tensor rider = at::zeros({2}, at::kDouble);
-    write_rider(rider);
-    read_rider(rider);
-  }
-}
-
-// Slots [0, world) are one flag per rank, slot `world` the loss divided by
-// the world size; summed over ranks they are the ranks with a non-finite
-// loss and the average loss. Written on the device, so nothing waits here.
-void BucketReducer::write_rider(const at::Tensor& rider) {
-  rider.zero_();
-  if (!noted_loss_.defined()) return;
-  const int world = group_->size();
-  at::Tensor loss = noted_loss_.to(rider.device(), rider.scalar_type());
-  at::Tensor finite = at::isfinite(loss);
-  rider.narrow(0, group_->rank(), 1).copy_(finite.logical_not());
-  rider.narrow(0, world, 1).copy_(at::where(finite, loss, at::zeros_like(loss)) / world);
-}
-
-void BucketReducer::read_rider(const at::Tensor& rider) {
-  const int world = group_->size();
-  at::Tensor values = rider.to(at::kCPU, at::kDouble);
-  const double* data = values.data_ptr<double>();
-  reduced_loss_ = ReducedLoss{};
-  reduced_loss_.valid = noted_loss_.defined();
-  for (int r = 0; r < world; ++r) {
-    if (data[r] != 0) reduced_loss_.nonfinite_ranks.push_back(r);
-  }
-  reduced_loss_.average = data[world];
-  noted_loss_.reset();
-}
-
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_group(size_t b) {
   Bucket& bucket = buckets_[b];
-  if (carries_loss(b)) write_rider(bucket.sent.narrow(0, bucket.flat.numel(), group_->size() + 1));
-  // Hooked at one rank only for step_in_backward: nothing to average.
-  if (group_->size() == 1) return detail::completed_future(carries_loss(b) ? bucket.sent : bucket.flat);
-  GradBucket view(b, carries_loss(b) ? bucket.sent : bucket.flat, b + 1 == buckets_.size(), {},
-                  &bucket.gradient_views);
+  if (!comm_hook_) return group_->all_reduce_async(bucket.flat)->getFuture();
+  GradBucket view(b, bucket.flat, b + 1 == buckets_.size(), {}, &bucket.gradients, &bucket.params);
   return comm_hook_->run(*group_, view);
 }
 
@@ -297,9 +190,7 @@ void BucketReducer::before_waiting(const std::vector<char>& used_locally) {
 
 void BucketReducer::finish_group(size_t b, const at::Tensor& result) {
   Bucket& bucket = buckets_[b];
-  at::Tensor& sent = carries_loss(b) ? bucket.sent : bucket.flat;
-  if (!result.is_same(sent)) sent.copy_(result.view_as(sent));
-  if (carries_loss(b)) read_rider(bucket.sent.narrow(0, bucket.flat.numel(), group_->size() + 1));
+  if (!result.is_same(bucket.flat)) bucket.flat.copy_(result.view_as(bucket.flat));
   for (size_t i : engine_->groups()[b]) {
     if (used_anywhere_.defined() && used_anywhere_.data_ptr<int32_t>()[i] == 0) continue;
     at::Tensor slot = slot_of(i);
@@ -312,66 +203,12 @@ void BucketReducer::finish_group(size_t b, const at::Tensor& result) {
       param.mutable_grad() = slot.clone();
     }
   }
-  if (optimizer_in_backward_) step_optimizer_over_bucket(b);
 }
 
-void BucketReducer::step_in_backward(torch::optim::Optimizer* optimizer) {
-  DDP_CHECK(!engine_->round_active(), "ddp: step_in_backward cannot change during a backward pass");
-  if (optimizer) {
-    DDP_CHECK(!options_.carry_loss(), "ddp: step_in_backward steps the optimizer before backward returns, so a "
-              "non-finite loss carried by carry_loss could no longer skip the step; drop carry_loss, or step "
-              "the optimizer yourself after backward");
-    DDP_CHECK(dynamic_cast<torch::optim::LBFGS*>(optimizer) == nullptr, "ddp: LBFGS evaluates a closure over "
-              "every parameter in each step, so it cannot step bucket by bucket in backward; call "
-              "optimizer.step(closure) yourself");
-    if (param_index_.empty()) {
-      for (size_t i = 0; i < params_.size(); ++i) param_index_.emplace(params_[i].unsafeGetTensorImpl(), i);
-    }
-    size_t foreign = 0;
-    for (const auto& group : optimizer->param_groups()) {
-      for (const auto& p : group.params()) foreign += param_index_.count(p.unsafeGetTensorImpl()) ? 0 : 1;
-    }
-    DDP_CHECK(foreign == 0, "ddp: step_in_backward: ", foreign, " of the optimizer's parameters are not this "
-              "model's, and no bucket would ever step them; build the optimizer from model->parameters(), or "
-              "step a second optimizer for the others yourself");
-    // One process has nothing to reduce and no hooks; the step still has to
-    // happen in backward.
-    engine_->install_hooks();
-  }
-  detail::note_stepped_in_backward(optimizer, true);
-  detail::note_stepped_in_backward(optimizer_in_backward_, false);
-  optimizer_in_backward_ = optimizer;
-}
-
-// LibTorch's optimizers skip every parameter whose .grad is undefined, so
-// hiding the other buckets' gradients for one step() updates exactly this
-// bucket's parameters, each as a step after backward would. The hidden
-// gradients are only moved aside, never touched: later buckets may still be
-// reducing into theirs.
-void BucketReducer::step_optimizer_over_bucket(size_t b) {
-  std::vector<std::pair<at::Tensor, at::Tensor>> hidden;
-  auto restore = [&] {
-    for (auto& [param, grad] : hidden) param.mutable_grad() = std::move(grad);
-  };
-  try {
-    for (auto& group : optimizer_in_backward_->param_groups()) {
-      for (auto& p : group.params()) {
-        if (!p.grad().defined()) continue;
-        auto index = param_index_.find(p.unsafeGetTensorImpl());
-        DDP_CHECK(index != param_index_.end(), "ddp: a parameter added to the optimizer after step_in_backward "
-                  "is not this model's, and no bucket would ever step it; step that parameter group with an "
-                  "optimizer of its own");
-        if (bucket_of_param_[index->second] == b) continue;
-        hidden.emplace_back(p, p.grad());
-        p.mutable_grad() = at::Tensor();
-      }
-    }
-    optimizer_in_backward_->step();
-  } catch (...) {
-    restore();
-    throw;
-  }
-  restore();
+void BucketReducer::set_comm_hook(std::shared_ptr<CommHook> hook) {
+  DDP_CHECK(!engine_->round_active(),
+            "ddp: a model's comm hook cannot change during its backward pass; change it between steps");
+  comm_hook_ = std::move(hook);
 }
 
 void BucketReducer::on_round_end(bool /*synchronised*/) {
@@ -380,16 +217,13 @@ void BucketReducer::on_round_end(bool /*synchronised*/) {
   maybe_rebuild_buckets();
 }
 
-void BucketReducer::shadow_backward() {
-  if (group_->size() > 1) engine_->shadow_round();
-}
-
 c10::intrusive_ptr<c10::ivalue::Future> BucketReducer::launch_shadow_group(size_t b) {
   // Scratch zeros, not the bucket: with gradient_as_bucket_view the buckets
   // hold this rank's own gradients, which shadowing must leave alone.
-  // The loss rider too, all zeros: this rank has no loss.
-  at::Tensor zeros = at::zeros_like(carries_loss(b) ? buckets_[b].sent : buckets_[b].flat);
-  const std::vector<at::Tensor> views = gradient_views(b, zeros);
+  at::Tensor zeros = at::zeros_like(buckets_[b].flat);
+  if (!comm_hook_) return group_->all_reduce_async(zeros)->getFuture();
+  const std::vector<at::Tensor> views = buckets_[b].layout.views(zeros);
+  // No parameters: a hook must not update this rank's (step_in_backward).
   GradBucket view(b, zeros, b + 1 == buckets_.size(), {}, &views);
   return comm_hook_->run(*group_, view);
 }
@@ -416,11 +250,11 @@ void BucketReducer::maybe_rebuild_buckets() {
   group_->broadcast(sent, 0);
   order = sent.cpu();
   std::vector<size_t> visit(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n);
-  auto rebuilt = detail::compute_bucket_assignment(infos_of(params_), visit, mib_to_bytes(options_.first_bucket_cap_mb()),
+  auto rebuilt = compute_bucket_assignment(infos_of(params_), visit, mib_to_bytes(options_.first_bucket_cap_mb()),
                                            mib_to_bytes(options_.bucket_cap_mb()));
   ready_order_.clear();
   ready_order_.shrink_to_fit();
   if (rebuilt != engine_->groups()) build_buckets(rebuilt);
 }
 
-}  // namespace ddp
+}  // namespace ddp::detail

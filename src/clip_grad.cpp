@@ -103,8 +103,8 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard
   return total;
 }
 
-void refuse_clipping_after_step_in_backward(const BucketReducer& reducer) {
-  DDP_CHECK(reducer.optimizer_in_backward() == nullptr, "ddp: clip_grad_norm_ on a model whose optimizer is "
+void refuse_clipping_after_step_in_backward(bool steps_optimizer_in_backward) {
+  DDP_CHECK(!steps_optimizer_in_backward, "ddp: clip_grad_norm_ on a model whose optimizer is "
             "stepped inside backward (step_in_backward): the step has already used the unclipped gradients. "
             "Call model.stop_stepping_in_backward() and step the optimizer yourself after clipping");
 }

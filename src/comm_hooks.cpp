@@ -43,7 +43,7 @@ class CompressHook : public CommHook {
           compressed.narrow(0, g.storage_offset() - bucket.buffer().storage_offset(), g.numel()).view(g.sizes()));
     }
     GradBucket narrow(bucket.index(), compressed, bucket.is_last(), compressed_shard,
-                      bucket.gradients().empty() ? nullptr : &gradients);
+                      bucket.gradients().empty() ? nullptr : &gradients, &bucket.parameters());
     return inner_->run(group, narrow)->then(
         [compressed, compressed_shard, result](c10::ivalue::Future& done) -> c10::IValue {
           const c10::IValue& value = done.value();  // rethrows the inner hook's error, if any

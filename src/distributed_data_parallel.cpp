@@ -2,9 +2,14 @@
 
 #include <ddp/error.h>
 
+#include "bucket_reducer.h"
+#include "ddp_hooks.h"
 #include "error_text.h"
 
 #include <ATen/Functions.h>
+#include <torch/optim/lbfgs.h>
+
+#include <unordered_set>
 
 namespace ddp {
 namespace detail {
@@ -42,8 +47,15 @@ DdpRuntime::DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<Pr
     params.push_back(p);
     names.push_back(name);
   }
-  reducer_ = std::make_unique<BucketReducer>(std::move(params), std::move(names), group_,
-                                               options_.reducer());
+  DDPOptions reducer_options = options_;
+  if (options_.carry_loss()) {
+    DDP_CHECK(!options_.comm_hook(), "ddp: DDPOptions::carry_loss rides on the default all-reduce, which a "
+              "comm hook replaces; drop one of them (with a hook, check the loss with "
+              "ddp::check_loss_is_finite(loss, group, ...), one small all-reduce)");
+    rider_ = std::make_shared<LossRiderHook>(allreduce_hook());
+    reducer_options.comm_hook(rider_);
+  }
+  reducer_ = std::make_unique<BucketReducer>(std::move(params), std::move(names), group_, reducer_options);
   // Also in a world of one, so the mistake shows before the job scales out.
   if (options_.broadcast_buffers() && has_buffers_) {
     reducer_->warn_on_backward_without_forward(
@@ -84,12 +96,66 @@ void DdpRuntime::after_forward(const std::vector<at::Tensor>& outputs) {
   reducer_->prepare_for_backward(outputs);
 }
 
+DdpRuntime::~DdpRuntime() = default;
+
+void DdpRuntime::set_require_sync(bool require_sync) { reducer_->set_require_sync(require_sync); }
+
+bool DdpRuntime::require_sync() const { return reducer_->require_sync(); }
+
+const std::vector<std::vector<size_t>>& DdpRuntime::bucket_assignment() const { return reducer_->bucket_assignment(); }
+
+bool DdpRuntime::buckets_rebuilt() const { return reducer_->buckets_rebuilt(); }
+
+const at::Tensor& DdpRuntime::bucket_buffer(size_t index) const { return reducer_->bucket_buffer(index); }
+
+void DdpRuntime::note_loss(const at::Tensor& loss) {
+  DDP_CHECK(rider_, "ddp: note_loss needs DDPOptions().carry_loss(true)");
+  rider_->note_loss(loss);
+}
+
+const ReducedLoss& DdpRuntime::reduced_loss() const {
+  static const ReducedLoss none;
+  return rider_ ? rider_->reduced_loss() : none;
+}
+
+void DdpRuntime::step_in_backward(torch::optim::Optimizer* optimizer) {
+  std::shared_ptr<CommHook> hook = rider_ ? rider_ : options_.comm_hook();
+  if (optimizer) {
+    DDP_CHECK(!rider_, "ddp: step_in_backward steps the optimizer before backward returns, so a non-finite loss "
+              "carried by carry_loss could no longer skip the step; drop carry_loss, or step the optimizer "
+              "yourself after backward");
+    DDP_CHECK(dynamic_cast<torch::optim::LBFGS*>(optimizer) == nullptr, "ddp: LBFGS evaluates a closure over "
+              "every parameter in each step, so it cannot step bucket by bucket in backward; call "
+              "optimizer.step(closure) yourself");
+    std::unordered_set<const c10::TensorImpl*> mine;
+    for (const auto& p : reducer_->params()) mine.insert(p.unsafeGetTensorImpl());
+    size_t foreign = 0;
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) foreign += mine.count(p.unsafeGetTensorImpl()) ? 0 : 1;
+    }
+    DDP_CHECK(foreign == 0, "ddp: step_in_backward: ", foreign, " of the optimizer's parameters are not this "
+              "model's, and no bucket would ever step them; build the optimizer from model->parameters(), or "
+              "step a second optimizer for the others yourself");
+    hook = std::make_shared<OptimizerStepHook>(hook ? hook : allreduce_hook(), *optimizer, reducer_->params());
+  }
+  reducer_->set_comm_hook(std::move(hook));
+  optimizer_in_backward_ = optimizer;
+}
+
 void DdpRuntime::shadow_step() {
   before_forward();
   reducer_->shadow_backward();
 }
 
 }  // namespace detail
+
+NoSyncGuard::NoSyncGuard(detail::DdpRuntime& runtime) : runtime_(&runtime), previous_(runtime.require_sync()) {
+  runtime_->set_require_sync(false);
+}
+
+NoSyncGuard::~NoSyncGuard() {
+  if (runtime_) runtime_->set_require_sync(previous_);
+}
 
 int Join::step() {
   DDP_CHECK(!finished_, "ddp: Join::step() after finish()");

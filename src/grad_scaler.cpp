@@ -2,8 +2,6 @@
 
 #include <ddp/error.h>
 
-#include "stepped_in_backward.h"
-
 #include <ATen/Functions.h>
 #include <torch/optim/optimizer.h>
 
@@ -40,19 +38,14 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
 }
 
-namespace {
-
-void refuse_if_stepped_in_backward(const torch::optim::Optimizer& optimizer, const char* method) {
-  DDP_CHECK(!detail::is_stepped_in_backward(&optimizer), "ddp: GradScaler::", method, "() got an optimizer that "
+void GradScaler::refuse_if_stepped_in_backward(bool stepped_in_backward, const char* method) {
+  DDP_CHECK(!stepped_in_backward, "ddp: GradScaler::", method, "() got a model whose optimizer "
             "DistributedDataParallel already steps inside backward (step_in_backward), before its gradients could "
             "be unscaled or an inf/NaN step skipped; use one or the other: model.stop_stepping_in_backward() to "
             "keep GradScaler");
 }
 
-}  // namespace
-
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
-  refuse_if_stepped_in_backward(optimizer, "unscale_");
   if (!options_.enabled()) return;
   check_initialized("unscale_");
   OptimizerState& state = per_optimizer_[&optimizer];
@@ -103,7 +96,6 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
-  refuse_if_stepped_in_backward(optimizer, "step");
   if (!options_.enabled()) {
     optimizer.step();
     return true;

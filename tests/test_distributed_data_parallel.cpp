@@ -438,6 +438,25 @@ TEST(StepInBackward, WorksOnOneRankWhereNothingIsReduced) {
   }));
 }
 
+// At one rank the loss still rides, through the one-rank all-reduce: no
+// special case, the same answer as alone.
+TEST(CarryLoss, OneRankReducesToItsOwnLoss) {
+  expect_all_succeeded(run_on_ranks(1, [](const Group& group) {
+    Mlp model;
+    ddp::DistributedDataParallel<Mlp> ddp_model(model, group, ddp::DDPOptions().carry_loss(true));
+    at::Tensor loss = ddp_model.forward(at::randn({4, 10})).pow(2).mean();
+    ddp_model.note_loss(loss);
+    loss.backward();
+    EXPECT_TRUE(ddp_model.reduced_loss().valid);
+    EXPECT_TRUE(ddp_model.reduced_loss().nonfinite_ranks.empty());
+    EXPECT_NEAR(ddp_model.reduced_loss().average, loss.item<double>(), 1e-6);
+    at::Tensor nan = ddp_model.forward(at::randn({4, 10})).pow(2).mean() * std::nan("");
+    ddp_model.note_loss(nan);
+    nan.backward();
+    EXPECT_EQ(ddp_model.reduced_loss().nonfinite_ranks, std::vector<int>{0});
+  }));
+}
+
 TEST(StepInBackward, RefusesWhatItCannotStep) {
   expect_all_succeeded(run_on_ranks(1, [](const Group& group) {
     Mlp model;
@@ -461,14 +480,18 @@ TEST(StepInBackward, RefusesWhatItCannotStep) {
     // GradScaler would step it a second time, after the fact.
     torch::optim::SGD stepped(ddp_model.parameters(), torch::optim::SGDOptions(0.1));
     ddp_model.step_in_backward(stepped);
+    EXPECT_TRUE(ddp_model.steps_optimizer_in_backward());
     ddp::GradScaler scaler(ddp::GradScalerOptions().enabled(false));
-    error = error_of([&] { scaler.step(stepped); });
+    error = error_of([&] { scaler.step(stepped, ddp_model); });
+    EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
+    error = error_of([&] { scaler.unscale_(stepped, ddp_model); });
     EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
     // Clipping would come after the step.
     error = error_of([&] { ddp::clip_grad_norm_(ddp_model, 1.0); });
     EXPECT_NE(error.find("step_in_backward"), std::string::npos) << error;
     ddp_model.stop_stepping_in_backward();
-    EXPECT_TRUE(scaler.step(stepped));
+    EXPECT_FALSE(ddp_model.steps_optimizer_in_backward());
+    EXPECT_TRUE(scaler.step(stepped, ddp_model));
 
     // A parameter group added after registering: no bucket holds it.
     Mlp grown;

@@ -1,4 +1,4 @@
-// The gradient engine under DDP and FSDP (detail/gradient_sync_engine.h), driven by
+// The gradient engine under DDP and FSDP (src/gradient_sync_engine.h), driven by
 // a recording policy on real ranks: its launch order, its end-of-backward
 // rules and its guards, whatever order each rank's gradients arrive in.
 #include "support/ranks.h"
@@ -55,12 +55,14 @@ class RecordingPolicy : public ddp::detail::ReductionPolicy {
   void on_round_end(bool synchronised) override { events.push_back(synchronised ? "end" : "end unsynced"); }
   std::string group_label(size_t g) const override { return "test group " + std::to_string(g); }
   std::string collective_tag(size_t g) const override { return "test group " + std::to_string(g); }
+  bool tracks_rounds_without_sync() const override { return tracked; }
 
   size_t position_of(const std::string& event) const {
     return std::find(events.begin(), events.end(), event) - events.begin();
   }
 
   std::vector<size_t> order = {0, 1, 2};
+  bool tracked = false;  // FSDP's no_sync() passes, reported per group
   size_t failing_group = SIZE_MAX;
   std::vector<std::string> events;
   std::vector<size_t> launched, finished;
@@ -72,8 +74,10 @@ class RecordingPolicy : public ddp::detail::ReductionPolicy {
 };
 
 struct Fixture {
-  explicit Fixture(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::detail::EngineOptions options)
+  explicit Fixture(const std::shared_ptr<ddp::ProcessGroup>& group, ddp::detail::EngineOptions options,
+                   bool tracked = false)
       : policy(group) {
+    policy.tracked = tracked;
     for (int i = 0; i < 3; ++i) params.push_back(at::ones({1}).requires_grad_(true));
     sync = std::make_unique<ddp::detail::GradientSyncEngine>(params, std::vector<std::string>{"a", "b", "c"}, group,
                                                              policy, options);
@@ -196,10 +200,7 @@ TEST(GradientSync, AnInterruptedBackwardIsAnErrorAtTheNextForward) {
 TEST(GradientSync, NoSyncPassesStartNoCollectiveAndTheirGradientsCountLater) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     for (bool tracked : {true, false}) {
-      ddp::detail::EngineOptions options;
-      options.allow_unused = true;
-      options.track_rounds_without_sync = tracked;
-      Fixture f(group, options);
+      Fixture f(group, allowing_unused(), tracked);
       at::Tensor a = f.params[0], b = f.params[1], c = f.params[2];
       f.sync->set_require_sync(false);
       (a + b).sum().backward();

@@ -4,6 +4,8 @@
 
 #include <ddp/ddp.h>
 
+#include "bucket_reducer.h"
+
 #include <gtest/gtest.h>
 #include <support/ranks.h>
 
@@ -80,7 +82,7 @@ TEST(BufferSyncRanks, ModelCallBroadcastsRankZerosBuffersFirst) {
 TEST(SparseGradientsRanks, ASparseGradientAtBackwardNamesTheParameter) {
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     at::Tensor table = at::randn({10, 3}).requires_grad_();
-    ddp::BucketReducer reducer({table}, {"table"}, group);
+    ddp::detail::BucketReducer reducer({table}, {"table"}, group);
     at::Tensor rows = at::embedding(table, at::tensor({1, 4}, at::kLong), -1, false, /*sparse=*/true);
     try {
       rows.sum().backward();

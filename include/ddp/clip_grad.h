@@ -22,6 +22,7 @@
 // gradients together (infinity: the largest magnitude), then every gradient
 // multiplied by min(1, max_norm / (norm + 1e-6)).
 
+#include <ddp/export.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/nonfinite.h>
@@ -38,11 +39,11 @@ namespace detail {
 /// whole gradient. `shard_group`: the group across which the gradients are
 /// sharded (each rank holds a disjoint part of the whole), or nullptr when
 /// every rank holds all of it.
-double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard_group, double max_norm,
+DDP_API double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard_group, double max_norm,
                       double norm_type, NonFinitePolicy policy);
-/// Throws if `reducer` steps an optimizer inside backward: the step has
+/// Throws if the model steps an optimizer inside backward: the step has
 /// then already happened, and clipping afterwards would change nothing.
-void refuse_clipping_after_step_in_backward(const BucketReducer& reducer);
+DDP_API void refuse_clipping_after_step_in_backward(bool steps_optimizer_in_backward);
 }  // namespace detail
 
 /// Clips a DDP model's averaged gradients (also the way to clip under
@@ -53,7 +54,7 @@ void refuse_clipping_after_step_in_backward(const BucketReducer& reducer);
 template <typename M>
 double clip_grad_norm_(DistributedDataParallel<M>& model, double max_norm, double norm_type = 2.0,
                        NonFinitePolicy policy = NonFinitePolicy::kSkipStep) {
-  detail::refuse_clipping_after_step_in_backward(model.reducer());
+  detail::refuse_clipping_after_step_in_backward(model.steps_optimizer_in_backward());
   return detail::clip_grad_norm(model.parameters(), nullptr, max_norm, norm_type, policy);
 }
 

@@ -9,6 +9,7 @@
 //
 //   ddp::DDPOptions().comm_hook(ddp::fp16_compress_hook())
 
+#include <ddp/export.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -31,14 +32,16 @@ class GradBucket {
   /// With a defined `shard`, the bucket is reduce-scattered: rank r's sum is
   /// the r-th of size() equal parts of `buffer`, and it goes into `shard`.
   /// `gradients`, when given, are views of `buffer` in each parameter's
-  /// shape (what PowerSGD compresses); the engine keeps them, so they are
+  /// shape (what PowerSGD compresses), and `parameters` the parameters they
+  /// belong to, in the same order; the engine keeps both, so they are
   /// borrowed, not copied, and valid while the hook's run() runs.
   GradBucket(size_t index, at::Tensor buffer, bool is_last, at::Tensor shard = {},
-             const std::vector<at::Tensor>* gradients = nullptr)
+             const std::vector<at::Tensor>* gradients = nullptr, const std::vector<at::Tensor>* parameters = nullptr)
       : index_(index),
         buffer_(std::move(buffer)),
         shard_(std::move(shard)),
         gradients_(gradients),
+        parameters_(parameters),
         is_last_(is_last) {}
   /// Position of the bucket in launch order.
   size_t index() const { return index_; }
@@ -59,18 +62,27 @@ class GradBucket {
     static const std::vector<at::Tensor> none;
     return gradients_ ? *gradients_ : none;
   }
+  /// The parameters whose gradients the bucket holds, in gradients()' order
+  /// (DDP's buckets): what a continuation that steps an optimizer over the
+  /// bucket updates. Empty where nothing may be updated (Join's shadow pass
+  /// over zeros) or the engine does not say (FSDP).
+  const std::vector<at::Tensor>& parameters() const {
+    static const std::vector<at::Tensor> none;
+    return parameters_ ? *parameters_ : none;
+  }
 
  private:
   size_t index_;
   at::Tensor buffer_;
   at::Tensor shard_;
   const std::vector<at::Tensor>* gradients_;
+  const std::vector<at::Tensor>* parameters_;
   bool is_last_;
 };
 
 /// Reduces buckets across ranks. Implementations must issue the same
 /// collectives in the same order on every rank.
-class CommHook {
+class DDP_API CommHook {
  public:
   virtual ~CommHook() = default;
   /// Starts reducing `bucket` and returns a future whose value is a tensor
@@ -81,18 +93,18 @@ class CommHook {
 };
 
 /// The default: all-reduce (sum) in place, or reduce-scatter into the shard.
-std::shared_ptr<CommHook> allreduce_hook();
+DDP_API std::shared_ptr<CommHook> allreduce_hook();
 /// A decorator (PyTorch's fp16_compress_wrapper, for any dtype): casts the
 /// bucket (its buffer, and its shard when it scatters) to `dtype`, lets
 /// `inner` reduce that, and casts the result back into the bucket's dtype.
 /// The bytes on the wire are `dtype`'s whatever `inner` sends.
 ///
 ///   ddp::DDPOptions().comm_hook(ddp::compress_hook(at::kHalf, ddp::powersgd_hook()))
-std::shared_ptr<CommHook> compress_hook(at::ScalarType dtype, std::shared_ptr<CommHook> inner = allreduce_hook());
+DDP_API std::shared_ptr<CommHook> compress_hook(at::ScalarType dtype, std::shared_ptr<CommHook> inner = allreduce_hook());
 /// compress_hook(at::kHalf): half the bytes of float32.
-std::shared_ptr<CommHook> fp16_compress_hook();
+DDP_API std::shared_ptr<CommHook> fp16_compress_hook();
 /// compress_hook(at::kBFloat16): fewer mantissa bits, float32's range.
-std::shared_ptr<CommHook> bf16_compress_hook();
+DDP_API std::shared_ptr<CommHook> bf16_compress_hook();
 
 class DeviceMesh;
 /// Hierarchical all-reduce for DDP (Horovod's, and NCCL's trees, in spirit):
@@ -107,7 +119,7 @@ class DeviceMesh;
 ///
 ///   auto mesh = ddp::DeviceMesh::from_launcher(group);
 ///   ddp::DistributedDataParallel model(net, group, ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh)));
-std::shared_ptr<CommHook> hierarchical_allreduce_hook(const DeviceMesh& mesh);
+DDP_API std::shared_ptr<CommHook> hierarchical_allreduce_hook(const DeviceMesh& mesh);
 
 /// PowerSGD (Vogels et al., 2019) with the options of PyTorch's
 /// powerSGD_hook (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook).
@@ -144,7 +156,7 @@ struct PowerSGDOptions {
 /// they run one after the other on a thread of the hook's own, over a copy of
 /// DDP's group that the hook makes at its first compressed bucket, while
 /// backward goes on. One hook serves one DDP model.
-class PowerSGDHook : public CommHook {
+class DDP_API PowerSGDHook : public CommHook {
  public:
   explicit PowerSGDHook(PowerSGDOptions options);
   ~PowerSGDHook() override;
@@ -161,6 +173,6 @@ class PowerSGDHook : public CommHook {
   std::unique_ptr<State> state_;
 };
 
-std::shared_ptr<PowerSGDHook> powersgd_hook(PowerSGDOptions options = {});
+DDP_API std::shared_ptr<PowerSGDHook> powersgd_hook(PowerSGDOptions options = {});
 
 }  // namespace ddp

@@ -10,7 +10,6 @@
 // Each header below holds one concept and can be included on its own for
 // faster builds.
 
-#include <ddp/async_snapshot.h>
 #include <ddp/autocast.h>
 #include <ddp/checkpoint.h>
 #include <ddp/clip_grad.h>
@@ -27,11 +26,11 @@
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/grad_scaler.h>
 #include <ddp/launch_env.h>
-#include <ddp/bucket_reducer.h>
 #include <ddp/nonfinite.h>
 #include <ddp/process_group.h>
 #include <ddp/progress.h>
 #include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 #include <ddp/stack_dump.h>
 #include <ddp/zero_redundancy_optimizer.h>

@@ -18,11 +18,13 @@
 // torch::nn::AnyModule, or a TorchScript torch::jit::Module from
 // torch::jit::load (forward takes and returns IValues, as the module's own).
 
-#include <ddp/bucket_reducer.h>
+#include <ddp/export.h>
+#include <ddp/comm_hooks.h>
 #include <ddp/process_group.h>
 
 #include <ddp/checkpoint.h>
 #include <ddp/detail/replica_broadcast.h>
+#include <ddp/nonfinite.h>
 
 #include <ATen/core/ivalue.h>
 #include <torch/arg.h>
@@ -38,69 +40,79 @@
 #include <utility>
 #include <vector>
 
-namespace ddp {
+namespace torch::optim {
+class Optimizer;
+}
 
-// A DDPOptions setter and getter that forward to its ReducerOptions, so that
-// each option is declared (and documented) once, in ReducerOptions.
-#define DDP_REDUCER_ARG(T, name)                             \
-  DDPOptions& name(const T& value) {                         \
-    reducer_.name(value);                                    \
-    return *this;                                            \
-  }                                                          \
-  const T& name() const noexcept { return reducer_.name(); } \
-  T& name() noexcept { return reducer_.name(); }
+namespace ddp {
+namespace detail {
+class BucketReducer;  // src/bucket_reducer.h
+class DdpRuntime;
+class LossRiderHook;  // src/ddp_hooks.h
+}  // namespace detail
 
 /// Options for DistributedDataParallel; the defaults are PyTorch's.
 ///
 ///   ddp::DDPOptions().bucket_cap_mb(50).find_unused_parameters(true)
-///
-/// How gradients are bucketed and reduced is a ReducerOptions (see
-/// bucket_reducer.h for what each option does); DDPOptions sets its fields
-/// directly, as above, or takes a whole one with reducer(...).
 struct DDPOptions {
-  /// The bucket reducer's options.
-  TORCH_ARG(ReducerOptions, reducer) = {};
+  /// Cap of every bucket after the first, in MiB (PyTorch's default).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Cap of the first bucket, in MiB: small, so communication starts early.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Allow parameters that take no part in a forward: they count as ready
+  /// with a zero gradient. Off, such a parameter is an error naming it.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Make each .grad share memory with its bucket, saving the copy back
+  /// after the all-reduce and the memory of a second gradient copy. The
+  /// gradients are plain tensors (not views), so optimizer.zero_grad() works.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// After the first iteration, regroup buckets in the order gradients
+  /// actually became ready (rank 0's order, so all ranks agree).
+  TORCH_ARG(bool, rebuild_buckets) = true;
+  /// Start each bucket's reduction as soon as it is full. Off, every bucket
+  /// waits for the end of backward; only useful to measure what overlap buys.
+  TORCH_ARG(bool, overlap_with_backward) = true;
+  /// How a bucket is reduced: null (the plain all-reduce), fp16_compress_hook(),
+  /// bf16_compress_hook(), compress_hook(dtype, inner), powersgd_hook(),
+  /// hierarchical_allreduce_hook(mesh) or your own CommHook.
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  /// The graph is the same every iteration (PyTorch's static_graph): the
+  /// same parameters take part and their gradients arrive in the same order.
+  /// With find_unused_parameters, the first iteration's findings are then
+  /// kept: later iterations skip the search of the autograd graph for
+  /// parameters the outputs cannot reach and the all-reduce of the
+  /// per-parameter "used" flags. Without find_unused_parameters there is
+  /// nothing to skip (the buckets are rebuilt once either way).
+  TORCH_ARG(bool, static_graph) = false;
   /// Copy rank 0's buffers (BatchNorm statistics, say) to every rank before
   /// each forward.
   TORCH_ARG(bool, broadcast_buffers) = true;
-
- public:
-  DDP_REDUCER_ARG(double, bucket_cap_mb)
-  DDP_REDUCER_ARG(double, first_bucket_cap_mb)
-  DDP_REDUCER_ARG(bool, find_unused_parameters)
-  DDP_REDUCER_ARG(bool, gradient_as_bucket_view)
-  DDP_REDUCER_ARG(bool, rebuild_buckets)
-  DDP_REDUCER_ARG(bool, overlap_with_backward)
-  /// allreduce_hook() (null), fp16_compress_hook(), bf16_compress_hook() or
-  /// your own CommHook.
-  DDP_REDUCER_ARG(std::shared_ptr<CommHook>, comm_hook)
-  DDP_REDUCER_ARG(bool, carry_loss)
-  DDP_REDUCER_ARG(bool, static_graph)
+  /// The last bucket's all-reduce also carries each rank's loss, given to
+  /// note_loss() before backward, as world size + 1 extra elements: a flag
+  /// per rank and the loss divided by the world size. So the non-finite
+  /// check and the loss averaged for the log cost no collective of their own
+  /// (reduced_loss()). Only with the default all-reduce (no comm_hook).
+  TORCH_ARG(bool, carry_loss) = false;
 };
-
-#undef DDP_REDUCER_ARG
 
 /// While alive, backward passes only accumulate gradients locally; the next
 /// backward outside it all-reduces the accumulated sum (gradient
-/// accumulation without communicating every micro-batch).
-class NoSyncGuard {
+/// accumulation without communicating every micro-batch). Made by
+/// DistributedDataParallel::no_sync().
+class DDP_API NoSyncGuard {
  public:
-  /// Turns synchronisation off on `reducer` until the guard is destroyed.
-  explicit NoSyncGuard(BucketReducer& reducer) : reducer_(&reducer), previous_(reducer.require_sync()) {
-    reducer_->set_require_sync(false);
-  }
-  NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_), previous_(other.previous_) {
-    other.reducer_ = nullptr;
+  /// Turns synchronisation off on `runtime` until the guard is destroyed.
+  explicit NoSyncGuard(detail::DdpRuntime& runtime);
+  NoSyncGuard(NoSyncGuard&& other) noexcept : runtime_(other.runtime_), previous_(other.previous_) {
+    other.runtime_ = nullptr;
   }
   NoSyncGuard(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(const NoSyncGuard&) = delete;
   NoSyncGuard& operator=(NoSyncGuard&&) = delete;
-  ~NoSyncGuard() {
-    if (reducer_) reducer_->set_require_sync(previous_);
-  }
+  ~NoSyncGuard();
 
  private:
-  BucketReducer* reducer_;
+  detail::DdpRuntime* runtime_;
   bool previous_;
 };
 
@@ -121,7 +133,7 @@ inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::T
   out.insert(out.end(), ts.begin(), ts.end());
 }
 /// A TorchScript result: tensors inside tuples, lists and dicts, at any depth.
-void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out);
+DDP_API void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out);
 template <typename... Ts>
 void collect_tensors(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
   std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, t);
@@ -204,20 +216,33 @@ struct ModuleAdapter {
 
 /// DistributedDataParallel's runtime, the part that does not depend on the
 /// module's type: at construction the replica check and rank 0's broadcast,
-/// before each forward the buffer broadcast, the bucket reducer, and Join's
+/// before each forward the buffer broadcast, the bucket reducer (internal,
+/// src/bucket_reducer.h) with the hooks composed from DDPOptions, and Join's
 /// shadow step. DistributedDataParallel<ModuleType> holds it by value and
 /// calls it inline, so it is declared here.
-class DdpRuntime {
+class DDP_API DdpRuntime {
  public:
   DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<ProcessGroup> group, DDPOptions options);
+  ~DdpRuntime();
+  DdpRuntime(const DdpRuntime&) = delete;
+  DdpRuntime& operator=(const DdpRuntime&) = delete;
   void before_forward();
   void after_forward(const std::vector<at::Tensor>& outputs);
   /// One training step of the others, mirrored by a rank without data.
   void shadow_step();
+  /// DDPOptions::carry_loss: see DistributedDataParallel::note_loss.
+  void note_loss(const at::Tensor& loss);
+  const ReducedLoss& reduced_loss() const;
+  /// See DistributedDataParallel::step_in_backward; null stops it.
+  void step_in_backward(torch::optim::Optimizer* optimizer);
+  torch::optim::Optimizer* optimizer_in_backward() const { return optimizer_in_backward_; }
   const ModuleTensors& tensors() const { return *module_; }
   bool wants_outputs() const { return options_.find_unused_parameters(); }
-  BucketReducer& reducer() { return *reducer_; }
-  const BucketReducer& reducer() const { return *reducer_; }
+  void set_require_sync(bool require_sync);
+  bool require_sync() const;
+  const std::vector<std::vector<size_t>>& bucket_assignment() const;
+  bool buckets_rebuilt() const;
+  const at::Tensor& bucket_buffer(size_t index) const;
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
 
  private:
@@ -225,11 +250,13 @@ class DdpRuntime {
   std::shared_ptr<ProcessGroup> group_;
   DDPOptions options_;
   bool has_buffers_ = false;
+  std::shared_ptr<LossRiderHook> rider_;  // carry_loss
+  torch::optim::Optimizer* optimizer_in_backward_ = nullptr;
   std::unique_ptr<BucketReducer> reducer_;
 };
 
 /// Rank 0 loads `path` into `module`; then its values go to every rank.
-void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group, const std::string& path);
+DDP_API void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group, const std::string& path);
 }  // namespace detail
 
 /// Lets ranks with different numbers of batches finish without hanging:
@@ -249,7 +276,7 @@ void load_on_root_and_broadcast(const ModuleTensors& module, ProcessGroup& group
 /// A joined rank mirrors the gradient all-reduces and buffer broadcasts of
 /// DDP only: it does not mirror ZeroRedundancyOptimizer::step()'s broadcasts,
 /// and every step of the others must be a synchronised one (no no_sync()).
-class Join {
+class DDP_API Join {
  public:
   Join(detail::DdpRuntime& runtime, ProcessGroup& group) : runtime_(runtime), group_(group) {}
   /// Call once per training step, before the forward. Returns the number of
@@ -337,16 +364,16 @@ class DistributedDataParallel {
   ///
   ///   { auto guard = model.no_sync(); loss_of(micro_batch_1).backward(); }
   ///   loss_of(micro_batch_2).backward();  // all-reduces the sum of both
-  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(runtime_.reducer()); }
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(runtime_); }
 
   /// With DDPOptions().carry_loss(true): this rank's `loss` rides on the next
   /// backward's gradient all-reduce, so that afterwards every rank knows,
   /// with no collective of its own, which ranks had a non-finite loss and
   /// the loss averaged over ranks (reduced_loss(); check it with
   /// ddp::check_loss_is_finite(model.reduced_loss(), policy, where)).
-  void note_loss(const at::Tensor& loss) { runtime_.reducer().note_loss(loss); }
+  void note_loss(const at::Tensor& loss) { runtime_.note_loss(loss); }
   /// What the last synchronised backward carried (see note_loss).
-  const ReducedLoss& reduced_loss() const { return runtime_.reducer().reduced_loss(); }
+  const ReducedLoss& reduced_loss() const { return runtime_.reduced_loss(); }
 
   /// From now on backward() also steps `optimizer`, bucket by bucket as each
   /// bucket's averaged gradients arrive, so the update hides behind the
@@ -359,17 +386,30 @@ class DistributedDataParallel {
   ///     loss_of(batch).backward();   // all-reduces and steps; no optimizer.step()
   ///   }
   ///
-  /// The result is the same as optimizer.step() after backward. See
-  /// BucketReducer::step_in_backward for what it cannot be combined with.
+  /// Per parameter the update is exactly optimizer.step()'s after backward,
+  /// since LibTorch's optimizers keep their state per parameter; no_sync()
+  /// passes still only accumulate. Every parameter of `optimizer` must be
+  /// this model's. Not with carry_loss, nor with LBFGS, nor with anything
+  /// that must see every gradient before the step: GradScaler::step(optimizer,
+  /// model) refuses such a model, and so does ddp::clip_grad_norm_.
   /// `optimizer` must outlive the model, or stop_stepping_in_backward() first.
-  void step_in_backward(torch::optim::Optimizer& optimizer) { runtime_.reducer().step_in_backward(&optimizer); }
+  void step_in_backward(torch::optim::Optimizer& optimizer) { runtime_.step_in_backward(&optimizer); }
   /// Back to stepping the optimizer yourself after backward.
-  void stop_stepping_in_backward() { runtime_.reducer().step_in_backward(nullptr); }
+  void stop_stepping_in_backward() { runtime_.step_in_backward(nullptr); }
+  /// Whether backward steps an optimizer (step_in_backward): its gradients
+  /// are then used before backward returns.
+  bool steps_optimizer_in_backward() const { return runtime_.optimizer_in_backward() != nullptr; }
 
   /// Uneven data across ranks: see Join.
   Join join() { return Join(runtime_, *runtime_.group()); }
 
-  const BucketReducer& reducer() const { return runtime_.reducer(); }
+  /// Parameter indices (in parameters()' order) of each gradient bucket, in
+  /// launch order.
+  const std::vector<std::vector<size_t>>& bucket_assignment() const { return runtime_.bucket_assignment(); }
+  /// Whether the buckets were regrouped after the first iteration.
+  bool buckets_rebuilt() const { return runtime_.buckets_rebuilt(); }
+  /// The flat gradient buffer of bucket `index`, for inspection.
+  const at::Tensor& bucket_buffer(size_t index) const { return runtime_.bucket_buffer(index); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return runtime_.group(); }
 
  private:

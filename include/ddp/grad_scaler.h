@@ -27,6 +27,7 @@
 // so every rank skips the same steps even when only one rank's local
 // gradients overflowed.
 
+#include <ddp/export.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Dict.h>
@@ -44,6 +45,9 @@ class Optimizer;
 }
 
 namespace ddp {
+
+template <typename ModuleType>
+class DistributedDataParallel;
 
 /// Options for GradScaler; the defaults are torch.amp.GradScaler's.
 ///
@@ -65,7 +69,7 @@ struct GradScalerOptions {
 /// Scales losses and unscales gradients; see the top of this header. All
 /// state lives in tensors on the loss's device, so nothing synchronises the
 /// host with the GPU except step()'s one read of the inf flag.
-class GradScaler {
+class DDP_API GradScaler {
  public:
   /// `group`, if given, makes the skip decision collective: unscale_() and
   /// step() must then be called in the same order on every rank.
@@ -84,6 +88,21 @@ class GradScaler {
   /// Unscales if needed, then runs optimizer.step() unless an inf/NaN was
   /// found. Returns whether the optimizer stepped.
   bool step(torch::optim::Optimizer& optimizer);
+
+  /// unscale_() and step() for the optimizer of a DDP model: the same, after
+  /// refusing a model that steps its optimizer inside backward
+  /// (step_in_backward), which used the gradients before they could be
+  /// unscaled or an inf/NaN step skipped.
+  template <typename M>
+  void unscale_(torch::optim::Optimizer& optimizer, const DistributedDataParallel<M>& model) {
+    refuse_if_stepped_in_backward(model.steps_optimizer_in_backward(), "unscale_");
+    unscale_(optimizer);
+  }
+  template <typename M>
+  bool step(torch::optim::Optimizer& optimizer, const DistributedDataParallel<M>& model) {
+    refuse_if_stepped_in_backward(model.steps_optimizer_in_backward(), "step");
+    return step(optimizer);
+  }
 
   /// Ends the iteration: halves the scale (backoff_factor) if any
   /// optimizer's step found inf/NaN, else counts a clean step and grows the
@@ -118,6 +137,7 @@ class GradScaler {
   };
 
   void check_initialized(const char* caller) const;
+  static void refuse_if_stepped_in_backward(bool stepped_in_backward, const char* method);
 
   GradScalerOptions options_;
   std::shared_ptr<ProcessGroup> group_;

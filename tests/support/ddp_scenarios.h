@@ -14,6 +14,8 @@
 #include <ddp/snapshot.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
+#include "distributed_sampler_impl.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
@@ -96,17 +98,16 @@ inline void expect_equivalence(const std::shared_ptr<ProcessGroup>& group, const
       ++done;
     }
   }
-  const auto& reducer = ddp_model.reducer();
-  if (c.buckets) EXPECT_EQ(reducer.bucket_assignment().size(), *c.buckets);
-  EXPECT_EQ(reducer.buckets_rebuilt(), c.engine.rebuild);
+  if (c.buckets) EXPECT_EQ(ddp_model.bucket_assignment().size(), *c.buckets);
+  EXPECT_EQ(ddp_model.buckets_rebuilt(), c.engine.rebuild);
   if (c.engine.bucket_view) {
     // zero_grad() ran every step, and still every gradient lives in its bucket's memory.
     size_t inside = 0;
     for (auto& p : model->parameters()) {
       auto* data = static_cast<const char*>(p.grad().data_ptr());
-      for (size_t b = 0; b < reducer.bucket_assignment().size(); ++b) {
-        auto* begin = static_cast<const char*>(reducer.bucket_buffer(b).data_ptr());
-        if (data >= begin && data < begin + reducer.bucket_buffer(b).nbytes()) ++inside;
+      for (size_t b = 0; b < ddp_model.bucket_assignment().size(); ++b) {
+        auto* begin = static_cast<const char*>(ddp_model.bucket_buffer(b).data_ptr());
+        if (data >= begin && data < begin + ddp_model.bucket_buffer(b).nbytes()) ++inside;
       }
     }
     EXPECT_EQ(inside, model->parameters().size());
