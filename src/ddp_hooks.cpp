@@ -21,7 +21,10 @@ std::vector<at::Tensor> gradients_in(GradBucket& bucket, const at::Tensor& flat)
   return views;
 }
 
-at::Tensor tensor_of(const c10::IValue& value) { return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0); }
+// A hook's result: a tensor, or a list whose first element is it.
+at::Tensor tensor_of(const c10::IValue& value) {
+  return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+}
 
 }  // namespace
 
@@ -100,7 +103,7 @@ c10::intrusive_ptr<c10::ivalue::Future> OptimizerStepHook::run(ProcessGroup& gro
           const at::Tensor flat = reduced.view(-1);
           for (size_t i = 0; i < params.size(); ++i) {
             at::Tensor average = flat.narrow(0, offsets[i], params[i].numel()).view(params[i].sizes());
-            at::Tensor& grad = const_cast<at::Tensor&>(params[i]).mutable_grad();
+            at::Tensor& grad = params[i].mutable_grad();
             if (grad.defined()) {
               if (grad.data_ptr() != average.data_ptr()) grad.copy_(average);
             } else if (had_gradient[i] || average.any().item<bool>()) {
@@ -123,9 +126,11 @@ void OptimizerStepHook::step(const std::vector<at::Tensor>& params) {
   std::unordered_set<const c10::TensorImpl*> in_bucket;
   for (const auto& p : params) in_bucket.insert(p.unsafeGetTensorImpl());
   auto& groups = optimizer_.param_groups();
+  // Only a foreign parameter's .grad is read: the model's may still be
+  // written by autograd on another thread.
   for (const auto& group : groups) {
     for (const auto& p : group.params()) {
-      DDP_CHECK(!p.grad().defined() || model_params_.count(p.unsafeGetTensorImpl()),
+      DDP_CHECK(model_params_.count(p.unsafeGetTensorImpl()) || !p.grad().defined(),
                 "ddp: a parameter added to the optimizer after step_in_backward is not this model's, and no bucket "
                 "would ever step it; step that parameter group with an optimizer of its own");
     }

@@ -100,7 +100,8 @@ DDP_API std::shared_ptr<CommHook> allreduce_hook();
 /// The bytes on the wire are `dtype`'s whatever `inner` sends.
 ///
 ///   ddp::DDPOptions().comm_hook(ddp::compress_hook(at::kHalf, ddp::powersgd_hook()))
-DDP_API std::shared_ptr<CommHook> compress_hook(at::ScalarType dtype, std::shared_ptr<CommHook> inner = allreduce_hook());
+DDP_API std::shared_ptr<CommHook> compress_hook(at::ScalarType dtype,
+                                                std::shared_ptr<CommHook> inner = allreduce_hook());
 /// compress_hook(at::kHalf): half the bytes of float32.
 DDP_API std::shared_ptr<CommHook> fp16_compress_hook();
 /// compress_hook(at::kBFloat16): fewer mantissa bits, float32's range.
