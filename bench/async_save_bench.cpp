@@ -1,8 +1,8 @@
 // What a snapshot costs the training loop: the median step time with no save,
-// the median step time while AsyncSnapshotWriter writes one in the
-// background (its writer thread at normal and at idle priority), the time
+// the median step time while a SnapshotSaver with async_write writes one in
+// the background (its writer thread at normal and at idle priority), the time
 // save() itself blocks (staging: copying the tensors), and the time of one
-// synchronous save_snapshot_in, all in one process and one run.
+// synchronous save, all in one process and one run.
 //
 //   async_save_bench --width 4096 --layers 3 --dir /tmp/async_save_bench
 //
@@ -13,8 +13,8 @@
 
 #include "bench_stats.h"
 
-#include <ddp/async_snapshot.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <CLI/CLI.hpp>
 
@@ -76,9 +76,9 @@ struct AsyncResult {
 
 AsyncResult time_async_save(Trainer& trainer, const std::string& dir, bool low_priority) {
   AsyncResult result;
-  ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().keep(1).low_priority(low_priority));
+  ddp::SnapshotSaver writer(dir, ddp::SnapshotOptions().keep(1).async_write(true).low_priority(low_priority));
   auto start = Clock::now();
-  writer.save(dir, trainer.snapshot());
+  writer.save(trainer.snapshot());
   result.save_call_ms = ms_since(start);
   while (writer.pending() > 0) {
     double ms = trainer.step();
@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
     for (int64_t s = 0; s < steps; ++s) plain_ms.push_back(trainer.step());
 
     auto start = Clock::now();
-    ddp::save_snapshot_in(dir, trainer.snapshot(), 1);
+    ddp::SnapshotSaver(dir, ddp::SnapshotOptions().keep(1)).save(trainer.snapshot());
     const double sync_ms = ms_since(start);
     const auto snapshot_bytes = std::filesystem::file_size(dir + "/snapshot_" + std::to_string(trainer.steps) + ".pt");
 

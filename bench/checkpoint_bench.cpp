@@ -2,8 +2,8 @@
 // one run: a distributed checkpoint (every rank writes and reads its own
 // part, include/ddp/distributed_checkpoint.h) against the full state gathered
 // on rank 0 (full_state_dict + full_optim_state_dict, written by rank 0, read
-// by every rank); and the step time while rank 0's AsyncSnapshotWriter writes
-// a full snapshot, against plain steps. Run it under ddprun:
+// by every rank); and the step time while rank 0's asynchronous SnapshotSaver
+// writes a full snapshot, against plain steps. Run it under ddprun:
 //
 //   ddprun --standalone --nproc-per-node 2 checkpoint_bench --width 2048 --layers 4 --dir /tmp/checkpoint_bench
 //
@@ -11,13 +11,13 @@
 
 #include "bench_stats.h"
 
-#include <ddp/async_snapshot.h>
 #include <ddp/checkpoint.h>
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/error_file.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <CLI/CLI.hpp>
 
@@ -127,13 +127,13 @@ int main(int argc, char** argv) {
     // "staging"), `repeats` times in turn, so that drift in the machine's
     // speed falls on both alike.
     std::vector<double> plain_ms, during_ms, staging_ms, write_ms;
-    ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().keep(1));
+    ddp::SnapshotSaver writer(dir + "/async", ddp::SnapshotOptions().keep(1).async_write(true));
     for (int64_t r = 0; r < repeats; ++r) {
       for (int64_t s = 0; s < steps; ++s) plain_ms.push_back(step());
       auto start = Clock::now();
       auto state = model.full_state_dict();
       auto optim = model.full_optim_state_dict(adam);
-      if (root) writer.save(dir + "/async", ddp::capture_snapshot(state, optim, r, r));
+      if (root) writer.save(ddp::capture_snapshot(state, optim, r, r));
       staging_ms.push_back(ms_since(start));
       // Ranks step together, so rank 0's view of the writer decides for all.
       for (int64_t s = 0; s < 256; ++s) {

@@ -1,19 +1,18 @@
 // Sharded snapshots (include/ddp/sharded_snapshot.h): their names, the
-// progress stored with them, finding the newest and pruning the rest.
+// progress stored with them, finding the newest, and what SnapshotSaver's
+// pruning (src/snapshot_retention.h) needs to know of them.
 
 #include <ddp/sharded_snapshot.h>
 
 #include <ddp/error.h>
 
 #include "fmt_header_only.h"
+#include "snapshot_retention.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
-#include <map>
-#include <mutex>
-#include <set>
 
 namespace ddp::detail {
 namespace {
@@ -77,19 +76,6 @@ TrainingProgress validated_progress(int64_t step, const std::string& path) {
   return progress;
 }
 
-std::string canonical(const std::string& path) {
-  std::error_code ec;
-  auto result = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  return ec ? path : result.string();
-}
-
-// The snapshots this process resumed from (one per directory, in practice).
-std::mutex resumed_mutex;
-std::set<std::string>& resumed_from() {
-  static std::set<std::string> paths;
-  return paths;
-}
-
 constexpr const char* kModelPrefix = "model.";
 
 }  // namespace
@@ -112,57 +98,28 @@ std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(co
   return valid;
 }
 
-std::optional<std::pair<std::string, TrainingProgress>> newest_sharded_snapshot(const std::string& dir,
-                                                                               std::vector<std::string>* skipped) {
+SnapshotListing list_sharded_snapshots(const std::string& dir, const std::string& written) {
+  const std::string name = fs::path(written).filename().string();
+  const int64_t written_step = std::stoll(name.substr(std::char_traits<char>::length(kPrefix)));
+  const TrainingProgress mine = validated_progress(written_step, written);
+  const auto model = checkpoint_shapes(written, kModelPrefix);
+  SnapshotListing listing{{written, mine.step, mine.epoch, true, resumed_from(written)}, {}};
+  const std::string written_path = canonical_path(written);
   for (const auto& [step, path] : snapshots_in(dir)) {
+    if (canonical_path(path) == written_path) continue;
+    SnapshotOnDisk other{path, step};
+    other.resumed_from = resumed_from(path);
     try {
-      return std::make_pair(path, validated_progress(step, path));
-    } catch (const std::exception& e) {
-      if (skipped) skipped->push_back(message_of(e));
-    }
-  }
-  return std::nullopt;
-}
-
-void prune_sharded_snapshots(const std::string& dir, const std::string& written, int keep, ProcessGroup& group) {
-  if (group.rank() != 0 || keep <= 0) return;
-  // The snapshot just written says what this run's snapshots hold. If it
-  // does not read back, the older ones are the only fallback: keep them all.
-  int64_t written_step = 0;
-  std::map<std::string, std::vector<int64_t>> model;
-  try {
-    const std::string digits = fs::path(written).filename().string().substr(std::char_traits<char>::length(kPrefix));
-    written_step = std::stoll(digits);
-    validated_progress(written_step, written);
-    model = checkpoint_shapes(written, kModelPrefix);
-  } catch (const std::exception& e) {
-    TORCH_WARN("ddp: the sharded snapshot just written does not read back, so no older one is removed: ",
-               message_of(e));
-    return;
-  }
-  std::set<std::string> protected_paths;
-  {
-    std::lock_guard<std::mutex> lock(resumed_mutex);
-    protected_paths = resumed_from();
-  }
-  const std::string written_path = canonical(written);
-  int kept = 1;  // the one just written
-  for (const auto& [step, path] : snapshots_in(dir)) {
-    if (step >= written_step || canonical(path) == written_path) continue;  // newer ones are never ours to remove
-    try {
-      validated_progress(step, path);
-      if (checkpoint_shapes(path, kModelPrefix) != model) continue;  // another model's: not ours
+      if (!fs::is_symlink(path)) {
+        other.epoch = validated_progress(step, path).epoch;
+        other.ours = checkpoint_shapes(path, kModelPrefix) == model;
+      }
     } catch (const std::exception&) {
-      continue;  // damaged or foreign: neither counted nor removed
+      // incomplete, damaged or foreign: not ours
     }
-    if (kept < keep) {
-      ++kept;
-      continue;
-    }
-    if (protected_paths.count(canonical(path))) continue;
-    std::error_code ignored;  // another attempt may be pruning too
-    fs::remove_all(path, ignored);
+    listing.others.push_back(std::move(other));
   }
+  return listing;
 }
 
 void agree_on_candidates(ProcessGroup& group, const std::string& dir,
@@ -194,11 +151,6 @@ LoadAgreement agree_on_load(ProcessGroup& group, const std::string& path, const 
   if (failed == 0) return LoadAgreement::kAll;
   if (skipped) skipped->push_back(first);
   return failed == all.size() ? LoadAgreement::kNone : LoadAgreement::kSome;
-}
-
-void note_resumed_from(const std::string& path) {
-  std::lock_guard<std::mutex> lock(resumed_mutex);
-  resumed_from().insert(canonical(path));
 }
 
 void check_not_left_partly_loaded(const std::string& dir, bool partly_loaded, const std::vector<std::string>& why) {

@@ -5,6 +5,7 @@
 
 #include "error_text.h"
 #include "fnv1a.h"
+#include "snapshot_retention.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
@@ -139,7 +140,7 @@ std::vector<char> read_bytes(const std::string& path) {
 }
 
 // The snapshot_<epoch>.pt files in `dir`, sorted by name only: which one
-// is newest only their validated contents can say (see further_along).
+// is newest only their validated contents can say (detail::further_along).
 std::vector<std::string> snapshot_files(const std::string& dir) {
   std::vector<std::string> files;
   std::error_code ec;
@@ -152,20 +153,17 @@ std::vector<std::string> snapshot_files(const std::string& dir) {
   return files;
 }
 
-// Newest means furthest along: the most optimizer steps, then the latest
-// epoch. Never the modification time: after one unreadable file once sent a
-// run back to epoch 0, the fresh epoch-0 snapshots were the most recently
-// written, and every later restart resumed from them although epoch 29's was
-// still there. A directory holds one run; a fresh run wants an empty one.
-struct Progress {
-  int64_t step = 0;
-  int64_t epoch = -1;
-  std::string path;
-};
-bool further_along(const Progress& a, const Progress& b) {
-  if (a.step != b.step) return a.step > b.step;
-  if (a.epoch != b.epoch) return a.epoch > b.epoch;
-  return a.path > b.path;
+// Newest means furthest along (detail::further_along), then the greatest
+// name. A directory holds one run; a fresh run wants an empty one.
+bool newer(const detail::SnapshotOnDisk& a, const detail::SnapshotOnDisk& b) {
+  return detail::further_along(a, b) || (!detail::further_along(b, a) && a.path > b.path);
+}
+
+// The model's names and shapes: whether two snapshots are of one model.
+std::vector<std::pair<std::string, std::vector<int64_t>>> model_shapes(const Snapshot& s) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  for (const auto& [name, tensor] : s.model) shapes.emplace_back(name, tensor.sizes().vec());
+  return shapes;
 }
 
 // What a skipped file's entry says: the file and why. Loading names the
@@ -225,50 +223,39 @@ void save_snapshot(const Snapshot& snapshot, const std::string& path) {
 
 Snapshot load_snapshot(const std::string& path) { return parse_snapshot(load_value(path), path); }
 
-namespace {
-// How far along the snapshot at `path` is, if it loads and validates.
-std::optional<Progress> progress_of(const std::string& path) {
-  try {
-    Snapshot s = load_snapshot(path);
-    return Progress{s.step, s.epoch, path};
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-}  // namespace
-
-std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep) {
-  set_trace_fallback_directory(dir);  // collective traces go next to the snapshots
-  std::string path = dir + "/snapshot_" + std::to_string(snapshot.epoch) + ".pt";
-  save_snapshot(snapshot, path);
-  // Older snapshots go only after the new one is safely on disk and reads
-  // back as valid: otherwise the previous valid one is still the fallback.
-  if (!progress_of(path)) return path;
-  // Only valid snapshots count toward `keep`, and only valid ones are
-  // removed: a file that merely looks like a snapshot (another program's, a
-  // damaged one) must neither push a valid fallback out nor be deleted by us.
-  // The one just written always stays; of the others, those furthest along.
-  std::vector<Progress> others;
+detail::SnapshotListing detail::list_snapshot_files(const std::string& dir, const std::string& written) {
+  const Snapshot mine = load_snapshot(written);
+  const auto model = model_shapes(mine);
+  SnapshotListing listing{{written, mine.step, mine.epoch, true, resumed_from(written)}, {}};
   std::error_code ec;
-  for (const auto& other : snapshot_files(dir)) {
-    if (fs::equivalent(other, path, ec)) continue;
-    if (auto progress = progress_of(other)) others.push_back(*progress);
+  for (const auto& path : snapshot_files(dir)) {
+    if (fs::equivalent(path, written, ec)) continue;
+    SnapshotOnDisk other{path};
+    other.resumed_from = resumed_from(path);
+    try {
+      if (!fs::is_symlink(path)) {
+        Snapshot s = load_snapshot(path);
+        other.step = s.step;
+        other.epoch = s.epoch;
+        other.ours = model_shapes(s) == model;
+      }
+    } catch (const std::exception&) {
+      // damaged or not a snapshot: not ours
+    }
+    listing.others.push_back(std::move(other));
   }
-  std::sort(others.begin(), others.end(), further_along);
-  const size_t kept_others = static_cast<size_t>(std::max(keep, 1) - 1);
-  for (size_t k = kept_others; k < others.size(); ++k) fs::remove(others[k].path, ec);
-  return path;
+  return listing;
 }
 
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir, std::vector<std::string>* skipped) {
   set_trace_fallback_directory(dir);
   std::optional<Snapshot> newest;
-  std::optional<Progress> newest_progress;
+  std::optional<detail::SnapshotOnDisk> newest_progress;
   for (const auto& path : snapshot_files(dir)) {
     try {
       Snapshot s = load_snapshot(path);
-      Progress progress{s.step, s.epoch, path};
-      if (!newest_progress || further_along(progress, *newest_progress)) {
+      detail::SnapshotOnDisk progress{path, s.step, s.epoch};
+      if (!newest_progress || newer(progress, *newest_progress)) {
         newest = std::move(s);
         newest_progress = progress;
       }
@@ -276,6 +263,7 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, std::vector
       if (skipped) skipped->push_back(why_skipped(path, e));
     }
   }
+  if (newest_progress) detail::note_resumed_from(newest_progress->path);
   return newest;
 }
 
@@ -287,14 +275,14 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
     // Whatever goes wrong here, rank 0 must still take part in the
     // broadcasts below, or the other ranks would wait for it until timeout.
     try {
-      std::optional<Progress> newest;
+      std::optional<detail::SnapshotOnDisk> newest;
       for (const auto& path : snapshot_files(dir)) {
         try {
           // Validated from the very bytes that are sent.
           std::vector<char> candidate = read_bytes(path);
           Snapshot s = parse_snapshot(deserialize_value(candidate, path), path);
-          Progress progress{s.step, s.epoch, path};
-          if (!newest || further_along(progress, *newest)) {
+          detail::SnapshotOnDisk progress{path, s.step, s.epoch};
+          if (!newest || newer(progress, *newest)) {
             newest = progress;
             bytes = std::move(candidate);
             name = path;
@@ -325,7 +313,9 @@ std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGrou
     bytes.assign(data, data + n);
     name = "snapshot from rank 0";
   }
-  return parse_snapshot(deserialize_value(bytes, name), name);
+  Snapshot snapshot = parse_snapshot(deserialize_value(bytes, name), name);
+  if (group.rank() == 0) detail::note_resumed_from(name);
+  return snapshot;
 }
 
 }  // namespace ddp

@@ -12,7 +12,7 @@
 namespace ddp::detail {
 
 struct TestSeams {
-  /// AsyncSnapshotWriter's thread waits this long before each write, so a
+  /// An async SnapshotSaver's thread waits this long before each write, so a
   /// test can change the parameters or fill the queue while a save is
   /// pending. Read when a writer's thread starts.
   std::chrono::milliseconds async_snapshot_write_delay{0};

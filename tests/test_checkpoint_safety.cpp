@@ -12,6 +12,7 @@
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/error.h>
 #include <ddp/sharded_snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -282,7 +283,8 @@ struct Marked {
   double value() { return model->parameters()[0].view({-1})[0].item<double>(); }
   std::string save(const std::string& dir, int64_t step, int keep) {
     mark(static_cast<double>(step));
-    return ddp::save_sharded_snapshot(dir, model, &optimizer, ddp::TrainingProgress{0, step, 0}, keep);
+    ddp::SnapshotSaver saver(dir, ddp::SnapshotOptions().keep(keep));
+    return saver.save(model, &optimizer, ddp::TrainingProgress{0, step, 0});
   }
   ddp::DistributedDataParallel<torch::nn::Linear> model;
   torch::optim::Adam optimizer;
@@ -370,6 +372,25 @@ TEST(CheckpointSafety, ResumeSkipsSnapshotsThatCannotServeAndPruningKeepsTheGood
        }},
   });
   expect_phases_succeeded(phases, 3);
+}
+
+// Sharded snapshots are written on the calling thread only: a saver with
+// async_write refuses them on every rank, before anything is written.
+TEST(CheckpointSafety, ASaverWithAsyncWriteRefusesShardedSnapshotsOnEveryRank) {
+  RanksTempDir dir;
+  auto phases = run_phases_on_ranks({
+      {2,
+       [&dir](const Group& group) {
+         Marked job(group, 4, 3);
+         ddp::SnapshotSaver saver(dir.path(), ddp::SnapshotOptions().async_write(true));
+         const std::string error =
+             error_of([&] { saver.save(job.model, &job.optimizer, ddp::TrainingProgress{0, 1, 0}); });
+         EXPECT_NE(error.find("a sharded snapshot cannot be written asynchronously"), std::string::npos) << error;
+         group->barrier();
+         EXPECT_FALSE(fs::exists(snapshot(dir, 1)));
+       }},
+  });
+  expect_phases_succeeded(phases, 1);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
@@ -21,6 +22,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 namespace fs = std::filesystem;
 
@@ -92,14 +94,17 @@ class SnapshotFiles : public ::testing::Test {
  protected:
   void SetUp() override {
     dir = ddp::testing::make_temp_dir();
+    saver = std::make_unique<ddp::SnapshotSaver>(dir);
     torch::manual_seed(0);
     train_steps(model, optimizer, 0, 2);
   }
-  void TearDown() override { fs::remove_all(dir); }
-  std::string write(int64_t epoch) {
-    return ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, epoch, epoch * 10));
+  void TearDown() override {
+    saver.reset();
+    fs::remove_all(dir);
   }
+  std::string write(int64_t epoch) { return saver->save(ddp::capture_snapshot(*model, optimizer, epoch, epoch * 10)); }
   std::string dir;
+  std::unique_ptr<ddp::SnapshotSaver> saver;  // keep 2
   torch::nn::Linear model{5, 3};
   torch::optim::Adam optimizer{model->parameters(), torch::optim::AdamOptions(1e-3)};
 };
@@ -196,6 +201,24 @@ TEST_F(SnapshotFiles, ADamagedSnapshotDoesNotCountTowardTheKeptOnes) {
   write(30);
   EXPECT_TRUE(fs::exists(dir + "/snapshot_10.pt"));
   EXPECT_TRUE(fs::exists(dir + "/snapshot_30.pt"));
+}
+
+// The saver's one retention policy on snapshot files: a valid snapshot of
+// another model neither counts nor goes, and the one this process resumed
+// from stays.
+TEST_F(SnapshotFiles, AnotherModelsSnapshotAndTheOneResumedFromAreNeverPruned) {
+  const std::string foreign = dir + "/snapshot_7.pt";
+  ddp::save_snapshot(ddp::capture_snapshot(ddp::StateDict{{"another", at::ones({2})}}, c10::IValue(), 7, 5), foreign);
+  const std::string resumed = write(1);  // step 10
+  ASSERT_EQ(ddp::load_newest_snapshot(dir)->epoch, 1);
+  write(2);
+  write(3);
+  write(4);
+  EXPECT_TRUE(fs::exists(foreign)) << "another model's snapshot was removed";
+  EXPECT_TRUE(fs::exists(resumed)) << "the snapshot resumed from was removed";
+  EXPECT_FALSE(fs::exists(dir + "/snapshot_2.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_3.pt"));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_4.pt"));
 }
 
 // Issue 12 item 8: temporaries of killed writers ("<name>.tmp.<pid>") are removed at the next
@@ -373,9 +396,10 @@ TEST(SnapshotRanks, RankZeroSkipsABadFileAndEveryRankResumesFromTheFurthestStep)
     torch::manual_seed(0);
     torch::nn::Linear model(5, 3);
     torch::optim::SGD optimizer(model->parameters(), 0.1);
-    ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, 29, 290));
+    ddp::SnapshotSaver saver(dir);
+    saver.save(ddp::capture_snapshot(*model, optimizer, 29, 290));
     write_overflowing_version(dir + "/snapshot_30.pt");
-    ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, 0, 10));
+    saver.save(ddp::capture_snapshot(*model, optimizer, 0, 10));
   }
   ddp::testing::RanksOptions options;
   options.env = {{"DDP_TEST_SNAPSHOT_DIR", dir}};

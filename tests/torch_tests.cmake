@@ -18,7 +18,7 @@ add_executable(ddp_unit_tests
   test_optimizer_state.cpp
   test_checkpoint.cpp
   test_snapshot.cpp
-  test_async_snapshot.cpp
+  test_snapshot_saver.cpp
   test_safetensors_io.cpp
   test_terminate_handler.cpp
   test_error_file.cpp

@@ -102,7 +102,9 @@ int main(int argc, char** argv) {
     ddp::FullyShardedDataParallel<torch::nn::Sequential> model(blocks, group);
     torch::optim::AdamW optimizer(model.parameters(), torch::optim::AdamWOptions(1e-3));
 
-    // Resume from the newest sharded snapshot, whatever world size wrote it.
+    // Resume from the newest sharded snapshot, whatever world size wrote it;
+    // the saver keeps the newest two.
+    ddp::SnapshotSaver snapshots(args.checkpoint_dir);
     int64_t step = 0;
     if (auto progress = ddp::load_newest_sharded_snapshot(args.checkpoint_dir, model, &optimizer)) {
       step = progress->step;
@@ -123,7 +125,7 @@ int main(int argc, char** argv) {
                     norm);
       }
       if (step % args.snapshot_every == 0 || step == args.steps) {
-        ddp::save_sharded_snapshot(args.checkpoint_dir, model, &optimizer, ddp::TrainingProgress{0, step, 0});
+        snapshots.save(model, &optimizer, ddp::TrainingProgress{0, step, 0});
       }
     }
     const auto memory = model.memory();

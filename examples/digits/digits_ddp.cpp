@@ -19,6 +19,7 @@
 #include <ddp/process_group.h>
 #include <ddp/progress.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <torch/data/dataloader.h>
 #include <torch/data/transforms/stack.h>
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
     // snapshot: weights, Adam's moments and step counts, epoch.
     int64_t first_epoch = 0;
     int64_t step = 0;
+    ddp::SnapshotSaver snapshots(args.checkpoint_dir);  // rank 0 saves
     if (args.resume) {
       std::vector<std::string> skipped;
       auto snapshot = ddp::load_newest_snapshot(args.checkpoint_dir, *group, &skipped);
@@ -149,7 +151,7 @@ int main(int argc, char** argv) {
           std::printf("Epoch %lld | Model saved to %s\n", static_cast<long long>(epoch), path.c_str());
         }
         if (epoch % args.save_every == 0 || last) {
-          ddp::save_snapshot_in(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+          snapshots.save(ddp::capture_snapshot(*model, optimizer, epoch, step));
         }
         std::fflush(stdout);
       }

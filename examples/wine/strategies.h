@@ -20,6 +20,7 @@
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
 #include <torch/optim/adam.h>
@@ -45,7 +46,7 @@ class Strategy {
   /// Loads a snapshot that every rank holds.
   virtual void restore(const ddp::Snapshot& snapshot) = 0;
   /// Writes DIR/sharded_step_<step>, each rank its part. Collective.
-  virtual void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) = 0;
+  virtual void save_sharded(ddp::SnapshotSaver& saver, const ddp::TrainingProgress& progress) = 0;
   /// Loads the newest sharded snapshot in DIR, whatever world size and
   /// strategy wrote it. Collective.
   virtual std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
@@ -67,8 +68,8 @@ class DdpStrategy : public Strategy {
   void restore(const ddp::Snapshot& snapshot) override {
     ddp::restore_snapshot(snapshot, *ddp_model.module(), optimizer);
   }
-  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
-    ddp::save_sharded_snapshot(dir, ddp_model, &optimizer, progress, keep);
+  void save_sharded(ddp::SnapshotSaver& saver, const ddp::TrainingProgress& progress) override {
+    saver.save(ddp_model, &optimizer, progress);
   }
   std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
                                                            std::vector<std::string>* skipped) override {
@@ -97,8 +98,8 @@ class ZeroStrategy : public Strategy {
     optimizer.load_state_dict(snapshot.optimizer);
     ddp::restore_rng_state(snapshot);
   }
-  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
-    ddp::save_sharded_snapshot(dir, ddp_model, optimizer, progress, keep);
+  void save_sharded(ddp::SnapshotSaver& saver, const ddp::TrainingProgress& progress) override {
+    saver.save(ddp_model, optimizer, progress);
   }
   std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
                                                            std::vector<std::string>* skipped) override {
@@ -131,8 +132,8 @@ class FsdpStrategy : public Strategy {
     fsdp_model.load_full_optim_state_dict(optimizer, snapshot.optimizer);
     ddp::restore_rng_state(snapshot);
   }
-  void save_sharded(const std::string& dir, const ddp::TrainingProgress& progress, int keep) override {
-    ddp::save_sharded_snapshot(dir, fsdp_model, &optimizer, progress, keep);
+  void save_sharded(ddp::SnapshotSaver& saver, const ddp::TrainingProgress& progress) override {
+    saver.save(fsdp_model, &optimizer, progress);
   }
   std::optional<ddp::TrainingProgress> load_newest_sharded(const std::string& dir,
                                                            std::vector<std::string>* skipped) override {

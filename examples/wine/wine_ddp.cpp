@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     int64_t first_epoch = 0;
     int64_t step = 0;
     // Rank 0 writes snapshots off the training thread.
-    ddp::AsyncSnapshotWriter snapshot_writer;
+    ddp::SnapshotSaver snapshots(args.checkpoint_dir, ddp::SnapshotOptions().async_write(true));
     if (args.resume) {
       std::vector<std::string> skipped;
       auto snapshot = ddp::load_newest_snapshot(args.checkpoint_dir, *group, &skipped);
@@ -150,12 +150,12 @@ int main(int argc, char** argv) {
       if (is_master && (save_model || epoch + 1 == args.total_epochs)) {
         // Copied now, written by a background thread while training goes
         // on; a crash mid-write leaves the previous snapshot the newest.
-        snapshot_writer.save(args.checkpoint_dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+        snapshots.save(ddp::capture_snapshot(*model, optimizer, epoch, step));
       }
       std::fflush(stdout);
     }
 
-    snapshot_writer.wait();  // the last snapshot is on disk, or its error is thrown
+    snapshots.wait();  // the last snapshot is on disk, or its error is thrown
     ddp::save(ddp_model, args.checkpoint_dir + "/model_final.pt");
     if (is_master) std::printf("Test accuracy: %.4f\n", test_accuracy());
     group->barrier();  // no rank leaves while rank 0 may still need it

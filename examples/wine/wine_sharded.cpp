@@ -24,6 +24,7 @@
 #include <ddp/progress.h>
 #include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <torch/data/dataloader.h>
 #include <torch/data/transforms/stack.h>
@@ -125,6 +126,10 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // Keeps the newest --keep-snapshots that validate; never one it cannot
+    // judge, nor the one resumed from.
+    ddp::SnapshotSaver snapshots(args.checkpoint_dir,
+                                 ddp::SnapshotOptions().keep(static_cast<int>(args.keep_snapshots)));
     int64_t last_snapshot_step = -1;
     auto write_snapshot = [&](int64_t epoch, int64_t samples_seen) {
       if (step == last_snapshot_step) return;  // the step-count one fell on the epoch's end
@@ -134,8 +139,7 @@ int main(int argc, char** argv) {
         ++epoch;
         samples_seen = 0;
       }
-      strategy->save_sharded(args.checkpoint_dir, ddp::TrainingProgress{epoch, step, samples_seen},
-                             static_cast<int>(args.keep_snapshots));
+      strategy->save_sharded(snapshots, ddp::TrainingProgress{epoch, step, samples_seen});
     };
     std::FILE* sample_log = nullptr;
     if (!args.sample_log.empty()) {

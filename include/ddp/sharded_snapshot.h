@@ -7,6 +7,7 @@
 // rest of an interrupted epoch is split anew over the ranks that are left:
 //
 //   ddp::DistributedSampler sampler(n, ddp::SamplerOptions(group->size(), group->rank()));
+//   ddp::SnapshotSaver saver(dir);  // <ddp/snapshot_saver.h>
 //   ddp::TrainingProgress start;
 //   if (auto found = ddp::load_newest_sharded_snapshot(dir, model, &optimizer)) start = *found;
 //   for (int64_t epoch = start.epoch; epoch < epochs; ++epoch) {
@@ -14,18 +15,19 @@
 //     if (epoch == start.epoch) sampler.resume_epoch(start.samples_seen);
 //     for (auto& batch : *loader) {
 //       ... train, ++step ...
-//       if (step % 100 == 0)
-//         ddp::save_sharded_snapshot(dir, model, &optimizer, {epoch, step, seen_so_far});
+//       if (step % 100 == 0) saver.save(model, &optimizer, {epoch, step, seen_so_far});
 //     }
 //   }
 //
 // where seen_so_far is sampler.samples_seen() with a loader of workers(0),
 // or counted from the batches consumed (a loader with workers prefetches).
 // Each snapshot is DIR/sharded_step_<step>, committed whole (see
-// distributed_checkpoint.h), so a crash mid-save leaves the previous newest.
-// Every rank must see DIR (a shared file system).
+// distributed_checkpoint.h), so a crash mid-save leaves the previous newest;
+// the saver keeps the newest `keep` of them (see snapshot_saver.h). Every
+// rank must see DIR (a shared file system).
 
 #include <ddp/distributed_checkpoint.h>
+#include <ddp/snapshot.h>
 
 #include <cstdint>
 #include <exception>
@@ -51,15 +53,6 @@ DistributedCheckpointOptions::Metadata progress_metadata(const TrainingProgress&
 /// `skipped`. Reads headers only.
 std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(const std::string& dir,
                                                                             std::vector<std::string>* skipped);
-/// The first of valid_sharded_snapshots.
-std::optional<std::pair<std::string, TrainingProgress>> newest_sharded_snapshot(const std::string& dir,
-                                                                               std::vector<std::string>* skipped);
-/// Rank 0 removes the snapshots of this run (the model of `written`) older
-/// than the newest `keep` of them, counting only those that validate. It
-/// never removes one that does not validate or holds another model, one
-/// newer than `written`, or the one this process resumed from; nor anything
-/// when `written` itself does not validate. keep <= 0: removes none.
-void prune_sharded_snapshots(const std::string& dir, const std::string& written, int keep, ProcessGroup& group);
 /// Every rank's candidates (valid_sharded_snapshots) must be the same;
 /// throws on every rank if not (the ranks see different directories).
 void agree_on_candidates(ProcessGroup& group, const std::string& dir,
@@ -72,28 +65,10 @@ LoadAgreement agree_on_load(ProcessGroup& group, const std::string& path, const 
                             std::vector<std::string>* skipped);
 /// The message of an exception, without a backtrace.
 std::string message_of(const std::exception& e);
-/// Records that this process resumed from `path`, which pruning then keeps.
-void note_resumed_from(const std::string& path);
 /// Throws, naming `dir`, when ranks that loaded a snapshot the others could
 /// not are left holding it (`partly_loaded`).
 void check_not_left_partly_loaded(const std::string& dir, bool partly_loaded, const std::vector<std::string>& why);
 }  // namespace detail
-
-/// Saves DIR/sharded_step_<progress.step> from `model` (FullyShardedDataParallel
-/// or DistributedDataParallel) and `optimizer` (a torch::optim::Optimizer*,
-/// or a ZeroRedundancyOptimizer), then keeps the newest `keep` valid
-/// snapshots of this model, the one resumed from, and any newer valid one
-/// (see detail::prune_sharded_snapshots). Returns the snapshot's directory.
-/// Collective.
-template <typename Model, typename Optimizer>
-std::string save_sharded_snapshot(const std::string& dir, Model& model, Optimizer&& optimizer,
-                                  const TrainingProgress& progress, int keep = 2) {
-  const std::string path = detail::sharded_snapshot_path(dir, progress.step);
-  save_distributed_checkpoint(path, model, std::forward<Optimizer>(optimizer),
-                              DistributedCheckpointOptions().metadata(detail::progress_metadata(progress)));
-  detail::prune_sharded_snapshots(dir, path, keep, *model.process_group());
-  return path;
-}
 
 /// Loads the newest sharded snapshot in `dir` that every rank can load,
 /// written at any world size and under any strategy, and returns where it

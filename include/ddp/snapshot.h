@@ -2,15 +2,17 @@
 
 // Snapshots: everything needed to resume training exactly where it stopped,
 // the model, the optimizer's state (Adam moments and step counts included),
-// the epoch and step, and the RNG state. Rank 0 writes them atomically; on a
-// restart every rank resumes from the newest valid one.
+// the epoch and step, and the RNG state. Rank 0 writes them atomically with
+// a SnapshotSaver (<ddp/snapshot_saver.h>), which also prunes the old ones;
+// on a restart every rank resumes from the newest valid one.
 //
+//   ddp::SnapshotSaver saver(dir);
 //   if (auto snapshot = ddp::load_newest_snapshot(dir, *group)) {
 //     ddp::restore_snapshot(*snapshot, *model, optimizer);
 //     first_epoch = snapshot->epoch + 1;
 //   }
 //   ...
-//   if (group->rank() == 0) ddp::save_snapshot_in(dir, ddp::capture_snapshot(*model, optimizer, epoch, step));
+//   if (group->rank() == 0) saver.save(ddp::capture_snapshot(*model, optimizer, epoch, step));
 
 #include <ddp/checkpoint.h>
 #include <ddp/process_group.h>
@@ -73,21 +75,24 @@ void save_snapshot(const Snapshot& snapshot, const std::string& path);
 /// it is truncated, corrupt, of another version or not a snapshot.
 Snapshot load_snapshot(const std::string& path);
 
-/// Writes DIR/snapshot_<epoch>.pt and keeps it and the `keep` - 1 other
-/// valid snapshots furthest along (see load_newest_snapshot); removes the
-/// other valid ones. Returns the path written.
-std::string save_snapshot_in(const std::string& dir, const Snapshot& snapshot, int keep = 2);
-
 /// The newest snapshot in `dir` that loads and validates, if any: the one
 /// furthest along by the step recorded inside it, then its epoch, never by
 /// file time. Invalid files are skipped one by one; for each, a message that
-/// names it and why goes to `skipped` if given.
+/// names it and why goes to `skipped` if given. A SnapshotSaver of this
+/// process never prunes the one returned.
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
                                              std::vector<std::string>* skipped = nullptr);
 
 /// Rank 0 picks the newest valid snapshot in `dir` and sends it to every
-/// rank, so only rank 0 needs to see the directory. Collective.
+/// rank, so only rank 0 needs to see the directory; rank 0's savers never
+/// prune it. Collective.
 std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
                                              std::vector<std::string>* skipped = nullptr);
+
+namespace detail {
+/// Records that this process resumed from the snapshot at `path`, which
+/// SnapshotSaver's pruning then keeps.
+void note_resumed_from(const std::string& path);
+}  // namespace detail
 
 }  // namespace ddp

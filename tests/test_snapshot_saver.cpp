@@ -1,4 +1,4 @@
-#include <ddp/async_snapshot.h>
+#include <ddp/snapshot_saver.h>
 
 #include <ddp/error.h>
 
@@ -14,6 +14,7 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
+#include "snapshot_retention.h"
 #include "test_seams.h"
 
 #include <signal.h>
@@ -24,8 +25,11 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <memory>
 #include <optional>
+#include <set>
 #include <thread>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -33,9 +37,9 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Holds each write of the writers made in one test back by `delay`, through
-// the library's test seam (src/test_seams.h); a writer reads it when its
-// thread starts, so declare this before the writer.
+// Holds each write of the asynchronous savers made in one test back by
+// `delay`, through the library's test seam (src/test_seams.h); a saver reads
+// it when its thread starts, so declare this before the saver.
 class ScopedWriteDelay {
  public:
   explicit ScopedWriteDelay(std::chrono::milliseconds delay) {
@@ -91,7 +95,7 @@ ddp::Snapshot filled(int64_t epoch, int64_t numel, float value) {
 // Staging: what is written is the state at the moment save() was called,
 // although training changes the parameters, the Adam moments and the extra
 // tensors in place while the write waits. Skipping the copy fails this.
-TEST(AsyncSnapshot, WritesTheStateOfTheMomentSaveWasCalled) {
+TEST(SnapshotSaver, AnAsyncSaveWritesTheStateOfTheMomentSaveWasCalled) {
   ScopedWriteDelay delay(300ms);  // training runs first, surely
   const std::string reference_dir = ddp::testing::make_temp_dir();
   const std::string async_dir = ddp::testing::make_temp_dir();
@@ -105,10 +109,11 @@ TEST(AsyncSnapshot, WritesTheStateOfTheMomentSaveWasCalled) {
   at::Tensor ema = at::ones({4});
   extra.insert("ema", ema);
   now.extra = extra;
-  const std::string reference = ddp::save_snapshot_in(reference_dir, now);  // on this thread, before any change
+  // On this thread, before any change.
+  const std::string reference = ddp::SnapshotSaver(reference_dir).save(now);
 
-  ddp::AsyncSnapshotWriter writer;
-  writer.save(async_dir, now);
+  ddp::SnapshotSaver writer(async_dir, ddp::SnapshotOptions().async_write(true));
+  writer.save(now);
   const at::Tensor weight_at_save = model->weight.detach().clone();
   train_steps(model, optimizer, 3, 5);
   ema.add_(1);
@@ -134,15 +139,15 @@ TEST(AsyncSnapshot, WritesTheStateOfTheMomentSaveWasCalled) {
 // Kill during save: a process is SIGKILLed while its writer thread is
 // writing a large snapshot. The previous snapshot must still be the newest
 // valid one, and no file that validates may be incomplete.
-TEST(AsyncSnapshot, KilledMidWriteLeavesThePreviousSnapshotTheNewestValidOne) {
+TEST(SnapshotSaver, KilledMidAsyncWriteLeavesThePreviousSnapshotTheNewestValidOne) {
   constexpr int64_t kLarge = 64 << 20;  // 256 MiB of floats: the write takes a while
   if (const char* dir = std::getenv("DDP_TEST_ASYNC_KILL_DIR")) {
     // The child: one complete snapshot, then a large one the parent kills us in.
-    ddp::AsyncSnapshotWriter writer;
-    writer.save(dir, filled(0, 1000, 1.0f));
+    ddp::SnapshotSaver writer(dir, ddp::SnapshotOptions().async_write(true));
+    writer.save(filled(0, 1000, 1.0f));
     writer.wait();
     ddp::Snapshot large = filled(1, kLarge, 2.0f);
-    writer.save(dir, large);
+    writer.save(large);
     large.model[0].second.fill_(3.0f);  // training goes on
     std::this_thread::sleep_for(120s);
     ::_exit(3);  // never killed: the parent fails on the exit code
@@ -213,11 +218,11 @@ std::string blocked_directory(const std::string& root, std::initializer_list<int
 
 // A failed write on the writer thread surfaces from wait(), or from the next
 // save(), as a ddp::Error that names the file; the destructor only warns.
-TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
+TEST(SnapshotSaver, AnAsyncWriteErrorSurfacesFromWaitOrTheNextSave) {
   const std::string root = ddp::testing::make_temp_dir();
   const std::string blocked = blocked_directory(root, {0, 1});
-  ddp::AsyncSnapshotWriter writer;
-  writer.save(blocked, filled(0, 10, 1.0f));  // returns: the write fails later, on the thread
+  ddp::SnapshotSaver writer(blocked, ddp::SnapshotOptions().async_write(true));
+  writer.save(filled(0, 10, 1.0f));  // returns: the write fails later, on the thread
   try {
     writer.wait();
     ADD_FAILURE() << "wait() did not throw";
@@ -225,28 +230,28 @@ TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
     EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
   }
 
-  writer.save(blocked, filled(1, 10, 1.0f));
+  writer.save(filled(1, 10, 1.0f));
   while (writer.pending() > 0) std::this_thread::sleep_for(1ms);
   try {
-    writer.save(root, filled(2, 10, 1.0f));
+    writer.save(filled(2, 10, 1.0f));
     ADD_FAILURE() << "save() did not throw the earlier error";
   } catch (const ddp::Error& e) {
     EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_1.pt' failed"), std::string::npos) << e.what();
   }
-  EXPECT_FALSE(fs::exists(root + "/snapshot_2.pt")) << "a save() that threw queued its snapshot";
+  EXPECT_FALSE(fs::exists(blocked + "/snapshot_2.pt")) << "a save() that threw queued its snapshot";
 
-  // Reported once; the writer goes on working.
-  writer.save(root, filled(3, 10, 1.0f));
+  // Reported once; the saver goes on working.
+  writer.save(filled(3, 10, 1.0f));
   EXPECT_NO_THROW(writer.wait());
-  EXPECT_TRUE(fs::exists(root + "/snapshot_3.pt"));
+  EXPECT_TRUE(fs::exists(blocked + "/snapshot_3.pt"));
 
   const std::string also_blocked = blocked_directory(root, {4}, "also_blocked");
   WarningCapture warnings;
   {
     c10::WarningUtils::WarningHandlerGuard guard(&warnings);
     EXPECT_NO_THROW({
-      ddp::AsyncSnapshotWriter unwatched;
-      unwatched.save(also_blocked, filled(4, 10, 1.0f));
+      ddp::SnapshotSaver unwatched(also_blocked, ddp::SnapshotOptions().async_write(true));
+      unwatched.save(filled(4, 10, 1.0f));
     });
   }
   ASSERT_EQ(warnings.messages.size(), 1u);
@@ -257,36 +262,41 @@ TEST(AsyncSnapshot, AWriteErrorSurfacesFromWaitOrTheNextSave) {
 // save() waits for room while the previous write runs; when that write
 // fails (a full disk, say), save() throws its error and queues nothing,
 // rather than starting one more write that would fail the same way.
-TEST(AsyncSnapshot, ASaveThatWaitedForRoomThrowsTheErrorOfTheWriteThatMadeIt) {
+TEST(SnapshotSaver, AnAsyncSaveThatWaitedForRoomThrowsTheErrorOfTheWriteThatMadeIt) {
   ScopedWriteDelay delay(300ms);
   const std::string root = ddp::testing::make_temp_dir();
   const std::string blocked = blocked_directory(root, {0});
-  ddp::AsyncSnapshotWriter writer;  // queue_depth 1: the second save waits for the first write
-  writer.save(blocked, filled(0, 10, 1.0f));
+  // queue_depth 1: the second save waits for the first write.
+  ddp::SnapshotSaver writer(blocked, ddp::SnapshotOptions().async_write(true));
+  writer.save(filled(0, 10, 1.0f));
   try {
-    writer.save(root, filled(1, 10, 1.0f));
+    writer.save(filled(1, 10, 1.0f));
     ADD_FAILURE() << "save() queued a snapshot after the write it waited for had failed";
   } catch (const ddp::Error& e) {
     EXPECT_NE(std::string(e.what()).find("'" + blocked + "/snapshot_0.pt' failed"), std::string::npos) << e.what();
   }
   EXPECT_EQ(writer.pending(), 0u);
   EXPECT_NO_THROW(writer.wait());  // reported once
-  EXPECT_FALSE(fs::exists(root + "/snapshot_1.pt"));
+  EXPECT_FALSE(fs::exists(blocked + "/snapshot_1.pt"));
   fs::remove_all(root);
 }
 
 // save() makes the snapshot directory, and one it cannot make is an error
 // of that very call, naming it, not of a write on the thread.
-TEST(AsyncSnapshot, SaveMakesItsDirectoryOrSaysAtOnceThatItCannot) {
+TEST(SnapshotSaver, SaveMakesItsDirectoryOrSaysAtOnceThatItCannot) {
   const std::string root = ddp::testing::make_temp_dir();
-  ddp::AsyncSnapshotWriter writer;
-  writer.save(root + "/new/dir", filled(0, 10, 1.0f));
-  EXPECT_NO_THROW(writer.wait());
-  EXPECT_TRUE(fs::exists(root + "/new/dir/snapshot_0.pt"));
+  for (bool async_write : {false, true}) {
+    const std::string made = root + "/new/" + (async_write ? "async" : "sync");
+    ddp::SnapshotSaver saver(made, ddp::SnapshotOptions().async_write(async_write));
+    saver.save(filled(0, 10, 1.0f));
+    EXPECT_NO_THROW(saver.wait());
+    EXPECT_TRUE(fs::exists(made + "/snapshot_0.pt")) << made;
+  }
 
   { std::ofstream(root + "/file") << "a file, not a directory"; }
+  ddp::SnapshotSaver writer(root + "/file/sub", ddp::SnapshotOptions().async_write(true));
   try {
-    writer.save(root + "/file/sub", filled(1, 10, 1.0f));
+    writer.save(filled(1, 10, 1.0f));
     ADD_FAILURE() << "save() accepted a directory that cannot exist";
   } catch (const ddp::Error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot create the snapshot directory '" + root + "/file/sub'"),
@@ -300,17 +310,17 @@ TEST(AsyncSnapshot, SaveMakesItsDirectoryOrSaysAtOnceThatItCannot) {
 
 // The queue is bounded: with queue_depth(2), a third save() waits until the
 // writer has finished the first.
-TEST(AsyncSnapshot, SaveWaitsWhileTheQueueIsFull) {
+TEST(SnapshotSaver, AnAsyncSaveWaitsWhileTheQueueIsFull) {
   ScopedWriteDelay delay(400ms);
   const std::string dir = ddp::testing::make_temp_dir();
-  ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().queue_depth(2).keep(3));
-  writer.save(dir, filled(0, 10, 1.0f));
-  writer.save(dir, filled(1, 10, 1.0f));
+  ddp::SnapshotSaver writer(dir, ddp::SnapshotOptions().async_write(true).queue_depth(2).keep(3));
+  writer.save(filled(0, 10, 1.0f));
+  writer.save(filled(1, 10, 1.0f));
   EXPECT_EQ(writer.pending(), 2u);
   EXPECT_FALSE(fs::exists(dir + "/snapshot_0.pt"));
 
   const auto start = std::chrono::steady_clock::now();
-  writer.save(dir, filled(2, 10, 1.0f));
+  writer.save(filled(2, 10, 1.0f));
   const auto waited = std::chrono::steady_clock::now() - start;
   EXPECT_TRUE(fs::exists(dir + "/snapshot_0.pt")) << "save() returned while the queue was full";
   EXPECT_GE(waited, 200ms);
@@ -321,32 +331,124 @@ TEST(AsyncSnapshot, SaveWaitsWhileTheQueueIsFull) {
   fs::remove_all(dir);
 }
 
-TEST(AsyncSnapshot, OneWriterPerDirectory) {
+TEST(SnapshotSaver, OneSaverPerDirectory) {
   const std::string dir = ddp::testing::make_temp_dir();
-  auto first = std::make_unique<ddp::AsyncSnapshotWriter>();
-  first->save(dir, filled(0, 10, 1.0f));
-  ddp::AsyncSnapshotWriter second;
+  auto first = std::make_unique<ddp::SnapshotSaver>(dir, ddp::SnapshotOptions().async_write(true));
+  first->save(filled(0, 10, 1.0f));
   try {
-    second.save(dir + "/.", filled(1, 10, 1.0f));
-    ADD_FAILURE() << "a second writer was let into the directory";
+    ddp::SnapshotSaver second(dir + "/.");
+    ADD_FAILURE() << "a second saver was let into the directory";
   } catch (const ddp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("another AsyncSnapshotWriter is already writing into"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("another SnapshotSaver is already writing into"), std::string::npos)
         << e.what();
   }
   first.reset();  // waits for its write and gives the directory up
-  second.save(dir, filled(1, 10, 1.0f));
-  second.wait();
+  ddp::SnapshotSaver second(dir);
+  second.save(filled(1, 10, 1.0f));
+  EXPECT_TRUE(fs::exists(dir + "/snapshot_0.pt"));
   EXPECT_TRUE(fs::exists(dir + "/snapshot_1.pt"));
   fs::remove_all(dir);
 }
 
-TEST(AsyncSnapshot, OptionsAreChecked) {
-  try {
-    ddp::AsyncSnapshotWriter writer(ddp::AsyncSnapshotOptions().queue_depth(0));
-    ADD_FAILURE() << "queue_depth(0) was accepted";
-  } catch (const ddp::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("queue_depth must be at least 1, got 0"), std::string::npos) << e.what();
+TEST(SnapshotSaver, OptionsAreChecked) {
+  const std::string dir = ddp::testing::make_temp_dir();
+  auto message = [](const std::string& directory, const ddp::SnapshotOptions& options = {}) -> std::string {
+    try {
+      ddp::SnapshotSaver saver(directory, options);
+    } catch (const ddp::Error& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_NE(message(dir, ddp::SnapshotOptions().async_write(true).queue_depth(0))
+                .find("queue_depth must be at least 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(message(dir, ddp::SnapshotOptions().keep(-1))
+                .find("keep must be at least 0 (0 keeps every snapshot), got -1"),
+            std::string::npos);
+  EXPECT_NE(message("").find("needs a directory"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+std::string contents_of(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Async is only where the write runs: the same saves, sync and async, leave
+// the same files, byte for byte, and prune alike, around a file that is not
+// a snapshot, a snapshot of another model and a damaged one.
+TEST(SnapshotSaver, AsyncAndSyncSavesLeaveTheSameFilesAndPruneAlike) {
+  const std::string root = ddp::testing::make_temp_dir();
+  const std::string sync_dir = root + "/sync";
+  const std::string async_dir = root + "/async";
+  for (const auto& dir : {sync_dir, async_dir}) {
+    fs::create_directories(dir);
+    std::ofstream(dir + "/snapshot_9999.pt") << "not a snapshot";
+    ddp::Snapshot foreign = filled(500, 3, 5.0f);
+    foreign.step = 1;
+    foreign.model = {{"another", at::ones({3})}};
+    ddp::save_snapshot(foreign, dir + "/snapshot_500.pt");
   }
+  {
+    ddp::SnapshotSaver sync(sync_dir, ddp::SnapshotOptions().keep(2));
+    ddp::SnapshotSaver async(async_dir, ddp::SnapshotOptions().keep(2).async_write(true));
+    for (int epoch = 0; epoch < 6; ++epoch) {
+      ddp::Snapshot snapshot = filled(epoch, 100, static_cast<float>(epoch));
+      EXPECT_EQ(sync.save(snapshot), sync_dir + "/snapshot_" + std::to_string(epoch) + ".pt");
+      EXPECT_EQ(async.save(snapshot), async_dir + "/snapshot_" + std::to_string(epoch) + ".pt");
+      if (epoch == 2) {
+        async.wait();
+        for (const auto& dir : {sync_dir, async_dir}) fs::resize_file(dir + "/snapshot_2.pt", 100);
+      }
+    }
+    async.wait();
+  }
+  auto names = [](const std::string& dir) {
+    std::set<std::string> found;
+    for (const auto& entry : fs::directory_iterator(dir)) found.insert(entry.path().filename().string());
+    return found;
+  };
+  const std::set<std::string> expected{"snapshot_9999.pt", "snapshot_500.pt", "snapshot_2.pt", "snapshot_4.pt",
+                                       "snapshot_5.pt"};
+  EXPECT_EQ(names(sync_dir), expected);
+  EXPECT_EQ(names(async_dir), expected);
+  for (const auto& name : expected) {
+    EXPECT_EQ(contents_of(sync_dir + "/" + name), contents_of(async_dir + "/" + name)) << name;
+  }
+  fs::remove_all(root);
+}
+
+// The one retention policy, on its own: after a save at step 50 with keep 3,
+// the two other snapshots of this run furthest along stay and the rest of
+// this run's go, except the one resumed from. One ahead of the one written
+// counts but never goes; those that are not ours (damaged, of another model,
+// links) neither count nor go.
+TEST(SnapshotRetention, KeepsTheNewestOfThisRunAndNothingThatIsNotOurs) {
+  auto at = [](const std::string& path, int64_t step, bool ours, bool resumed = false) {
+    ddp::detail::SnapshotOnDisk s;
+    s.path = path;
+    s.step = step;
+    s.epoch = step / 10;
+    s.ours = ours;
+    s.resumed_from = resumed;
+    return s;
+  };
+  ddp::detail::SnapshotListing listing;
+  listing.written = at("w50", 50, true);
+  listing.others = {at("a20", 20, true), at("b60", 60, true), at("c40", 40, true),  at("d45", 45, false),
+                    at("e10", 10, true), at("f5", 5, true, true), at("g30", 30, true), at("h1", 1, false)};
+  using Paths = std::vector<std::string>;
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 3), (Paths{"g30", "a20", "e10"}));
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 1), (Paths{"c40", "g30", "a20", "e10"}));
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 0), Paths{}) << "keep 0 keeps every snapshot";
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 10), Paths{});
+  // The step decides before the epoch; at the same step, the later epoch is further along.
+  listing.others = {at("same_step_earlier_epoch", 50, true), at("x", 49, true)};
+  listing.others[0].epoch = 4;
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 1), (Paths{"same_step_earlier_epoch", "x"}));
+  listing.others[0].epoch = 5;
+  EXPECT_EQ(ddp::detail::snapshots_to_remove(listing, 1), Paths{"x"}) << "a tie is not behind the one written";
 }
 
 }  // namespace
