@@ -438,6 +438,33 @@ TEST(StepInBackward, WorksOnOneRankWhereNothingIsReduced) {
   }));
 }
 
+// With find_unused_parameters: a parameter that one rank used is stepped with
+// the average, one that no rank used is not stepped at all, exactly as by
+// optimizer.step() after backward.
+TEST(StepInBackward, StepsWhatAnyRankUsedUnderFindUnusedParameters) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    for (bool bucket_view : {false, true}) {
+      SCOPED_TRACE(bucket_view ? "gradient_as_bucket_view" : "copied gradients");
+      auto train = [&](Stepping stepping) {
+        BranchyUnderDdp branchy(group, bucket_view);
+        auto& ddp_model = branchy.ddp_model;
+        torch::optim::Adam adam(ddp_model.parameters(), torch::optim::AdamOptions(1e-2));
+        if (stepping == Stepping::kInBackward) ddp_model.step_in_backward(adam);
+        for (int step = 0; step < 3; ++step) {
+          adam.zero_grad();
+          ddp_model.forward(branchy.x, group->rank() == 0).sum().backward();  // only rank 0 uses `right`
+          if (stepping == Stepping::kAfterBackward) adam.step();
+        }
+        ddp_model.stop_stepping_in_backward();
+        EXPECT_FALSE(branchy.model->never->weight.grad().defined());
+        return flatten_parameters(*branchy.model);
+      };
+      const at::Tensor after = train(Stepping::kAfterBackward);
+      EXPECT_TRUE(at::equal(after, train(Stepping::kInBackward)));
+    }
+  }));
+}
+
 // At one rank the loss still rides, through the one-rank all-reduce: no
 // special case, the same answer as alone.
 TEST(CarryLoss, OneRankReducesToItsOwnLoss) {
