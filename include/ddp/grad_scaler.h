@@ -21,6 +21,10 @@
 //     scaler.update();          // backs off or grows the scale
 //   }
 //
+// With a DistributedDataParallel model, scaler.step(optimizer, model) also
+// refuses a model that steps its optimizer inside backward
+// (step_in_backward), whose step could not be skipped.
+//
 // Differences from Python's: float16 gradients may be unscaled (Python's
 // GradScaler refuses them; its ShardedGradScaler allows them, as here), and
 // with a process group the inf/NaN flag is all-reduced (MAX) in unscale_(),
