@@ -14,7 +14,6 @@
 
 #include "error_text.h"
 #include "fsdp_runtime.h"
-#include "fsdp_unit.h"
 #include "shard_range.h"
 #include "torch_save_file.h"
 #include "weights_only_unpickler.h"
@@ -222,8 +221,8 @@ void FsdpRuntime::load_full_state_dict_file(const std::string& path) {
   std::map<std::string, bool> needed;
   for (const auto& unit : units_) {
     for (size_t j = 0; j < unit->params.size(); ++j) {
-      find(unit->param_names[j], unit->params[j].sizes());
-      needed[unit->param_names[j]] = true;
+      find(unit->layout.names[j], unit->layout.shapes[j]);
+      needed[unit->layout.names[j]] = true;
     }
   }
   const auto replicated_tensors = replicated();
@@ -241,13 +240,13 @@ void FsdpRuntime::load_full_state_dict_file(const std::string& path) {
   // so that a read error leaves the model as it was.
   std::vector<at::Tensor> shards;
   for (const auto& unit : units_) {
-    const ShardRange mine = shard_range(*unit);
+    const ShardRange mine = unit->layout.shard;
     at::Tensor shard = at::zeros({mine.numel()}, unit->shard.options().requires_grad(false));
     for (size_t j = 0; j < unit->params.size(); ++j) {
-      const int64_t offset = unit->offsets[j];
-      const ShardRange part = clip(mine, {offset, offset + unit->params[j].numel()});
+      const int64_t offset = unit->layout.offsets[j];
+      const ShardRange part = clip(mine, {offset, offset + unit->layout.numel_of(j)});
       if (part.empty()) continue;
-      at::Tensor piece = reader.read(*by_name.at(unit->param_names[j]), part.begin - offset, part.numel());
+      at::Tensor piece = reader.read(*by_name.at(unit->layout.names[j]), part.begin - offset, part.numel());
       shard.narrow(0, part.begin - mine.begin, part.numel()).copy_(piece);
     }
     shards.push_back(std::move(shard));
@@ -260,14 +259,10 @@ void FsdpRuntime::load_full_state_dict_file(const std::string& path) {
 
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = *units_[u];
+    FsdpUnit& unit = *units_[u];
     unit.shard.detach().copy_(shards[u]);
     // Inside summon_full_params(): the gathered parameters follow the shards.
-    if (unit.gathered && !shard_is_full()) {
-      unit.gathered = false;
-      start_gather(unit);
-      finish_gather(unit);
-    }
+    unit.regather();
   }
   for (size_t i = 0; i < replicated_tensors.size(); ++i) replicated_tensors[i].second.detach().copy_(whole[i]);
   refresh_frozen_parameters();

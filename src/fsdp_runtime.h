@@ -1,21 +1,47 @@
 #pragma once
 
-// Internal to src/, not installed: FullyShardedDataParallel's runtime (its
-// units, their gathers, frees and reduce-scatters, its state dicts).
-// FullyShardedDataParallelBase holds one and forwards to it.
+// Internal to src/, not installed: FullyShardedDataParallel's runtime, as
+// FSDP2 structures it (torch/distributed/fsdp/_fully_shard/). A step reads in
+// three files: this one (the unit, its state and lifecycle, the gather, reduce
+// and replicate objects), src/gradient_sync_engine.h (which calls the runtime
+// back during backward) and src/fsdp_step.cpp (their definitions). Forming
+// units is src/fully_sharded_data_parallel.cpp, state dicts
+// src/fsdp_state_dict.cpp and src/fsdp_full_state_file.cpp.
+//
+// A unit's parameters lie in one flat tensor (detail::FlatLayout), padded
+// to a multiple of the shard group's size. The module's own parameter tensors
+// keep their identity (so autograd, optimizers and the user's references stay
+// valid) but are views into `full`'s storage: reshard() gives that storage
+// back to its allocator, unshard() allocates it again and all-gathers the
+// shards into it. Autograd's saved tensors are views of the same storage, so
+// backward sees the re-gathered values without bookkeeping. Each rank's
+// `shard` (its part of the flat tensor) is a leaf tensor of its own: the
+// optimizer's parameter. Once a unit's gradients are all there they are
+// flattened, reduced, and this rank's part lands in shard.grad().
+//
+// What varies with the options is chosen once, at construction, as objects:
+// how a unit is gathered (UnitGather), how its gradient is reduced
+// (UnitReduce, with HSDP's ReplicateStage around it), and its dtypes
+// (UnitPrecision, from FSDPOptions' MixedPrecisionPolicy).
 
 #include <ddp/fully_sharded_data_parallel.h>
 
 #include <ddp/checkpoint.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/device_mesh.h>
+#include <ddp/error.h>
 #include <ddp/process_group.h>
 
+#include "flat_layout.h"
 #include "gradient_sync_engine.h"
 
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,9 +56,230 @@ class Optimizer;
 
 namespace ddp::detail {
 
-struct FlatLayout;          // src/optimizer_state.h
-struct ShardRange;          // src/shard_range.h
-class GradientSyncEngine;  // src/gradient_sync_engine.h
+/// Where a unit is in one training step (FSDP2's TrainingState). Every
+/// lifecycle call checks it: a call in the wrong state means FSDP's hooks
+/// ran out of order, an internal error.
+enum class TrainingState {
+  kIdle,          ///< between passes, or between a unit's forward and its backward
+  kForward,       ///< its forward is running (pre_forward .. post_forward)
+  kPreBackward,   ///< its backward has begun: its parameters are gathered
+  kPostBackward,  ///< its gradients were handed to the reduction (or kept, inside no_sync())
+};
+inline const char* to_string(TrainingState state) {
+  switch (state) {
+    case TrainingState::kIdle: return "idle";
+    case TrainingState::kForward: return "forward";
+    case TrainingState::kPreBackward: return "pre-backward";
+    case TrainingState::kPostBackward: return "post-backward";
+  }
+  return "?";
+}
+
+/// The lifecycle calls that move a unit's TrainingState.
+enum class UnitEvent { kPreForward, kPostForward, kPreBackward, kPostBackward, kEndOfPass };
+
+inline const char* to_string(UnitEvent event) {
+  switch (event) {
+    case UnitEvent::kPreForward: return "pre_forward";
+    case UnitEvent::kPostForward: return "post_forward";
+    case UnitEvent::kPreBackward: return "pre_backward";
+    case UnitEvent::kPostBackward: return "post_backward";
+    case UnitEvent::kEndOfPass: return "end_pass";
+  }
+  return "?";
+}
+
+/// The state `event` leads to from `state`; an event that cannot happen in
+/// `state` throws an internal error naming `unit`. A pre-backward hook fires
+/// once per output tensor of the unit, so kPreBackward repeats (and may come
+/// after the unit's gradients left): those stay where they are. A unit whose
+/// backward never began (unused in this forward) goes straight to
+/// kPostBackward.
+inline TrainingState next_training_state(TrainingState state, UnitEvent event, const std::string& unit) {
+  using S = TrainingState;
+  switch (event) {
+    case UnitEvent::kPreForward:
+      if (state == S::kIdle) return S::kForward;
+      break;
+    case UnitEvent::kPostForward:
+      if (state == S::kForward) return S::kIdle;
+      break;
+    case UnitEvent::kPreBackward:
+      if (state == S::kIdle) return S::kPreBackward;
+      if (state == S::kPreBackward || state == S::kPostBackward) return state;
+      break;
+    case UnitEvent::kPostBackward:
+      if (state == S::kIdle || state == S::kPreBackward) return S::kPostBackward;
+      break;
+    case UnitEvent::kEndOfPass:
+      return S::kIdle;
+  }
+  DDP_CHECK(false, "ddp: internal error: FSDP unit '", unit, "' got ", to_string(event), " in state ",
+            to_string(state), "; please report this with the model's forward");
+}
+
+/// FSDP2's MixedPrecisionPolicy, from FSDPOptions: unset means "the
+/// parameters' own dtype".
+struct MixedPrecisionPolicy {
+  std::optional<at::ScalarType> param_dtype;   ///< gathered and computed in
+  std::optional<at::ScalarType> reduce_dtype;  ///< gradients summed across ranks in
+  std::optional<at::ScalarType> output_dtype;  ///< the root's floating outputs cast to
+
+  static MixedPrecisionPolicy of(const FSDPOptions& options) {
+    return {options.param_dtype(), options.reduce_dtype(), options.output_dtype()};
+  }
+};
+
+/// A MixedPrecisionPolicy resolved for one unit, whose parameters are of
+/// dtype `own`: every dtype known.
+struct UnitPrecision {
+  at::ScalarType own = at::kFloat;    ///< the shard's, its gradient's and the optimizer's
+  at::ScalarType param = at::kFloat;  ///< `full`'s; gradients arrive in it
+  /// The flat gradient's: `param`, or a wider reduce_dtype (a sum in it is
+  /// exact and costs nothing extra to cast). A narrower one is a hook
+  /// (compress_hook) around the unit's reduction instead.
+  at::ScalarType flat_gradient = at::kFloat;
+  /// What gradients are summed across ranks in (the shard group and, under
+  /// HSDP, the replicas): reduce_dtype, or `param`.
+  at::ScalarType reduce = at::kFloat;
+
+  static UnitPrecision resolve(const MixedPrecisionPolicy& policy, at::ScalarType own);
+  /// Whether `full` is a cast copy of the parameters, not their own values.
+  bool casts() const { return param != own; }
+};
+
+class UnitGather;
+
+/// One FSDP unit: a flat group of parameters (FSDP2's FSDPParamGroup), its
+/// state and its lifecycle.
+class FsdpUnit {
+ public:
+  enum class ShardedState { kSharded, kUnsharding, kUnsharded };
+
+  std::string name;
+  std::vector<at::Tensor> params;  ///< the module's own leaf tensors, in layout order
+  FlatLayout layout;               ///< names (dotted, in the root module), offsets, shapes, this rank's shard
+  UnitPrecision precision;
+  std::shared_ptr<UnitGather> gather;
+  /// How the gradient is summed across the shard group: allreduce_hook(),
+  /// FSDPOptions::comm_hook, or compress_hook(reduce_dtype).
+  std::shared_ptr<CommHook> hook;
+  at::Tensor full;   ///< layout.padded elements in precision.param; memory only while unsharded
+  at::Tensor shard;  ///< this rank's part in precision.own; the optimizer's parameter
+  bool is_root = false;
+  bool reshard_after_forward = true;
+  /// Called when unshard() allocates `full` (the runtime's peak memory).
+  std::function<void()> on_allocate;
+
+  // One backward pass: the reduction's tensors, which finish_group reads.
+  at::Tensor gradient_flat;   ///< all-reduced or on one rank: the result is the flat gradient itself
+  at::Tensor gradient_shard;  ///< reduce-scattered: where this rank's part lands
+  /// no_sync(): the sum of the unsharded gradients of passes whose
+  /// reduction was skipped, reduced with the next synchronised one.
+  at::Tensor unsynced_gradient;
+
+  TrainingState training_state() const { return training_state_; }
+  ShardedState sharded_state() const { return sharded_state_; }
+  bool gathered() const { return sharded_state_ == ShardedState::kUnsharded; }
+
+  /// Starts gathering `full` from the shards (no-op if under way or done).
+  void unshard();
+  /// Gathers (unless under way) and waits: `full` holds every rank's values.
+  void wait_for_unshard();
+  /// Frees `full` (after waiting for a gather under way), unless the gather
+  /// keeps it (the shard is the full tensor).
+  void reshard();
+  /// The shards changed (a load): a gathered `full` is gathered again.
+  void regather();
+
+  void pre_forward();
+  /// `reshard_now`: free `full` (reshard_after_forward, or no backward
+  /// follows); otherwise it stays gathered for backward.
+  void post_forward(bool reshard_now);
+  /// Returns whether this call began the unit's backward (false: it had).
+  bool pre_backward();
+  /// The unit's gradients are final: returns them as one flat tensor of
+  /// layout.padded elements in precision.flat_gradient (zeros where a
+  /// parameter has none, plus what no_sync() passes kept), releasing the
+  /// parameters' own gradients and the unit's full parameters.
+  at::Tensor post_backward();
+  /// The pass is over (or abandoned): back to kIdle, per-pass tensors dropped.
+  void end_pass();
+
+ private:
+  at::Tensor flatten_gradients();
+
+  TrainingState training_state_ = TrainingState::kIdle;
+  ShardedState sharded_state_ = ShardedState::kUnsharded;  // built from full parameters
+  c10::intrusive_ptr<c10d::Work> pending_gather_;
+  at::Tensor gather_input_;  // the shard cast to precision.param, while its all-gather runs
+};
+
+/// How a unit's full parameters come from its shard, chosen per unit at
+/// construction: an all-gather over the shard group (sharded strategies), a
+/// cast (kNoShard under param_dtype), or nothing at all (kNoShard: the shard
+/// is the full tensor).
+class UnitGather {
+ public:
+  virtual ~UnitGather() = default;
+  /// This rank's elements of a flat tensor laid out as `layout`.
+  virtual ShardRange shard_of(const FlatLayout& layout) const = 0;
+  /// Whether `full` is memory of its own, given back after use.
+  virtual bool frees_full() const { return true; }
+  /// Starts filling unit.full (allocated) from `input` (unit.shard in
+  /// precision.param): the collective to wait for, or null when full is
+  /// filled already.
+  virtual c10::intrusive_ptr<c10d::Work> start(FsdpUnit& unit, at::Tensor& input) = 0;
+  /// Waits for what start() returned; an error names the rank.
+  virtual void wait(const c10::intrusive_ptr<c10d::Work>& work) = 0;
+  /// A tensor of shard_of()'s length (the shard, or its optimizer state) as
+  /// all `padded` elements, in its own dtype; collective where sharded.
+  virtual at::Tensor gather_now(const at::Tensor& part, int64_t padded, const std::string& what) = 0;
+};
+
+/// The sharded strategies: an all-gather over `group`.
+std::shared_ptr<UnitGather> all_gather(std::shared_ptr<ProcessGroup> group);
+/// kNoShard: every rank holds the whole padded flat tensor; gathering is a
+/// cast when `casts`, and nothing at all otherwise.
+std::shared_ptr<UnitGather> keep_whole(bool casts);
+
+/// How a unit's (averaged) gradient is summed across the shard group, chosen
+/// once at construction: a reduce-scatter into the shard, an all-reduce
+/// (kNoShard), or nothing (one rank). Each runs the unit's hook.
+class UnitReduce {
+ public:
+  virtual ~UnitReduce() = default;
+  /// Before a unit's gradient is flattened: waiting here for the previous
+  /// unit's reduce-scatter bounds how many full gradients exist at once when
+  /// backward computes faster than they run (on CPUs, say), as FSDP2's one
+  /// reduce-scatter in flight does; it costs nothing when communication keeps up.
+  virtual void before_flatten() {}
+  /// Starts reducing `flat`, the unit's gradient divided by the ranks it is
+  /// averaged over, as bucket `position` of the pass. The future's value is
+  /// this rank's part of the sum (unit.gradient_shard or gradient_flat, or
+  /// what the hook returned).
+  virtual c10::intrusive_ptr<c10::ivalue::Future> launch(FsdpUnit& unit, at::Tensor flat, size_t position,
+                                                        bool is_last) = 0;
+  /// Every unit of the pass has been launched.
+  virtual void before_waiting() {}
+  /// The pass ended or was abandoned: nothing in flight is waited for any more.
+  virtual void reset() {}
+  /// For the engine's messages: "reduce-scatters".
+  virtual std::string collectives() const = 0;
+  /// For the collective trace: "reduce-scatter".
+  virtual std::string tag() const = 0;
+};
+
+/// A reduce-scatter into the shard over `group` (sharded strategies).
+std::unique_ptr<UnitReduce> reduce_scatter(std::shared_ptr<ProcessGroup> group);
+/// An all-reduce of the whole flat gradient over `group` (kNoShard).
+std::unique_ptr<UnitReduce> all_reduce(std::shared_ptr<ProcessGroup> group);
+/// One rank: the gradient is already the sum.
+std::unique_ptr<UnitReduce> local_reduce();
+/// HSDP's replicate stage around `shard_reduce`: once a unit's reduction in
+/// the shard group is done, its shard is all-reduced across `replicate`.
+std::unique_ptr<UnitReduce> then_across_replicas(std::unique_ptr<UnitReduce> shard_reduce,
+                                                 std::shared_ptr<ProcessGroup> replicate);
 
 /// The groups FSDP runs over. Units are sharded over `shard`; under HSDP
 /// each shard's gradient is then all-reduced over `replicate` (null
@@ -42,9 +289,6 @@ struct FsdpGroups {
   std::shared_ptr<ProcessGroup> shard;
   std::shared_ptr<ProcessGroup> replicate;
   std::shared_ptr<ProcessGroup> whole;
-  /// What the strategy became: a hybrid one named on a 1-D group turns into
-  /// its within-node strategy here.
-  bool hybrid = false;
 };
 /// One group: plain FSDP, or with a hybrid strategy the launcher's nodes x
 /// local ranks (DeviceMesh::from_launcher, collective).
@@ -55,8 +299,8 @@ FsdpGroups fsdp_groups(const DeviceMesh& mesh);
 
 /// FullyShardedDataParallel, independent of the module type: units, their
 /// gathering and freeing, and state dicts. As the gradient engine's reduction
-/// policy (gradient_sync_engine.h), a unit is a group: when its gradients are
-/// final it is flattened and reduce-scattered into the shard.
+/// policy, a unit is a group: when its gradients are final it is flattened
+/// and reduced into the shard.
 class FsdpRuntime : private ReductionPolicy {
  public:
   FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups groups, FSDPOptions options);
@@ -81,9 +325,9 @@ class FsdpRuntime : private ReductionPolicy {
   std::vector<std::string> unit_names() const;
   ShardedMemory memory() const;
   void reset_peak_memory();
-  /// FSDPOptions::param_dtype, if it casts: what floating inputs become.
-  std::optional<at::ScalarType> input_dtype() const { return mixed_ ? options_.param_dtype() : std::nullopt; }
-  std::optional<at::ScalarType> output_dtype() const { return options_.output_dtype(); }
+  /// What floating inputs become (FSDPOptions::param_dtype).
+  std::optional<at::ScalarType> input_dtype() const { return precision_.param_dtype; }
+  std::optional<at::ScalarType> output_dtype() const { return precision_.output_dtype; }
 
   StateDict full_state_dict(bool rank0_only);
   void load_full_state_dict(const StateDict& state);
@@ -98,7 +342,7 @@ class FsdpRuntime : private ReductionPolicy {
   const std::shared_ptr<ProcessGroup>& shard_group() const { return group_; }
   const std::shared_ptr<ProcessGroup>& replicate_group() const { return replicate_group_; }
   /// The strategy in force (see FullyShardedDataParallel::sharding_strategy).
-  ShardingStrategy sharding_strategy() const;
+  ShardingStrategy sharding_strategy() const { return strategy_in_force_; }
 
   void gather_all();
   void free_all();
@@ -106,7 +350,6 @@ class FsdpRuntime : private ReductionPolicy {
   bool requires_gradient_sync() const;
 
  private:
-  struct Unit;
   /// What both constructors check and set before forming units.
   void check_options();
   void build_units();
@@ -121,16 +364,15 @@ class FsdpRuntime : private ReductionPolicy {
   /// broadcast of its flat tensor) before it is sharded.
   void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                 bool broadcast_from_rank0 = false);
+  /// The unit's hook: FSDPOptions::comm_hook, or the plain reduction, in a
+  /// compress_hook when reduce_dtype is narrower than the gradients.
+  std::shared_ptr<CommHook> hook_for(const UnitPrecision& precision) const;
   /// After the units are formed: frozen parameters under param_dtype, each
   /// unit's reshard_after_forward, then the gradient engine.
   void finish_construction();
-  void start_gather(Unit& unit);
-  void finish_gather(Unit& unit);
-  void release(Unit& unit);
   void register_pre_backward(size_t unit, const std::vector<at::Tensor>& outputs);
   void pre_backward(size_t unit);
-  void reset_backward_state();
-  at::Tensor flatten_gradients(Unit& unit);
+  void end_pass();
   int64_t held_parameter_bytes() const;
   void note_parameter_memory();
   /// Under param_dtype: the module's frozen parameters cast again from
@@ -150,21 +392,6 @@ class FsdpRuntime : private ReductionPolicy {
   bool rounds_start_on_first_gradient() const override { return false; }
   bool tracks_rounds_without_sync() const override { return true; }
 
-  /// HSDP: starts the replicate all-reduces of units whose reduce-scatter
-  /// has finished, in launch order (so in the same order on every rank), up
-  /// to the first unfinished one; with `wait_for_all`, of every unit.
-  void launch_replicate_reductions(bool wait_for_all);
-  /// The ranks a gradient is averaged over: shard x replicate.
-  int64_t data_parallel_size() const;
-
-  bool sharded() const;
-  /// The shard is the unit's flat tensor itself: nothing is ever freed or
-  /// gathered (kNoShard without param_dtype).
-  bool shard_is_full() const { return !sharded() && !mixed_; }
-  /// This rank's part of the unit's flat tensor: padded_shard() of the
-  /// shard group, or the whole padded tensor when nothing is sharded.
-  ShardRange shard_range(const Unit& unit) const;
-  FlatLayout layout_of(const Unit& unit) const;
   /// Each parameter's index in the root's named_parameters(), by name:
   /// the unwrapped model's optimizer-state keys.
   std::map<std::string, int64_t> parameter_indices() const;
@@ -175,23 +402,23 @@ class FsdpRuntime : private ReductionPolicy {
   std::shared_ptr<ProcessGroup> group_;             // the shard group
   std::shared_ptr<ProcessGroup> replicate_group_;  // HSDP only
   std::shared_ptr<ProcessGroup> whole_group_;
-  bool hybrid_ = false;
-  // HSDP: units whose reduce-scatter was launched and whose replicate
-  // all-reduce was not yet, in launch order.
-  std::vector<size_t> awaiting_replicate_;
   FSDPOptions options_;
+  MixedPrecisionPolicy precision_;
+  ShardingStrategy strategy_in_force_ = ShardingStrategy::kFullShard;
+  std::unique_ptr<UnitReduce> reduce_;
+  /// Gradients are averaged over every rank that holds a unit: shard x replicate.
+  int64_t data_parallel_size_ = 1;
   // requires_grad false: not sharded. Their values in their own dtype (the
   // module's tensors themselves, or their originals under param_dtype).
   std::vector<std::pair<std::string, at::Tensor>> frozen_;
   std::set<const at::TensorImpl*> claimed_;  // parameters already in a unit or in frozen_ (construction)
   std::vector<at::Tensor> frozen_params_;  // the module's tensors, parallel to frozen_
-  std::vector<std::unique_ptr<Unit>> units_;  // the root unit, if any, is last
+  std::vector<std::unique_ptr<FsdpUnit>> units_;  // the root unit, if any, is last
   std::vector<std::vector<size_t>> sequential_groups_;  // children of a Sequential root, by unit
   std::vector<size_t> sequential_unit_of_group_;
   std::vector<size_t> forward_order_;       // this iteration's non-root units, as they ran
   std::vector<size_t> last_forward_order_;  // the previous iteration's, for prefetching
   std::vector<size_t> launch_position_;     // per unit: its place in this backward pass's launch order
-  bool mixed_ = false;  // FSDPOptions::param_dtype is set
   bool built_deferred_ = false;  // from a DeferredSequential: the module is never gathered back whole
   int64_t peak_parameter_bytes_ = 0;
   std::unique_ptr<GradientSyncEngine> engine_;  // last: its hooks call the members above

@@ -2,13 +2,11 @@
 // loadable at any world size and by Python) and sharded (one file per rank),
 // for the module and for the optimizer built over its shards.
 
-#include <ddp/fully_sharded_data_parallel.h>
+#include "fsdp_runtime.h"
 
 #include <ddp/error.h>
 #include <ddp/snapshot.h>
 
-#include "fsdp_runtime.h"
-#include "fsdp_unit.h"
 #include "optimizer_state.h"
 #include "shard_range.h"
 
@@ -29,22 +27,12 @@ StateDict FsdpRuntime::full_state_dict(bool rank0_only) {
   for (auto& unit : units_) {
     // From the shards, in their own dtype: a unit gathered in param_dtype
     // holds rounded values.
-    at::Tensor full;
-    if (unit->gathered && !mixed_) {
-      full = unit->full;
-    } else if (!sharded()) {
-      full = unit->shard.detach();
-    } else {
-      full = at::empty({unit->padded}, unit->shard.options());
-      at::Tensor input = unit->shard.detach();
-      CollectiveTag tag("fsdp full state dict");
-      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather for the full state dict");
-    }
+    const at::Tensor full = unit->gathered() && !unit->precision.casts()
+                                ? unit->full
+                                : unit->gather->gather_now(unit->shard.detach(), unit->layout.padded,
+                                                           "the full state dict");
     if (!keep) continue;
-    for (size_t j = 0; j < unit->params.size(); ++j) {
-      gathered[unit->param_names[j]] =
-          full.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()).clone();
-    }
+    for (size_t j = 0; j < unit->params.size(); ++j) gathered[unit->layout.names[j]] = unit->layout.view(full, j).clone();
   }
   StateDict state;
   if (!keep) return state;
@@ -66,11 +54,9 @@ void FsdpRuntime::load_full_state_dict(const StateDict& state) {
   StateDict targets;
   std::vector<at::Tensor> flats;
   for (const auto& unit : units_) {
-    flats.push_back(at::zeros({unit->padded}, unit->shard.options()));
+    flats.push_back(at::zeros({unit->layout.padded}, unit->shard.options()));
     for (size_t j = 0; j < unit->params.size(); ++j) {
-      targets.emplace_back(unit->param_names[j], flats.back()
-                                                     .narrow(0, unit->offsets[j], unit->params[j].numel())
-                                                     .view(unit->params[j].sizes()));
+      targets.emplace_back(unit->layout.names[j], unit->layout.view(flats.back(), j));
     }
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (the model's, its stand-in)
@@ -82,10 +68,11 @@ void FsdpRuntime::load_full_state_dict(const StateDict& state) {
 
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = *units_[u];
-    const ShardRange mine = shard_range(unit);
+    FsdpUnit& unit = *units_[u];
+    const ShardRange mine = unit.layout.shard;
     unit.shard.detach().copy_(flats[u].narrow(0, mine.begin, mine.numel()));
-    if (unit.gathered && !shard_is_full()) unit.full.copy_(flats[u]);
+    // Inside summon_full_params(): the gathered parameters follow the shards.
+    if (unit.gathered() && unit.gather->frees_full()) unit.full.copy_(flats[u]);
   }
   for (auto& [target, value] : buffers) target.detach().copy_(value);
   refresh_frozen_parameters();
@@ -105,22 +92,6 @@ void check_optimizer_layout(torch::optim::Optimizer& optimizer, const std::vecto
 
 }  // namespace
 
-// Where the unit's parameters lie in its flat tensor, for the optimizer
-// state's re-layout.
-FlatLayout FsdpRuntime::layout_of(const Unit& unit) const {
-  FlatLayout layout;
-  layout.names = unit.param_names;
-  layout.offsets = unit.offsets;
-  for (const auto& param : unit.params) layout.shapes.push_back(param.sizes().vec());
-  layout.padded = unit.padded;
-  return layout;
-}
-
-ShardRange FsdpRuntime::shard_range(const Unit& unit) const {
-  if (!sharded()) return {0, unit.padded};
-  return padded_shard(unit.numel, group_->size(), group_->rank());
-}
-
 std::map<std::string, int64_t> FsdpRuntime::parameter_indices() const {
   std::map<std::string, int64_t> index_of;
   int64_t count = 0;
@@ -138,26 +109,21 @@ c10::IValue FsdpRuntime::full_optim_state_dict(torch::optim::Optimizer& optimize
   auto state = new_generic_dict();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = *units_[u];
+    FsdpUnit& unit = *units_[u];
     auto found = local.state.find(static_cast<int64_t>(u));
     if (found == local.state.end()) continue;  // not stepped yet: the same on every rank
     // The unit's flat entry: its per-element state gathered from every
     // rank's shard (collectives, so on every rank), the rest as it is.
-    const int64_t length = shard_range(unit).numel();
+    const int64_t length = unit.layout.shard.numel();
     auto flat = map_per_element_state(found->value().toGenericDict(), [&](const std::string& key,
                                                                           const at::Tensor& tensor) {
       DDP_CHECK(tensor.defined() && tensor.numel() == length, "ddp: optimizer state '", key, "' of unit '",
                 unit.name, "' is not a tensor of the shard's ", length, " elements");
-      if (!sharded() || group_->size() == 1) return tensor;
-      at::Tensor full = at::empty({unit.padded}, tensor.options());
-      at::Tensor input = tensor.contiguous();
-      CollectiveTag tag("fsdp full optimizer state");
-      group_->wait(group_->all_gather_into_async(full, input), "FSDP all_gather of optimizer state");
-      return full;
+      return unit.gather->gather_now(tensor, unit.layout.padded, "the full optimizer state");
     });
     if (!keep) continue;
-    auto per_param = split_flat_entry(flat, layout_of(unit));
-    for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.param_names[j]), per_param[j]);
+    auto per_param = split_flat_entry(flat, unit.layout);
+    for (size_t j = 0; j < unit.params.size(); ++j) state.insert(index_of.at(unit.layout.names[j]), per_param[j]);
   }
   if (!keep) return c10::IValue();
   // Python's layout for the unwrapped model: one entry per parameter, in
@@ -175,18 +141,18 @@ void FsdpRuntime::load_full_optim_state_dict(torch::optim::Optimizer& optimizer,
   auto state = new_generic_dict();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = *units_[u];
+    FsdpUnit& unit = *units_[u];
     std::vector<GenericDict> entries;
-    for (const auto& name : unit.param_names) {
+    for (const auto& name : unit.layout.names) {
       auto it = parts.state.find(index_of.at(name));
       if (it != parts.state.end()) entries.push_back(it->value().toGenericDict());
     }
     if (entries.empty()) continue;
     DDP_CHECK(entries.size() == unit.params.size(), "ddp: the optimizer state covers only some parameters of unit '",
               unit.name, "'; FSDP needs all or none");
-    const ShardRange mine = shard_range(unit);
+    const ShardRange mine = unit.layout.shard;
     state.insert(static_cast<int64_t>(u),
-                 slice_flat_entry(join_flat_entry(entries, layout_of(unit)), mine.begin, mine.numel()));
+                 slice_flat_entry(join_flat_entry(entries, unit.layout), mine.begin, mine.numel()));
   }
   load_optimizer_state_dict(optimizer, one_group_state(state, group, static_cast<int64_t>(units_.size())));
 }
@@ -205,24 +171,24 @@ c10::IValue FsdpRuntime::sharded_state_dict(torch::optim::Optimizer* optimizer) 
   for (const auto& unit : units_) {
     auto entry = new_generic_dict();
     entry.insert("name", unit->name);
-    entry.insert("numel", unit->numel);
+    entry.insert("numel", unit->layout.numel);
     c10::impl::GenericList names(c10::AnyType::get());
-    for (const auto& n : unit->param_names) names.push_back(n);
+    for (const auto& n : unit->layout.names) names.push_back(n);
     entry.insert("param_names", names);
     // Where each parameter and this shard lie in the unit's flat tensor:
     // what a distributed checkpoint needs to cut the shard into the
     // parameters' boxes (src/distributed_checkpoint.cpp).
     c10::impl::GenericList offsets(c10::AnyType::get()), shapes(c10::AnyType::get());
     for (size_t j = 0; j < unit->params.size(); ++j) {
-      offsets.push_back(unit->offsets[j]);
+      offsets.push_back(unit->layout.offsets[j]);
       c10::impl::GenericList shape(c10::AnyType::get());
-      for (int64_t size : unit->params[j].sizes()) shape.push_back(size);
+      for (int64_t size : unit->layout.shapes[j]) shape.push_back(size);
       shapes.push_back(shape);
     }
     entry.insert("offsets", offsets);
     entry.insert("shapes", shapes);
-    entry.insert("padded", unit->padded);
-    entry.insert("shard_start", shard_range(*unit).begin);
+    entry.insert("padded", unit->layout.padded);
+    entry.insert("shard_start", unit->layout.shard.begin);
     entry.insert("shard", unit->shard.detach().clone());
     units.push_back(entry);
   }
@@ -257,11 +223,12 @@ void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim
   for (size_t u = 0; u < units_.size(); ++u) {
     auto entry = units.get(u).toGenericDict();
     at::Tensor shard = entry.at("shard").toTensor();
-    DDP_CHECK(entry.at("name").toStringRef() == units_[u]->name && entry.at("numel").toInt() == units_[u]->numel &&
-                    shard.numel() == shard_range(*units_[u]).numel(),
+    const FsdpUnit& unit = *units_[u];
+    DDP_CHECK(entry.at("name").toStringRef() == unit.name && entry.at("numel").toInt() == unit.layout.numel &&
+                    shard.numel() == unit.layout.shard.numel(),
                 "ddp: unit ", u, " of the sharded checkpoint ('", entry.at("name").toStringRef(), "', ",
-                entry.at("numel").toInt(), " elements) does not match the model's ('", units_[u]->name, "', ",
-                units_[u]->numel, " elements)");
+                entry.at("numel").toInt(), " elements) does not match the model's ('", unit.name, "', ",
+                unit.layout.numel, " elements)");
   }
   auto buffers = dict.at("buffers").toGenericDict();
   for (const auto& [name, tensor] : replicated()) {
@@ -274,13 +241,9 @@ void FsdpRuntime::load_sharded_state_dict(const c10::IValue& value, torch::optim
   }
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = *units_[u];
+    FsdpUnit& unit = *units_[u];
     unit.shard.detach().copy_(units.get(u).toGenericDict().at("shard").toTensor());
-    if (unit.gathered && !shard_is_full()) {
-      // Keep the gathered copy consistent: gather it again.
-      unit.gathered = false;
-      finish_gather(unit);
-    }
+    unit.regather();
   }
   for (const auto& [name, tensor] : replicated()) {
     at::Tensor target = tensor;

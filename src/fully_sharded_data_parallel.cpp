@@ -1,35 +1,18 @@
-// How FSDP keeps a unit's parameters (see docs/architecture.md, "FSDP"):
-//
-// A unit's parameters are laid out in one flat tensor, `full`, padded to a
-// multiple of the world size. The module's own parameter tensors keep their
-// identity (so autograd, optimizers and the user's references stay valid) but
-// are made views into `full`'s storage. Freeing a unit releases that
-// storage's memory; gathering allocates it again and all-gathers the shards
-// into it. Autograd's saved tensors are views of the same storage, so the
-// backward pass sees the re-gathered values without any bookkeeping.
-//
-// Each rank's `shard` (its 1/N of `full`) is a separate leaf tensor: the
-// optimizer's parameter. Gradients arrive on the module's parameters; once a
-// unit's are all there they are flattened, reduce-scattered, and this rank's
-// part lands in shard.grad().
-//
-// This file forms the units and gathers and frees them; a step's forward and
-// backward (FSDP as the gradient engine's policy) are in fsdp_step.cpp, the
-// state dicts in fsdp_state_dict.cpp.
+// FullyShardedDataParallel's construction: the units formed from the
+// module, each given its gather, hook and dtypes, the runtime's reduction and
+// the gradient engine; and the wrapper's non-template part. How a step runs
+// is src/fsdp_step.cpp (see src/fsdp_runtime.h).
 
-#include <ddp/fully_sharded_data_parallel.h>
+#include "fsdp_runtime.h"
 
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/error.h>
 
-#include "fsdp_runtime.h"
-#include "fsdp_unit.h"
 #include "fsdp_unit_grouping.h"
 #include "gradient_sync_engine.h"
 #include "shard_range.h"
 
 #include <ATen/Functions.h>
-#include <c10/core/StorageImpl.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
@@ -65,24 +48,6 @@ std::string to_string(ShardingStrategy strategy) {
 namespace detail {
 namespace {
 
-// Gives `tensor`'s storage back to its allocator, keeping the StorageImpl
-// (and so every view of it) alive.
-void release_storage(const at::Tensor& tensor) {
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor.device()));
-  storage->set_nbytes(0);
-}
-
-void allocate_storage(const at::Tensor& tensor) {
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  size_t nbytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-  if (storage->nbytes() == nbytes && storage->data() != nullptr) return;
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-  storage->set_nbytes(nbytes);
-}
-
-bool storage_allocated(const at::Tensor& tensor) { return tensor.storage().nbytes() > 0; }
-
 bool is_hybrid(ShardingStrategy strategy) {
   return strategy == ShardingStrategy::kHybridShard || strategy == ShardingStrategy::kHybridShardZero2;
 }
@@ -91,15 +56,15 @@ bool is_hybrid(ShardingStrategy strategy) {
 
 FsdpGroups fsdp_groups(std::shared_ptr<ProcessGroup> group, const FSDPOptions& options) {
   DDP_CHECK(group, "ddp: FullyShardedDataParallel needs a process group");
-  if (!is_hybrid(options.sharding_strategy())) return {group, nullptr, group, false};
+  if (!is_hybrid(options.sharding_strategy())) return {group, nullptr, group};
   // PyTorch's HYBRID_SHARD without process groups: shard within the node,
   // replicate across nodes.
   return fsdp_groups(DeviceMesh::from_launcher(group));
 }
 
 FsdpGroups fsdp_groups(const DeviceMesh& mesh) {
-  if (mesh.ndim() == 1) return {mesh.group(0), nullptr, mesh.process_group(), false};
-  return {mesh.group(1), mesh.group(0), mesh.process_group(), true};
+  if (mesh.ndim() == 1) return {mesh.group(0), nullptr, mesh.process_group()};
+  return {mesh.group(1), mesh.group(0), mesh.process_group()};
 }
 
 FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups groups, FSDPOptions options)
@@ -107,7 +72,6 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::Module> root, FsdpGroups gro
       group_(std::move(groups.shard)),
       replicate_group_(std::move(groups.replicate)),
       whole_group_(std::move(groups.whole)),
-      hybrid_(groups.hybrid),
       options_(std::move(options)) {
   check_options();
   // The whole model's ranks, replicas included, start from rank 0's values.
@@ -127,7 +91,6 @@ FsdpRuntime::FsdpRuntime(std::shared_ptr<torch::nn::SequentialImpl> root, const 
       group_(std::move(groups.shard)),
       replicate_group_(std::move(groups.replicate)),
       whole_group_(std::move(groups.whole)),
-      hybrid_(groups.hybrid),
       options_(std::move(options)),
       built_deferred_(true) {
   check_options();
@@ -192,7 +155,6 @@ void FsdpRuntime::check_options() {
   }
   // One replica: plain FSDP over the shard group.
   if (replicate_group_ && replicate_group_->size() == 1) replicate_group_.reset();
-  hybrid_ = replicate_group_ != nullptr;
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
@@ -202,9 +164,31 @@ void FsdpRuntime::check_options() {
             "ddp: FSDPOptions::comm_hook and reduce_dtype cannot both be set: the hook decides the dtype on the "
             "wire (fp16_compress_hook() and bf16_compress_hook() are reduce_dtype(at::kHalf) and "
             "reduce_dtype(at::kBFloat16)). Keep one of them.");
-  mixed_ = options_.param_dtype().has_value();
-  DDP_CHECK(!mixed_ || at::isFloatingType(*options_.param_dtype()), "ddp: FSDPOptions::param_dtype must be a ",
-            "floating-point dtype (at::kBFloat16, at::kHalf, at::kFloat), got ", *options_.param_dtype());
+  precision_ = MixedPrecisionPolicy::of(options_);
+  DDP_CHECK(!precision_.param_dtype || at::isFloatingType(*precision_.param_dtype),
+            "ddp: FSDPOptions::param_dtype must be a floating-point dtype (at::kBFloat16, at::kHalf, at::kFloat), "
+            "got ", *precision_.param_dtype);
+  DDP_CHECK(!precision_.reduce_dtype || at::isFloatingType(*precision_.reduce_dtype),
+            "ddp: FSDPOptions::reduce_dtype must be a floating-point dtype (at::kBFloat16, at::kHalf, at::kFloat), "
+            "got ", *precision_.reduce_dtype);
+
+  // What varies with the strategy is chosen here, once.
+  const ShardingStrategy strategy = options_.sharding_strategy();
+  if (strategy == ShardingStrategy::kNoShard) {
+    reduce_ = group_->size() == 1 ? local_reduce() : all_reduce(group_);
+  } else {
+    reduce_ = reduce_scatter(group_);
+  }
+  data_parallel_size_ = group_->size();
+  strategy_in_force_ = strategy;
+  if (replicate_group_) {
+    reduce_ = then_across_replicas(std::move(reduce_), replicate_group_);
+    data_parallel_size_ *= replicate_group_->size();
+    if (strategy != ShardingStrategy::kNoShard) {
+      strategy_in_force_ = strategy == ShardingStrategy::kFullShard ? ShardingStrategy::kHybridShard
+                                                                    : ShardingStrategy::kHybridShardZero2;
+    }
+  }
 }
 
 void FsdpRuntime::finish_construction() {
@@ -214,12 +198,14 @@ void FsdpRuntime::finish_construction() {
   // module gets a cast copy, frozen_ keeps the original.
   for (auto& [name, original] : frozen_) {
     frozen_params_.push_back(original);
-    if (!mixed_ || !original.is_floating_point()) continue;
+    const auto param_dtype = precision_.param_dtype;
+    if (!param_dtype || !original.is_floating_point() || original.scalar_type() == *param_dtype) continue;
     at::NoGradGuard no_grad;
     at::Tensor master = original.detach().clone();
-    original.set_data(master.to(*options_.param_dtype()));
+    original.set_data(master.to(*param_dtype));
     original = master;
   }
+  // The root unit stays gathered from forward to backward whatever it says.
   for (auto& unit : units_) unit->reshard_after_forward = options_.sharding_strategy() == ShardingStrategy::kFullShard;
   for (const auto& [name, reshard] : options_.reshard_after_forward()) {
     auto it = std::find_if(units_.begin(), units_.end(), [&](const auto& unit) { return unit->name == name; });
@@ -242,12 +228,12 @@ void FsdpRuntime::finish_construction() {
     for (size_t j = 0; j < unit->params.size(); ++j) {
       groups.back().push_back(params.size());
       params.push_back(unit->params[j]);
-      names.push_back(unit->param_names[j]);
+      names.push_back(unit->layout.names[j]);
     }
   }
   EngineOptions sync;
   sync.owner = " through FullyShardedDataParallel";
-  sync.collectives = sharded() ? "reduce-scatters" : "all-reduces";
+  sync.collectives = reduce_->collectives();
   // As in PyTorch's FSDP, a parameter without a gradient contributes zeros.
   sync.allow_unused = true;
   engine_ = std::make_unique<GradientSyncEngine>(std::move(params), std::move(names), group_,
@@ -269,23 +255,18 @@ FsdpRuntime::~FsdpRuntime() {
   if (std::uncaught_exceptions() > 0 || built_deferred_) return;
   try {
     for (auto& unit : units_) {
-      if (unit->pending_gather) finish_gather(*unit);
-      if (mixed_) {
-        at::Tensor whole = unit->shard.detach();
-        if (sharded()) {
-          whole = at::empty({unit->padded}, unit->shard.options());
-          at::Tensor input = unit->shard.detach();
-          group_->wait(group_->all_gather_into_async(whole, input), "FSDP all_gather of parameters");
-        }
-        at::NoGradGuard no_grad;
-        for (size_t j = 0; j < unit->params.size(); ++j) {
-          unit->params[j].mutable_grad().reset();  // in param_dtype, if any: not the parameter's any more
-          unit->params[j].set_data(
-              whole.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()));
-        }
-      } else if (!unit->gathered && sharded()) {
-        start_gather(*unit);
-        finish_gather(*unit);
+      if (!unit->precision.casts()) {
+        unit->wait_for_unshard();
+        continue;
+      }
+      // `full` holds param_dtype's rounded values: the module gets the
+      // shards' own, gathered.
+      unit->reshard();
+      at::Tensor whole = unit->gather->gather_now(unit->shard.detach(), unit->layout.padded, "parameters");
+      at::NoGradGuard no_grad;
+      for (size_t j = 0; j < unit->params.size(); ++j) {
+        unit->params[j].mutable_grad().reset();  // in param_dtype: not the parameter's any more
+        unit->params[j].set_data(unit->layout.view(whole, j));
       }
     }
     for (size_t i = 0; i < frozen_.size(); ++i) {
@@ -294,18 +275,6 @@ FsdpRuntime::~FsdpRuntime() {
   } catch (...) {
     // A dead peer: nothing more to gather from.
   }
-}
-
-bool FsdpRuntime::sharded() const { return options_.sharding_strategy() != ShardingStrategy::kNoShard; }
-
-ShardingStrategy FsdpRuntime::sharding_strategy() const {
-  if (!hybrid_ || !sharded()) return options_.sharding_strategy();
-  return options_.sharding_strategy() == ShardingStrategy::kFullShard ? ShardingStrategy::kHybridShard
-                                                                      : ShardingStrategy::kHybridShardZero2;
-}
-
-int64_t FsdpRuntime::data_parallel_size() const {
-  return group_->size() * (replicate_group_ ? replicate_group_->size() : 1);
 }
 
 std::map<const at::TensorImpl*, std::string> FsdpRuntime::parameter_names(const torch::nn::Module& module,
@@ -386,74 +355,62 @@ void FsdpRuntime::build_units() {
 
 void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                            bool broadcast_from_rank0) {
-  auto unit = std::make_unique<Unit>();
+  auto unit = std::make_unique<FsdpUnit>();
   unit->name = std::move(name);
   const at::Tensor& first = params.front().second;
+  std::vector<std::string> names;
   for (const auto& [param_name, param] : params) {
     DDP_CHECK(param.scalar_type() == first.scalar_type() && param.device() == first.device(),
                 "ddp: all parameters of an FSDP unit need one dtype and device; '", param_name, "' is ",
                 param.scalar_type(), " on ", param.device(), " but '", params.front().first, "' is ",
                 first.scalar_type(), " on ", first.device());
-    unit->param_names.push_back(param_name);
+    names.push_back(param_name);
     unit->params.push_back(param);
-    unit->offsets.push_back(unit->numel);
-    unit->numel += param.numel();
   }
-  unit->padded = padded_numel(unit->numel, group_->size());
-  unit->shard_numel = padded_shard(unit->numel, group_->size(), group_->rank()).numel();
+  unit->precision = UnitPrecision::resolve(precision_, first.scalar_type());
+  const bool casts = unit->precision.casts();
+  unit->gather = options_.sharding_strategy() == ShardingStrategy::kNoShard ? keep_whole(casts) : all_gather(group_);
+  unit->layout = FlatLayout::of(unit->params, std::move(names), group_->size(), group_->rank());
+  unit->layout.shard = unit->gather->shard_of(unit->layout);
+  unit->hook = hook_for(unit->precision);
+  unit->on_allocate = [this] { note_parameter_memory(); };
 
   at::NoGradGuard no_grad;
   // The unit's values in the parameters' own dtype: what the shard keeps.
-  at::Tensor master = at::zeros({unit->padded}, first.options().requires_grad(false));
+  at::Tensor master = at::zeros({unit->layout.padded}, first.options().requires_grad(false));
   for (size_t j = 0; j < unit->params.size(); ++j) {
-    at::Tensor slot = master.narrow(0, unit->offsets[j], unit->params[j].numel());
-    slot.copy_(unit->params[j].reshape({-1}));
-    // Without param_dtype `master` becomes the unit's full tensor: moving
-    // each parameter into it at once frees its own storage, so the unit
-    // never exists twice (deferred construction counts on it).
-    if (!mixed_) unit->params[j].set_data(slot.view(unit->params[j].sizes()));
+    at::Tensor slot = unit->layout.view(master, j);
+    slot.copy_(unit->params[j]);
+    // Without a cast `master` becomes the unit's full tensor: moving each
+    // parameter into it at once frees its own storage, so the unit never
+    // exists twice (deferred construction counts on it).
+    if (!casts) unit->params[j].set_data(slot);
   }
   if (broadcast_from_rank0) {
     CollectiveTag tag("fsdp unit '" + unit->name + "' broadcast of rank 0's values");
     whole_group_->broadcast(master, 0);
   }
-  const at::ScalarType compute = mixed_ ? *options_.param_dtype() : first.scalar_type();
-  unit->full = mixed_ ? master.to(compute, /*non_blocking=*/false, /*copy=*/true) : master;
+  unit->full = casts ? master.to(unit->precision.param, /*non_blocking=*/false, /*copy=*/true) : master;
   for (size_t j = 0; j < unit->params.size(); ++j) {
     // The parameter keeps its identity and autograd metadata; only its data
     // moves into the flat storage (in param_dtype, if one is set).
-    unit->params[j].set_data(unit->full.narrow(0, unit->offsets[j], unit->params[j].numel()).view(unit->params[j].sizes()));
+    unit->params[j].set_data(unit->layout.view(unit->full, j));
   }
-  if (sharded()) {
-    const ShardRange mine = shard_range(*unit);
-    unit->shard = master.narrow(0, mine.begin, mine.numel()).clone();
-  } else {
-    unit->shard = mixed_ ? master : unit->full.detach();
-  }
+  const ShardRange mine = unit->layout.shard;
+  unit->shard = mine == ShardRange{0, unit->layout.padded} ? master.detach()
+                                                           : master.narrow(0, mine.begin, mine.numel()).clone();
   unit->shard.requires_grad_(true);
-  unit->gathered = true;
-
-  // Gradients arrive in `compute`. They are reduced in reduce_dtype: a wider
-  // one is cast to first (exactly), a narrower one is the compression hooks'
-  // arithmetic (divide, cast, sum, cast back), as DDP's hooks do it.
-  unit->reduce_dtype = compute;
-  const auto wanted = options_.reduce_dtype();
-  // HSDP all-reduces the shard across replicas in the dtype on the wire.
-  unit->replicate_dtype = wanted ? *wanted : compute;
-  if (options_.comm_hook()) {
-    unit->hook = options_.comm_hook();
-  } else if (!wanted || *wanted == compute) {
-    unit->hook = allreduce_hook();
-  } else if (c10::elementSize(*wanted) > c10::elementSize(compute)) {
-    unit->reduce_dtype = *wanted;
-    unit->hook = allreduce_hook();
-  } else {
-    DDP_CHECK(*wanted == at::kHalf || *wanted == at::kBFloat16, "ddp: FSDPOptions::reduce_dtype ", *wanted,
-              " is narrower than the gradients' ", compute, "; use at::kHalf or at::kBFloat16");
-    unit->hook = *wanted == at::kHalf ? fp16_compress_hook() : bf16_compress_hook();
-  }
   units_.push_back(std::move(unit));
-  release(*units_.back());
+  units_.back()->reshard();
+}
+
+std::shared_ptr<CommHook> FsdpRuntime::hook_for(const UnitPrecision& precision) const {
+  if (options_.comm_hook()) return options_.comm_hook();
+  // A reduce_dtype wider than the gradients is the flat gradient's own
+  // (UnitPrecision::flat_gradient); a narrower one casts around the sum.
+  const at::ScalarType wire = precision.reduce;
+  if (c10::elementSize(wire) < c10::elementSize(precision.flat_gradient)) return compress_hook(wire);
+  return allreduce_hook();
 }
 
 std::vector<at::Tensor> FsdpRuntime::shards() const {
@@ -477,8 +434,8 @@ std::vector<std::string> FsdpRuntime::unit_names() const {
 int64_t FsdpRuntime::held_parameter_bytes() const {
   int64_t bytes = 0;
   for (const auto& unit : units_) {
-    if (!shard_is_full()) bytes += static_cast<int64_t>(unit->shard.nbytes());
-    if (storage_allocated(unit->full)) bytes += unit->padded * unit->full.element_size();
+    if (unit->gather->frees_full()) bytes += static_cast<int64_t>(unit->shard.nbytes());
+    if (unit->full.storage().nbytes() > 0) bytes += unit->layout.padded * unit->full.element_size();
   }
   for (const auto& [name, tensor] : frozen_) bytes += static_cast<int64_t>(tensor.nbytes());
   return bytes;
@@ -508,52 +465,13 @@ void FsdpRuntime::note_parameter_memory() {
   peak_parameter_bytes_ = std::max(peak_parameter_bytes_, held_parameter_bytes());
 }
 
-// --- gathering and freeing -------------------------------------------------
-
-void FsdpRuntime::start_gather(Unit& unit) {
-  if (unit.gathered || unit.pending_gather) return;
-  allocate_storage(unit.full);
-  note_parameter_memory();
-  at::NoGradGuard no_grad;
-  if (!sharded()) {
-    // One rank, or kNoShard with param_dtype: the shard is whole, so
-    // gathering is a cast.
-    unit.full.copy_(unit.shard.detach());
-    unit.gathered = true;
-    return;
-  }
-  unit.gather_input = unit.shard.detach();
-  if (unit.gather_input.scalar_type() != unit.full.scalar_type()) unit.gather_input = unit.gather_input.to(unit.full.scalar_type());
-  CollectiveTag tag("fsdp unit '" + unit.name + "' all-gather");
-  unit.pending_gather = group_->all_gather_into_async(unit.full, unit.gather_input);
-}
-
-void FsdpRuntime::finish_gather(Unit& unit) {
-  if (unit.gathered) return;
-  if (!unit.pending_gather) start_gather(unit);
-  if (unit.pending_gather) {
-    auto work = std::move(unit.pending_gather);
-    unit.pending_gather.reset();
-    group_->wait(work, "FSDP all_gather of parameters");
-  }
-  unit.gather_input.reset();
-  unit.gathered = true;
-}
-
-void FsdpRuntime::release(Unit& unit) {
-  if (shard_is_full()) return;
-  if (unit.pending_gather) finish_gather(unit);
-  release_storage(unit.full);
-  unit.gathered = false;
-}
-
 void FsdpRuntime::gather_all() {
-  for (auto& unit : units_) start_gather(*unit);
-  for (auto& unit : units_) finish_gather(*unit);
+  for (auto& unit : units_) unit->unshard();
+  for (auto& unit : units_) unit->wait_for_unshard();
 }
 
 void FsdpRuntime::free_all() {
-  for (auto& unit : units_) release(*unit);
+  for (auto& unit : units_) unit->reshard();
 }
 
 void FsdpUnitModule::before_forward() { runtime_->unit_before_forward(unit_); }

@@ -1,5 +1,7 @@
-// How a Sequential root's children become FSDP units: the pure rule,
-// without modules or processes.
+// How a Sequential root's children become FSDP units, and the order a
+// unit's lifecycle calls may come in: the pure rules, without modules or
+// processes.
+#include "fsdp_runtime.h"
 #include "fsdp_unit_grouping.h"
 
 #include <ddp/error.h>
@@ -75,6 +77,63 @@ TEST(FsdpUnits, EveryChildIsInExactlyOneGroupInOrder) {
       for (size_t child : g.children) EXPECT_EQ(child, next++) << "min_num_params " << min;
     }
     EXPECT_EQ(next, 8u) << "min_num_params " << min;
+  }
+}
+
+using ddp::detail::next_training_state;
+using ddp::detail::TrainingState;
+using ddp::detail::UnitEvent;
+
+TEST(FsdpUnitState, AStepGoesForwardThenBackwardAndBackToIdle) {
+  TrainingState state = TrainingState::kIdle;
+  for (UnitEvent event : {UnitEvent::kPreForward, UnitEvent::kPostForward, UnitEvent::kPreBackward,
+                          UnitEvent::kPostBackward, UnitEvent::kEndOfPass}) {
+    state = next_training_state(state, event, "block");
+  }
+  EXPECT_EQ(state, TrainingState::kIdle);
+  EXPECT_EQ(next_training_state(TrainingState::kIdle, UnitEvent::kPreForward, "block"), TrainingState::kForward);
+  EXPECT_EQ(next_training_state(TrainingState::kForward, UnitEvent::kPostForward, "block"), TrainingState::kIdle);
+}
+
+TEST(FsdpUnitState, PreBackwardRepeatsAndAUnitWithoutOneStillReduces) {
+  // One hook per output tensor: the second and later ones change nothing,
+  // also once the unit's gradients have left.
+  EXPECT_EQ(next_training_state(TrainingState::kPreBackward, UnitEvent::kPreBackward, "block"),
+            TrainingState::kPreBackward);
+  EXPECT_EQ(next_training_state(TrainingState::kPostBackward, UnitEvent::kPreBackward, "block"),
+            TrainingState::kPostBackward);
+  // A unit this forward did not run (or the root) reduces zeros.
+  EXPECT_EQ(next_training_state(TrainingState::kIdle, UnitEvent::kPostBackward, "block"),
+            TrainingState::kPostBackward);
+  // An abandoned pass ends wherever it stopped.
+  for (TrainingState state : {TrainingState::kIdle, TrainingState::kForward, TrainingState::kPreBackward,
+                              TrainingState::kPostBackward}) {
+    EXPECT_EQ(next_training_state(state, UnitEvent::kEndOfPass, "block"), TrainingState::kIdle);
+  }
+}
+
+TEST(FsdpUnitState, ACallOutOfOrderIsAnInternalErrorNamingTheUnitAndState) {
+  struct Case {
+    TrainingState state;
+    UnitEvent event;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {TrainingState::kForward, UnitEvent::kPreForward, "got pre_forward in state forward"},
+      {TrainingState::kPreBackward, UnitEvent::kPreForward, "got pre_forward in state pre-backward"},
+      {TrainingState::kIdle, UnitEvent::kPostForward, "got post_forward in state idle"},
+      {TrainingState::kForward, UnitEvent::kPreBackward, "got pre_backward in state forward"},
+      {TrainingState::kPostBackward, UnitEvent::kPostBackward, "got post_backward in state post-backward"},
+      {TrainingState::kForward, UnitEvent::kPostBackward, "got post_backward in state forward"},
+  };
+  for (const auto& c : cases) {
+    try {
+      next_training_state(c.state, c.event, "block");
+      ADD_FAILURE() << "no error for " << c.expected;
+    } catch (const ddp::Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("internal error: FSDP unit 'block' " + c.expected), std::string::npos) << message;
+    }
   }
 }
 
