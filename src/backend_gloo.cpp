@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "backends.h"
+#include "env_impl.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -11,6 +11,7 @@
 #include <ddp/stack_dump.h>
 
 #include "error_text.h"
+#include "process_group_impl.h"
 #include "stall_check.h"
 
 #include <c10/util/Logging.h>
@@ -315,21 +316,21 @@ bool write_text(const std::string& path, const std::string& text) {
 }  // namespace
 
 uint64_t ProcessGroup::enter(const char* op, const at::Tensor& tensor) {
-  if (!tracing_) return 0;
+  if (!impl_->tracing_) return 0;
   if (is_point_to_point(op)) {
     std::lock_guard<std::mutex> lock(point_to_point_mutex);
-    traces_with_point_to_point.insert(trace_.get());
+    traces_with_point_to_point.insert(impl_->trace_.get());
   }
-  const uint64_t seq = trace_->begin(op, tensor);
+  const uint64_t seq = impl_->trace_->begin(op, tensor);
   // monitored_barrier has no desync check: it would wait for the very
   // ranks the barrier is to name.
   const bool collective = std::strcmp(op, "send") != 0 && std::strcmp(op, "recv") != 0 &&
                           std::strcmp(op, "monitored_barrier") != 0;
-  if (collective && options_.debug() == DebugLevel::kDetail && world_.world_size > 1) {
+  if (collective && impl_->options_.debug() == DebugLevel::kDetail && impl_->world_.world_size > 1) {
     try {
       check_in_sync(seq, op, tensor);
     } catch (...) {
-      trace_->end(seq, false);
+      impl_->trace_->end(seq, false);
       throw;
     }
   }
@@ -338,7 +339,7 @@ uint64_t ProcessGroup::enter(const char* op, const at::Tensor& tensor) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::track(uint64_t seq, c10::intrusive_ptr<c10d::Work> work) {
   if (seq == 0) return work;
-  std::shared_ptr<CollectiveTrace> trace = trace_;
+  std::shared_ptr<CollectiveTrace> trace = impl_->trace_;
   try {
     work->getFuture()->addCallback([trace, seq](c10::ivalue::Future& done) { trace->end(seq, !done.hasError()); });
   } catch (const std::exception&) {
@@ -361,9 +362,9 @@ void ProcessGroup::check_in_sync(uint64_t seq, const char* op, const at::Tensor&
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
   c10d::AllgatherOptions opts;
-  opts.timeout = options_.timeout();
+  opts.timeout = impl_->options_.timeout();
   // Straight to the backend: the check is not a collective of the program's.
-  wait(backend_->allgather(outputs, inputs, opts), "the desync check's all_gather (DDP_DEBUG=detail)");
+  wait(impl_->backend_->allgather(outputs, inputs, opts), "the desync check's all_gather (DDP_DEBUG=detail)");
   std::vector<std::string> all;
   for (auto& t : outputs[0]) {
     at::Tensor cpu = t.cpu();
@@ -386,31 +387,31 @@ std::string ProcessGroup::trace_path() const {
   } else {
     dir = trace_fallback_directory();
   }
-  return trace_file_in(dir, global_rank_, name_);
+  return trace_file_in(dir, impl_->global_rank_, impl_->name_);
 }
 
 std::string ProcessGroup::write_trace() const {
   const std::string path = trace_path();
-  return write_text(path, trace_->json_lines(global_rank_)) ? path : "";
+  return write_text(path, impl_->trace_->json_lines(impl_->global_rank_)) ? path : "";
 }
 
 void ProcessGroup::start_progress_responder() {
-  if (!store_ || backend_kind_ == BackendKind::kMpi) return;
+  if (!impl_->store_ || impl_->backend_kind_ == BackendKind::kMpi) return;
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = store_->clone();  // its own connection: its polls never hold up the group's requests
+    store = impl_->store_->clone();  // its own connection: its polls never hold up the group's requests
   } catch (const std::exception&) {
     return;  // a store that cannot be cloned: stalls are explained by the failing ranks alone
   }
-  responder_ = std::make_shared<detail::ProgressResponder>();
-  auto* state = responder_.get();
-  std::shared_ptr<CollectiveTrace> trace = trace_;
-  const int rank = world_.rank;  // in this group: the progress keys are the group's
-  const int global_rank = global_rank_;
+  impl_->responder_ = std::make_shared<detail::ProgressResponder>();
+  auto* state = impl_->responder_.get();
+  std::shared_ptr<CollectiveTrace> trace = impl_->trace_;
+  const int rank = impl_->world_.rank;  // in this group: the progress keys are the group's
+  const int global_rank = impl_->global_rank_;
   const std::string path = trace_path();
-  const auto timeout = options_.timeout();
-  const std::string master_addr = world_.master_addr;
-  const int master_port = world_.master_port;
+  const auto timeout = impl_->options_.timeout();
+  const std::string master_addr = impl_->world_.master_addr;
+  const int master_port = impl_->world_.master_port;
   state->thread = std::thread([state, store, trace, rank, global_rank, path, timeout, master_addr,
                                master_port]() mutable {
     uint64_t dumped_for = 0;
@@ -477,12 +478,14 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
   try {
     const std::string written = write_trace();
     const std::string wrote = written.empty() ? "" : " This rank's trace: " + written + ".";
-    if (world_.world_size == 1 || !store_ || backend_kind_ == BackendKind::kMpi) return wrote.substr(wrote.empty() ? 0 : 1);
+    if (impl_->world_.world_size == 1 || !impl_->store_ || impl_->backend_kind_ == BackendKind::kMpi) {
+      return wrote.substr(wrote.empty() ? 0 : 1);
+    }
     // A subgroup numbers its own collectives: say which group's they are.
-    const std::string on_group = name_ == "world" ? "" : " of process group " + name_;
-    const uint64_t completed = trace_->last_completed();
+    const std::string on_group = impl_->name_ == "world" ? "" : " of process group " + impl_->name_;
+    const uint64_t completed = impl_->trace_->last_completed();
     const uint64_t failed = completed + 1;
-    auto record = trace_->find(failed);
+    auto record = impl_->trace_->find(failed);
     const std::string what = record ? describe(*record) : "#" + std::to_string(failed);
     // A peer whose connection closed is gone: waiting for its answer would
     // only delay this message (and the launcher may stop this rank first).
@@ -493,17 +496,17 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     }
 
     QuietStoreWarnings quiet;  // a store whose host is gone: said once below, without frames
-    std::vector<std::optional<Progress>> reports(world_.world_size);
+    std::vector<std::optional<Progress>> reports(impl_->world_.world_size);
     auto exchange = [&](c10d::Store& store) {
       // The others answer within about 0.2 s (their responders poll).
-      collect_progress(store, *trace_, world_.rank, reports,
-                       std::min<std::chrono::milliseconds>(options_.timeout(), std::chrono::seconds(2)));
+      collect_progress(store, *impl_->trace_, impl_->world_.rank, reports,
+                       std::min<std::chrono::milliseconds>(impl_->options_.timeout(), std::chrono::seconds(2)));
       // Global rank 0 hosts the store (env://): were it to end with its own
       // report, a peer stalled in the same moment would find the store gone
       // and could not compare. So it stays until those peers, inside a
       // collective themselves, have read the reports too, for at most 2 s.
       store.add(kStallReadKey, 1);
-      if (global_rank_ == 0) {
+      if (impl_->global_rank_ == 0) {
         int64_t readers = 1;
         for (const auto& p : reports) readers += p && p->completed < p->entered ? 1 : 0;
         const auto until = Clock::now() + std::chrono::seconds(2);
@@ -516,7 +519,7 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     // do not answer now (one that failed at the same check may have ended).
     auto fill_from_early_check = [&] {
       std::lock_guard<std::mutex> lock(heard_mutex);
-      auto heard = heard_reports.find(trace_.get());
+      auto heard = heard_reports.find(impl_->trace_.get());
       if (heard == heard_reports.end() || Clock::now() - heard->second.when > std::chrono::seconds(5)) return false;
       bool any = false;
       for (size_t r = 0; r < reports.size() && r < heard->second.reports.size(); ++r) {
@@ -527,14 +530,15 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     };
     try {
       try {
-        exchange(*store_);
+        exchange(*impl_->store_);
       } catch (const std::exception&) {
         // The group's connection to the store can be cut while its host
         // lives on (seen after the half-timeout stack dump). A new one, if
         // the host still accepts: c10d would otherwise retry connecting for
         // the whole timeout.
-        if (!world_.master_addr.empty() && !accepts_connections(world_.master_addr, world_.master_port)) throw;
-        exchange(*store_->clone());
+        const World& w = impl_->world_;
+        if (!w.master_addr.empty() && !accepts_connections(w.master_addr, w.master_port)) throw;
+        exchange(*impl_->store_->clone());
       }
     } catch (const std::exception&) {
       if (!fill_from_early_check()) throw;
@@ -544,15 +548,15 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     // Each rank's collectives as its own trace has them: a number two ranks
     // both passed says nothing unless they issued the same collective there.
     std::vector<std::string> findings;
-    for (int r = 0; r < world_.world_size; ++r) {
-      if (r == world_.rank) continue;
+    for (int r = 0; r < impl_->world_.world_size; ++r) {
+      if (r == impl_->world_.rank) continue;
       if (!reports[r]) {
         findings.push_back(rank_label(r) +
                            " did not report its progress within 2 s: it is stopped, hung outside ddp, or dead");
         continue;
       }
       const Progress& p = *reports[r];
-      const auto difference = first_difference(*trace_, p);
+      const auto difference = first_difference(*impl_->trace_, p);
       if (difference) {
         const auto& [theirs, own] = *difference;
         findings.push_back(rank_label(r) + " issued " + theirs.description + " where this rank issued " +
@@ -605,7 +609,7 @@ bool issued_other_collectives(c10d::Store& store, const CollectiveTrace& trace, 
 }  // namespace detail
 
 std::string ProcessGroup::describe_or_number(uint64_t seq) const {
-  auto record = trace_->find(seq);
+  auto record = impl_->trace_->find(seq);
   return record ? describe(*record) : "#" + std::to_string(seq);
 }
 

@@ -2,6 +2,8 @@
 
 #include <ddp/error.h>
 
+#include "distributed_sampler_impl.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,7 @@
 #include <ddp/env.h>
 
+#include "env_impl.h"
+
 #include <ddp/error.h>
 #include <ddp/launch_env.h>
 

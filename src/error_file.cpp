@@ -54,8 +54,6 @@ bool write_record(const std::string& message, bool consequence) noexcept {
 
 }  // namespace
 
-bool is_consequence_error(const std::string& message) { return launch_errors::reads_like_consequence(message); }
-
 bool record_error(const std::exception& error) noexcept {
   try {
     // ddp's own errors say by their type whether another rank caused them;
@@ -70,7 +68,7 @@ bool record_error(const std::exception& error) noexcept {
     } else {
       message = error.what();
     }
-    return write_record(message, is_consequence_error(message));
+    return write_record(message, launch_errors::reads_like_consequence(message));
   } catch (...) {
     return false;
   }
@@ -78,7 +76,7 @@ bool record_error(const std::exception& error) noexcept {
 
 bool record_error(const std::string& message) noexcept {
   try {
-    return write_record(message, is_consequence_error(message));
+    return write_record(message, launch_errors::reads_like_consequence(message));
   } catch (...) {
     return false;
   }

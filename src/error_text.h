@@ -5,6 +5,8 @@
 // lines, and c10d sometimes nests one error's what() inside another's
 // message, so the lines are dropped from the text as well.
 
+#include <ddp/export.h>
+
 #include <c10/util/Exception.h>
 
 #include <exception>
@@ -27,7 +29,9 @@ inline std::string without_backtrace_lines(const std::string& text) {
   return out;
 }
 
-inline std::string message_of(const std::exception& e) {
+// Exported: sharded_snapshot.h declares this function for its templates, and
+// sharded_snapshot.cpp defines it too (one of the two definitions must go).
+DDP_API inline std::string message_of(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     return without_backtrace_lines(c10_error->what_without_backtrace());
   }

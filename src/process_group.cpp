@@ -11,10 +11,11 @@
 #include "backends.h"
 #include "checked_backend.h"
 #include "duration_text.h"
+#include "env_impl.h"
 #include "file_rendezvous.h"
+#include "process_group_impl.h"
 #include "fnv1a.h"
 #include "rendezvous.h"
-#include "ring_collectives.h"
 #include "stall_check.h"
 
 #include <ddp/device.h>
@@ -150,18 +151,18 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
     return w;
   }();
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
-  group->world_ = world;
-  group->global_rank_ = world.rank;
-  group->global_ranks_.resize(world.world_size);
-  std::iota(group->global_ranks_.begin(), group->global_ranks_.end(), 0);
-  group->options_ = options;
+  group->impl_->world_ = world;
+  group->impl_->global_rank_ = world.rank;
+  group->impl_->global_ranks_.resize(world.world_size);
+  std::iota(group->impl_->global_ranks_.begin(), group->impl_->global_ranks_.end(), 0);
+  group->impl_->options_ = options;
   BackendKind kind = resolve_backend(options.backend(), options.device());
-  group->backend_kind_ = kind;
+  group->impl_->backend_kind_ = kind;
   // NCCL only moves tensors on its GPU, so small bookkeeping tensors live
   // there too; Gloo's live on the CPU.
   c10::Device device(c10::kCPU);
   if (kind == BackendKind::kNccl) device = nccl_device(world, options.device());
-  group->control_options_ = at::TensorOptions().device(device);
+  group->impl_->control_options_ = at::TensorOptions().device(device);
 
   const std::chrono::milliseconds timeout = options.timeout();
   if (kind == BackendKind::kMpi) {
@@ -170,8 +171,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
     // process's own; ddp's collectives never need a shared one.
     DDP_CHECK(device.is_cpu() && !options.device().is_cuda(), "ddp: the mpi backend moves CPU tensors; ",
               "use nccl for ", options.device().str());
-    group->store_ = c10::make_intrusive<c10d::HashStore>();
-    group->backend_ = detail::make_mpi_backend(group->world_, timeout);
+    group->impl_->store_ = c10::make_intrusive<c10d::HashStore>();
+    group->impl_->backend_ = detail::make_mpi_backend(group->impl_->world_, timeout);
     return group;
   }
   if (init.kind != InitMethod::Kind::kFile) require_master(world);
@@ -182,15 +183,15 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
     if (world.world_size == 1) {
       // One process: a private in-memory store; collectives are still real
       // (the backend runs them over a group of one), so code paths match.
-      group->store_ = c10::make_intrusive<c10d::HashStore>();
+      group->impl_->store_ = c10::make_intrusive<c10d::HashStore>();
     } else if (init.kind == InitMethod::Kind::kFile) {
-      group->store_ = detail::file_rendezvous(world, init.path, options.run_id(), timeout);
+      group->impl_->store_ = detail::file_rendezvous(world, init.path, options.run_id(), timeout);
     } else {
       store_deadline.emplace(world.master_port);
-      group->store_ = detail::rendezvous(world, options.run_id(), timeout, *store_deadline);
+      group->impl_->store_ = detail::rendezvous(world, options.run_id(), timeout, *store_deadline);
     }
-    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
-    group->backend_ = detail::make_checked_backend(
+    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->impl_->store_);
+    group->impl_->backend_ = detail::make_checked_backend(
         kind == BackendKind::kNccl ? detail::make_nccl_backend(backend_store, world, device, timeout)
                                    : detail::make_gloo_backend(backend_store, world, timeout),
         world, timeout);
@@ -204,15 +205,33 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
   // DDP_DIAGNOSTIC_HANDLERS): a program's signals and std::terminate are its own.
   if (options.install_stack_dump_handler()) ddp::install_stack_dump_handler(SIGUSR1);
   if (options.install_terminate_handler()) detail::install_transport_failure_handler();
-  detail::register_trace_for_dumps(group.get(), group->trace_.get(), world.rank);
+  detail::register_trace_for_dumps(group.get(), group->impl_->trace_.get(), world.rank);
   return group;
 }
 
-ProcessGroup::ProcessGroup() : trace_(std::make_shared<CollectiveTrace>()) {
+ProcessGroup::ProcessGroup() : impl_(std::make_unique<Impl>()) {
+  impl_->trace_ = std::make_shared<CollectiveTrace>();
   // DDP_TRACE=off exists to measure what the trace costs (bench/RESULTS.md).
   const char* trace = std::getenv("DDP_TRACE");
-  tracing_ = !(trace && std::string(trace) == "off");
+  impl_->tracing_ = !(trace && std::string(trace) == "off");
 }
+
+int ProcessGroup::rank() const { return impl_->member_ ? impl_->world_.rank : -1; }
+int ProcessGroup::size() const { return impl_->world_.world_size; }
+const World& ProcessGroup::world() const { return impl_->world_; }
+BackendKind ProcessGroup::backend() const { return impl_->backend_kind_; }
+std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->options_.timeout(); }
+at::TensorOptions ProcessGroup::control_options() const { return impl_->control_options_; }
+at::Tensor ProcessGroup::to_control(const at::Tensor& tensor) const {
+  return tensor.to(impl_->control_options_.device());
+}
+const c10::intrusive_ptr<c10d::Backend>& ProcessGroup::c10d_backend() const { return impl_->backend_; }
+c10d::Store& ProcessGroup::store() { return *impl_->store_; }
+bool ProcessGroup::is_member() const { return impl_->member_; }
+int ProcessGroup::global_rank() const { return impl_->global_rank_; }
+const std::vector<int>& ProcessGroup::global_ranks() const { return impl_->global_ranks_; }
+const std::string& ProcessGroup::name() const { return impl_->name_; }
+const CollectiveTrace& ProcessGroup::trace() const { return *impl_->trace_; }
 
 ProcessGroup::~ProcessGroup() {
   detail::unregister_trace_for_dumps(this);
@@ -224,51 +243,53 @@ ProcessGroup::~ProcessGroup() {
 }
 
 std::string ProcessGroup::unique_store_prefix(const std::string& purpose) {
-  return "ddp/" + purpose + "/" + std::to_string(store_prefixes_issued_++) + "/";
+  return "ddp/" + purpose + "/" + std::to_string(impl_->store_prefixes_issued_++) + "/";
 }
 
 void ProcessGroup::shutdown() {
-  responder_.reset();  // joins its thread before the store goes
+  impl_->responder_.reset();  // joins its thread before the store goes
   {
     // The rings talk through backend_: stop them first.
-    std::lock_guard<std::mutex> lock(rings_mutex_);
-    reduce_scatter_ring_.reset();
-    all_gather_ring_.reset();
+    std::lock_guard<std::mutex> lock(impl_->rings_mutex_);
+    impl_->reduce_scatter_ring_.reset();
+    impl_->all_gather_ring_.reset();
   }
-  backend_.reset();
-  store_.reset();
+  impl_->backend_.reset();
+  impl_->store_.reset();
 }
 
 int ProcessGroup::global_rank_of(int group_rank) const {
-  DDP_CHECK(group_rank >= 0 && group_rank < static_cast<int>(global_ranks_.size()), "ddp: ", group_rank,
-            " is not a rank of process group ", name_, ", whose ranks are 0 to ", size() - 1);
-  return global_ranks_[group_rank];
+  DDP_CHECK(group_rank >= 0 && group_rank < static_cast<int>(impl_->global_ranks_.size()), "ddp: ", group_rank,
+            " is not a rank of process group ", impl_->name_, ", whose ranks are 0 to ", size() - 1);
+  return impl_->global_ranks_[group_rank];
 }
 
 int ProcessGroup::group_rank_of(int global_rank) const {
-  auto found = std::find(global_ranks_.begin(), global_ranks_.end(), global_rank);
-  return found == global_ranks_.end() ? -1 : static_cast<int>(found - global_ranks_.begin());
+  auto found = std::find(impl_->global_ranks_.begin(), impl_->global_ranks_.end(), global_rank);
+  return found == impl_->global_ranks_.end() ? -1 : static_cast<int>(found - impl_->global_ranks_.begin());
 }
 
 std::string ProcessGroup::rank_label(int group_rank) const {
-  const bool known = group_rank >= 0 && group_rank < static_cast<int>(global_ranks_.size());
-  return "rank " + std::to_string(known ? global_ranks_[group_rank] : group_rank);
+  const bool known = group_rank >= 0 && group_rank < static_cast<int>(impl_->global_ranks_.size());
+  return "rank " + std::to_string(known ? impl_->global_ranks_[group_rank] : group_rank);
 }
 
 std::string ProcessGroup::where_am_i() const {
-  if (name_ == "world") return "rank " + std::to_string(world_.rank) + " of " + std::to_string(world_.world_size);
-  return "rank " + std::to_string(global_rank_) + " (rank " + std::to_string(rank()) + " of " +
-         std::to_string(size()) + " in process group " + name_ + ", global ranks " + ranks_text(global_ranks_) + ")";
+  const World& w = impl_->world_;
+  if (impl_->name_ == "world") return "rank " + std::to_string(w.rank) + " of " + std::to_string(w.world_size);
+  return "rank " + std::to_string(impl_->global_rank_) + " (rank " + std::to_string(rank()) + " of " +
+         std::to_string(size()) + " in process group " + impl_->name_ + ", global ranks " +
+         ranks_text(impl_->global_ranks_) + ")";
 }
 
 void ProcessGroup::require_usable(const char* op) const {
-  DDP_CHECK(member_, "ddp: ", op, " on process group ", name_, " from global rank ", global_rank_,
+  DDP_CHECK(impl_->member_, "ddp: ", op, " on process group ", impl_->name_, " from global rank ", impl_->global_rank_,
             ", which is not one of its members (",
-            global_ranks_.empty() ? std::string("this rank split off with kNoColour")
-                                  : "its global ranks are " + ranks_text(global_ranks_),
+            impl_->global_ranks_.empty() ? std::string("this rank split off with kNoColour")
+                                  : "its global ranks are " + ranks_text(impl_->global_ranks_),
             "). Only a group's members may call its collectives: check is_member() before using it, as Python "
             "code checks for GroupMember.NON_GROUP_MEMBER.");
-  DDP_CHECK(backend_, "ddp: ", op, " on a process group that was shut down");
+  DDP_CHECK(impl_->backend_, "ddp: ", op, " on a process group that was shut down");
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
@@ -276,7 +297,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
   std::sort(ranks.begin(), ranks.end());
   DDP_CHECK(!ranks.empty(), "ddp: new_group needs at least one rank");
   for (int r : ranks) {
-    DDP_CHECK(r >= 0 && r < size(), "ddp: new_group was given rank ", r, ", but process group ", name_,
+    DDP_CHECK(r >= 0 && r < size(), "ddp: new_group was given rank ", r, ", but process group ", impl_->name_,
               " has ranks 0 to ", size() - 1, " (ranks of the group new_group is called on, not global ones)");
   }
   auto twice = std::adjacent_find(ranks.begin(), ranks.end());
@@ -294,7 +315,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
   for (int r = 1; r < size(); ++r) {
     DDP_CHECK(all[r].cpu()[2].item<int64_t>() == all[0].cpu()[2].item<int64_t>(), "ddp: ", rank_label(r),
               " passed other ranks to new_group than ", rank_label(0), " (this rank, ", rank_label(rank()),
-              ", passed ", ranks_text(ranks), "). Every rank of process group ", name_,
+              ", passed ", ranks_text(ranks), "). Every rank of process group ", impl_->name_,
               " must call new_group with the same ranks, as with torch.distributed.new_group.");
   }
   return make_subgroup("new_group", ranks, colour, rank());
@@ -323,48 +344,50 @@ std::shared_ptr<ProcessGroup> ProcessGroup::make_subgroup(const char* op, const 
                                                           int key) {
   // The same number and store prefix on every rank of this group, members
   // or not: all of them make the same calls in the same order.
-  const std::string number = (name_ == "world" ? "" : name_ + ".") + std::to_string(subgroups_made_++);
+  const std::string number =
+      (impl_->name_ == "world" ? "" : impl_->name_ + ".") + std::to_string(impl_->subgroups_made_++);
   const std::string prefix =
       unique_store_prefix("group") + (colour == kNoColour ? std::string("none") : std::to_string(colour));
   std::shared_ptr<ProcessGroup> group(new ProcessGroup());
-  group->name_ = number;
-  group->options_ = options_;
-  group->backend_kind_ = backend_kind_;
-  group->control_options_ = control_options_;
-  group->global_rank_ = global_rank_;
-  for (int m : members) group->global_ranks_.push_back(global_ranks_[m]);
+  group->impl_->name_ = number;
+  group->impl_->options_ = impl_->options_;
+  group->impl_->backend_kind_ = impl_->backend_kind_;
+  group->impl_->control_options_ = impl_->control_options_;
+  group->impl_->global_rank_ = impl_->global_rank_;
+  for (int m : members) group->impl_->global_ranks_.push_back(impl_->global_ranks_[m]);
   auto mine = std::find(members.begin(), members.end(), rank());
-  group->member_ = colour != kNoColour && mine != members.end();
-  group->world_ = world_;
-  group->world_.rank = group->member_ ? static_cast<int>(mine - members.begin()) : -1;
-  group->world_.world_size = static_cast<int>(members.size());
+  group->impl_->member_ = colour != kNoColour && mine != members.end();
+  group->impl_->world_ = impl_->world_;
+  group->impl_->world_.rank = group->impl_->member_ ? static_cast<int>(mine - members.begin()) : -1;
+  group->impl_->world_.world_size = static_cast<int>(members.size());
 
-  const std::chrono::milliseconds timeout = options_.timeout();
-  if (backend_kind_ == BackendKind::kMpi) {
+  const std::chrono::milliseconds timeout = impl_->options_.timeout();
+  if (impl_->backend_kind_ == BackendKind::kMpi) {
     // MPI_Comm_split is collective over this group's communicator: a rank
     // outside the new group takes part too (with MPI_UNDEFINED).
-    auto backend = detail::split_mpi_backend(backend_, group->member_ ? colour : kNoColour, key, timeout);
-    if (!group->member_) return group;
-    DDP_CHECK(backend && backend->getRank() == group->world_.rank && backend->getSize() == group->world_.world_size,
+    auto backend = detail::split_mpi_backend(impl_->backend_, group->impl_->member_ ? colour : kNoColour, key, timeout);
+    if (!group->impl_->member_) return group;
+    DDP_CHECK(backend && backend->getRank() == group->impl_->world_.rank &&
+                  backend->getSize() == group->impl_->world_.world_size,
               "ddp: MPI_Comm_split made ", where_am_i(), " rank ", backend ? backend->getRank() : -1, " of ",
-              backend ? backend->getSize() : 0, " but ", op, " expected rank ", group->world_.rank, " of ",
-              group->world_.world_size, "; this is a bug in ddp");
-    group->store_ = c10::make_intrusive<c10d::HashStore>();
-    group->backend_ = backend;
+              backend ? backend->getSize() : 0, " but ", op, " expected rank ", group->impl_->world_.rank, " of ",
+              group->impl_->world_.world_size, "; this is a bug in ddp");
+    group->impl_->store_ = c10::make_intrusive<c10d::HashStore>();
+    group->impl_->backend_ = backend;
   } else {
-    if (!group->member_) return group;
+    if (!group->impl_->member_) return group;
     // Its own prefix of the job's store: its backend's keys and its stall
     // reports never meet another group's.
-    group->store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
-    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->store_);
-    group->backend_ = detail::make_checked_backend(
-        backend_kind_ == BackendKind::kNccl
-            ? detail::make_nccl_backend(backend_store, group->world_, control_options_.device(), timeout)
-            : detail::make_gloo_backend(backend_store, group->world_, timeout),
-        group->world_, timeout);
+    group->impl_->store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store_);
+    auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->impl_->store_);
+    group->impl_->backend_ = detail::make_checked_backend(
+        impl_->backend_kind_ == BackendKind::kNccl
+            ? detail::make_nccl_backend(backend_store, group->impl_->world_, impl_->control_options_.device(), timeout)
+            : detail::make_gloo_backend(backend_store, group->impl_->world_, timeout),
+        group->impl_->world_, timeout);
     if (group->size() > 1) group->start_progress_responder();
   }
-  detail::register_trace_for_dumps(group.get(), group->trace_.get(), global_rank_);
+  detail::register_trace_for_dumps(group.get(), group->impl_->trace_.get(), impl_->global_rank_);
   return group;
 }
 
@@ -373,9 +396,9 @@ std::vector<at::Tensor> ProcessGroup::all_gather_as(const char* op, const at::Te
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
   c10d::AllgatherOptions opts;
-  opts.timeout = options_.timeout();
+  opts.timeout = impl_->options_.timeout();
   const uint64_t seq = enter(op, inputs[0]);
-  wait(track(seq, backend_->allgather(outputs, inputs, opts)), op);
+  wait(track(seq, impl_->backend_->allgather(outputs, inputs, opts)), op);
   return outputs[0];
 }
 
@@ -422,21 +445,21 @@ void wait_watching_for_desync(const c10::intrusive_ptr<c10d::Work>& work, std::c
 
 void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* operation) const {
   try {
-    if (backend_kind_ == BackendKind::kNccl) {
+    if (impl_->backend_kind_ == BackendKind::kNccl) {
       // NCCL's wait() with a timeout spins the host until the GPU is done;
       // without one it only makes the current stream wait on the
       // collective's event. The communicator's watchdog already enforces
       // options_.timeout() (set in make_nccl_backend).
       work->wait();
     } else {
-      const bool compare = tracing_ && backend_kind_ != BackendKind::kMpi;
-      wait_watching_for_desync(work, options_.timeout(), compare ? store_.get() : nullptr, trace_.get(), world_.rank,
-                               world_.world_size);
+      const bool compare = impl_->tracing_ && impl_->backend_kind_ != BackendKind::kMpi;
+      wait_watching_for_desync(work, impl_->options_.timeout(), compare ? impl_->store_.get() : nullptr,
+                               impl_->trace_.get(), impl_->world_.rank, impl_->world_.world_size);
     }
   } catch (const c10::Error& e) {
     const std::string stall = explain_stall(e.what_without_backtrace());
     DDP_PEER_CHECK(false, "ddp: ", operation, " failed on ", where_am_i(),
-                   " (timeout ", seconds_text(options_.timeout()), "); a peer may have died or stopped calling ",
+                   " (timeout ", seconds_text(impl_->options_.timeout()), "); a peer may have died or stopped calling ",
                    "collectives. ", stall, stall.empty() ? "" : " ", "Cause: ", e.what_without_backtrace());
   }
 }
@@ -447,8 +470,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_reduce_async(at::Tensor& tensor
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = op;
-  opts.timeout = options_.timeout();
-  return track(seq, backend_->allreduce(tensors, opts));
+  opts.timeout = impl_->options_.timeout();
+  return track(seq, impl_->backend_->allreduce(tensors, opts));
 }
 
 void ProcessGroup::all_reduce(at::Tensor& tensor, c10d::ReduceOp op) {
@@ -461,8 +484,8 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  opts.timeout = options_.timeout();
-  wait(track(seq, backend_->broadcast(tensors, opts)), "broadcast");
+  opts.timeout = impl_->options_.timeout();
+  wait(track(seq, impl_->backend_->broadcast(tensors, opts)), "broadcast");
 }
 
 std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
@@ -479,8 +502,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_gather_into_async(at::Tensor& o
     return track(seq, ring_all_gather(output, input));
   }
   c10d::AllgatherOptions opts;
-  opts.timeout = options_.timeout();
-  return track(seq, backend_->_allgather_base(output, input, opts));
+  opts.timeout = impl_->options_.timeout();
+  return track(seq, impl_->backend_->_allgather_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& output, at::Tensor& input,
@@ -494,37 +517,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_scatter_async(at::Tensor& ou
   }
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = op;
-  opts.timeout = options_.timeout();
-  return track(seq, backend_->_reduce_scatter_base(output, input, opts));
+  opts.timeout = impl_->options_.timeout();
+  return track(seq, impl_->backend_->_reduce_scatter_base(output, input, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::send_async(at::Tensor& tensor, int to, int tag) {
   require_usable("send");
   const uint64_t seq = enter("send", tensor);
   std::vector<at::Tensor> tensors{tensor};
-  return track(seq, backend_->send(tensors, to, tag));
+  return track(seq, impl_->backend_->send(tensors, to, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::recv_async(at::Tensor& tensor, int from, int tag) {
   require_usable("recv");
   const uint64_t seq = enter("recv", tensor);
   std::vector<at::Tensor> tensors{tensor};
-  return track(seq, backend_->recv(tensors, from, tag));
+  return track(seq, impl_->backend_->recv(tensors, from, tag));
 }
 
 void ProcessGroup::barrier() {
   require_usable("barrier");
   const uint64_t seq = enter("barrier", at::Tensor());
   c10d::BarrierOptions opts;
-  opts.timeout = options_.timeout();
-  wait(track(seq, backend_->barrier(opts)), "barrier");
+  opts.timeout = impl_->options_.timeout();
+  wait(track(seq, impl_->backend_->barrier(opts)), "barrier");
 }
-
-void detail::RingDeleter::operator()(detail::RingCollectives* ring) const { delete ring; }
 
 bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
   // Gloo sends only CPU tensors; NCCL's own collectives are rings already.
-  return backend_kind_ == BackendKind::kGloo && size() > 1 && tensor.is_cpu();
+  return impl_->backend_kind_ == BackendKind::kGloo && size() > 1 && tensor.is_cpu();
 }
 
 // Tag spaces of the two rings (send/recv tags; Gloo's collectives use slots
@@ -532,19 +553,21 @@ bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
 constexpr uint32_t kReduceScatterTags = 1u << 24, kAllGatherTags = 2u << 24;
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_reduce_scatter(at::Tensor& output, at::Tensor& input) {
-  std::lock_guard<std::mutex> lock(rings_mutex_);
-  if (!reduce_scatter_ring_) {
-    reduce_scatter_ring_.reset(new detail::RingCollectives(std::make_unique<GroupTransport>(*this), kReduceScatterTags));
+  std::lock_guard<std::mutex> lock(impl_->rings_mutex_);
+  if (!impl_->reduce_scatter_ring_) {
+    impl_->reduce_scatter_ring_ =
+        std::make_unique<detail::RingCollectives>(std::make_unique<GroupTransport>(*this), kReduceScatterTags);
   }
-  return reduce_scatter_ring_->reduce_scatter(output, input);
+  return impl_->reduce_scatter_ring_->reduce_scatter(output, input);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_all_gather(at::Tensor& output, at::Tensor& input) {
-  std::lock_guard<std::mutex> lock(rings_mutex_);
-  if (!all_gather_ring_) {
-    all_gather_ring_.reset(new detail::RingCollectives(std::make_unique<GroupTransport>(*this), kAllGatherTags));
+  std::lock_guard<std::mutex> lock(impl_->rings_mutex_);
+  if (!impl_->all_gather_ring_) {
+    impl_->all_gather_ring_ =
+        std::make_unique<detail::RingCollectives>(std::make_unique<GroupTransport>(*this), kAllGatherTags);
   }
-  return all_gather_ring_->all_gather(output, input);
+  return impl_->all_gather_ring_->all_gather(output, input);
 }
 
 std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options) {

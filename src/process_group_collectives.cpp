@@ -10,6 +10,7 @@
 
 #include "backends.h"
 #include "duration_text.h"
+#include "process_group_impl.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -113,8 +114,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_async(at::Tensor& tensor, in
   c10d::ReduceOptions opts;
   opts.reduceOp = op;
   opts.rootRank = root;
-  opts.timeout = options_.timeout();
-  return track(seq, backend_->reduce(tensors, opts));
+  opts.timeout = impl_->options_.timeout();
+  return track(seq, impl_->backend_->reduce(tensors, opts));
 }
 
 void ProcessGroup::reduce(at::Tensor& tensor, int root, c10d::ReduceOp op) {
@@ -139,9 +140,9 @@ std::vector<at::Tensor> ProcessGroup::gather(const at::Tensor& input, int root) 
   }
   c10d::GatherOptions opts;
   opts.rootRank = root;
-  opts.timeout = options_.timeout();
+  opts.timeout = impl_->options_.timeout();
   const uint64_t seq = enter("gather", inputs[0]);
-  wait(track(seq, backend_->gather(outputs, inputs, opts)), "gather");
+  wait(track(seq, impl_->backend_->gather(outputs, inputs, opts)), "gather");
   return rank() == root ? outputs[0] : std::vector<at::Tensor>{};
 }
 
@@ -169,9 +170,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::scatter_async(at::Tensor& output, c
   std::vector<at::Tensor> outputs{output};
   c10d::ScatterOptions opts;
   opts.rootRank = root;
-  opts.timeout = options_.timeout();
+  opts.timeout = impl_->options_.timeout();
   const uint64_t seq = enter("scatter", output);
-  return track(seq, backend_->scatter(outputs, sources, opts));
+  return track(seq, impl_->backend_->scatter(outputs, sources, opts));
 }
 
 void ProcessGroup::scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, int root) {
@@ -194,9 +195,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_to_all_async(at::Tensor& output
   // desync check see one row, whose dtype and shape every rank shares.
   at::Tensor row = at::empty(input.sizes().slice(1), input.options().device(at::kMeta));
   c10d::AllToAllOptions opts;
-  opts.timeout = options_.timeout();
+  opts.timeout = impl_->options_.timeout();
   const uint64_t seq = enter("all_to_all", row);
-  return track(seq, backend_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+  return track(seq, impl_->backend_->alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
 }
 
 void ProcessGroup::all_to_all(at::Tensor& output, at::Tensor& input, std::vector<int64_t> output_split_sizes,
@@ -225,18 +226,18 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ProcessGroup::batch_isend_irecv(std:
 void ProcessGroup::monitored_barrier(std::optional<std::chrono::milliseconds> timeout_or_default,
                                      bool wait_all_ranks) {
   require_usable("monitored_barrier");
-  const std::chrono::milliseconds timeout = timeout_or_default.value_or(options_.timeout());
+  const std::chrono::milliseconds timeout = timeout_or_default.value_or(impl_->options_.timeout());
   DDP_CHECK(timeout.count() > 0, "ddp: monitored_barrier's timeout must be positive; got ", timeout.count(), " ms");
-  const int64_t call = monitored_barriers_++;
+  const int64_t call = impl_->monitored_barriers_++;
   // Every rank makes the same store prefix calls in the same order.
-  const std::string prefix = backend_kind_ == BackendKind::kMpi ? "" : unique_store_prefix("monitored_barrier");
+  const std::string prefix = impl_->backend_kind_ == BackendKind::kMpi ? "" : unique_store_prefix("monitored_barrier");
   const uint64_t seq = enter("monitored_barrier", at::Tensor());
   const Clock::time_point start = Clock::now();
   const auto waited = [&] {
     return seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start));
   };
   const auto end_trace = [&](bool ok) {
-    if (seq != 0) trace_->end(seq, ok);
+    if (seq != 0) impl_->trace_->end(seq, ok);
   };
   if (size() == 1) {
     end_trace(true);
@@ -249,8 +250,8 @@ void ProcessGroup::monitored_barrier(std::optional<std::chrono::milliseconds> ti
     // Rank 0 finds the missing ranks (group ranks); the others learn them
     // from its verdict, or learn nothing if none came.
     std::optional<std::vector<int>> missing;
-    if (backend_kind_ == BackendKind::kMpi) {
-      missing = detail::mpi_monitored_barrier(backend_, call, start + timeout,
+    if (impl_->backend_kind_ == BackendKind::kMpi) {
+      missing = detail::mpi_monitored_barrier(impl_->backend_, call, start + timeout,
                                               start + timeout + verdict_grace(timeout), wait_all_ranks);
     } else if (rank() == 0) {
       std::vector<int> waiting;
@@ -262,29 +263,30 @@ void ProcessGroup::monitored_barrier(std::optional<std::chrono::milliseconds> ti
       // One question a poll while some are missing; each key on its own
       // only once the deadline has come, to learn which.
       const Clock::time_point deadline = start + timeout;
-      bool all = store_->check(keys);
+      bool all = impl_->store_->check(keys);
       while (!all && Clock::now() < deadline) {
         std::this_thread::sleep_for(kStorePoll);
-        all = store_->check(keys);
+        all = impl_->store_->check(keys);
       }
       if (all) waiting.clear();
       std::vector<int> still;
       for (int r : waiting) {
-        if (!store_->check({keys[r - 1]})) still.push_back(r);
+        if (!impl_->store_->check({keys[r - 1]})) still.push_back(r);
       }
       waiting = std::move(still);
       // As torch's: the first rank that did not arrive, or all of them.
       if (!waiting.empty() && !wait_all_ranks) waiting.resize(1);
       missing = waiting;
-      store_->set(prefix + "verdict", bytes_of(waiting.empty() ? std::string("ok") : "missing:" + join_ranks(waiting)));
-      for (int r = 1; r < size(); ++r) store_->deleteKey(prefix + "arrived/" + std::to_string(r));
+      impl_->store_->set(prefix + "verdict",
+                         bytes_of(waiting.empty() ? std::string("ok") : "missing:" + join_ranks(waiting)));
+      for (int r = 1; r < size(); ++r) impl_->store_->deleteKey(prefix + "arrived/" + std::to_string(r));
     } else {
-      store_->set(prefix + "arrived/" + std::to_string(rank()), bytes_of("1"));
+      impl_->store_->set(prefix + "arrived/" + std::to_string(rank()), bytes_of("1"));
       const Clock::time_point deadline = start + timeout + verdict_grace(timeout);
       const std::string key = prefix + "verdict";
-      while (!store_->check({key}) && Clock::now() < deadline) std::this_thread::sleep_for(kStorePoll);
-      if (store_->check({key})) {
-        const std::string verdict = text_of(store_->get(key));
+      while (!impl_->store_->check({key}) && Clock::now() < deadline) std::this_thread::sleep_for(kStorePoll);
+      if (impl_->store_->check({key})) {
+        const std::string verdict = text_of(impl_->store_->get(key));
         missing = verdict == "ok" ? std::vector<int>{} : split_ranks(verdict.substr(std::strlen("missing:")));
       }
     }
@@ -314,8 +316,8 @@ void ProcessGroup::broadcast_as(const char* op, at::Tensor& tensor, int root) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  opts.timeout = options_.timeout();
-  wait(track(seq, backend_->broadcast(tensors, opts)), op);
+  opts.timeout = impl_->options_.timeout();
+  wait(track(seq, impl_->backend_->broadcast(tensors, opts)), op);
 }
 
 void ProcessGroup::broadcast_object(c10::IValue& value, int root) {

@@ -2,6 +2,7 @@
 
 #include <ddp/error.h>
 
+#include "duration_text.h"
 #include "json_text.h"
 
 #include <c10/util/Exception.h>
@@ -32,14 +33,6 @@ std::optional<std::string> progress_override() {
 }
 
 }  // namespace
-
-std::string format_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  auto total = static_cast<int64_t>(std::llround(seconds));
-  int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;
-  if (h > 0) return fmt::format("{}:{:02}:{:02}", h, m, s);
-  return fmt::format("{}:{:02}", m, s);
-}
 
 ProgressLine::ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options)
     : total_epochs_(total_epochs), steps_per_epoch_(steps_per_epoch), options_(options) {
@@ -114,7 +107,8 @@ double ProgressLine::eta_seconds() const {
 std::string ProgressLine::render() const {
   double loss = step_in_epoch_ > 0 ? loss_sum_ / static_cast<double>(step_in_epoch_) : NAN;
   return fmt::format("epoch {}/{} | step {}/{} | loss {:.4f} | {:.0f} samples/s | ETA {}", epoch_ + 1, total_epochs_,
-                     step_in_epoch_, steps_per_epoch_, loss, samples_per_second(), format_duration(eta_seconds()));
+                     step_in_epoch_, steps_per_epoch_, loss, samples_per_second(),
+                     detail::format_duration(eta_seconds()));
 }
 
 void ProgressLine::draw(bool force) {

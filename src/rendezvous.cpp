@@ -1,6 +1,7 @@
 #include "rendezvous.h"
 
 #include "duration_text.h"
+#include "env_impl.h"
 
 #include <ddp/error.h>
 #include <ddp/launch_env.h>

@@ -7,6 +7,7 @@
 #include <ddp/snapshot.h>
 
 #include "optimizer_state.h"
+#include "zero_redundancy_optimizer_impl.h"
 
 #include <ATen/Functions.h>
 #include <ATen/core/Dict.h>

@@ -1,5 +1,5 @@
 #include "bucket_assignment.h"
-#include <ddp/zero_redundancy_optimizer.h>
+#include "zero_redundancy_optimizer_impl.h"
 
 #include <c10/util/Exception.h>
 #include <algorithm>

@@ -1,5 +1,7 @@
 #include <ddp/env.h>
 
+#include "env_impl.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 

@@ -4,6 +4,8 @@
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
 
+#include "duration_text.h"
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -25,10 +27,10 @@ std::string contents_of(std::FILE* f) {
 }
 
 TEST(Progress, FormatsDurations) {
-  EXPECT_EQ(ddp::format_duration(0), "0:00");
-  EXPECT_EQ(ddp::format_duration(65), "1:05");
-  EXPECT_EQ(ddp::format_duration(3723), "1:02:03");
-  EXPECT_EQ(ddp::format_duration(-1), "?");
+  EXPECT_EQ(ddp::detail::format_duration(0), "0:00");
+  EXPECT_EQ(ddp::detail::format_duration(65), "1:05");
+  EXPECT_EQ(ddp::detail::format_duration(3723), "1:02:03");
+  EXPECT_EQ(ddp::detail::format_duration(-1), "?");
 }
 
 TEST(Progress, RendersEpochStepLossThroughputAndEta) {

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <support/subprocess.h>
 
+#include "distributed_sampler_impl.h"
+
 #include <set>
 #include <sstream>
 

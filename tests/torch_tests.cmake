@@ -24,11 +24,15 @@ add_executable(ddp_unit_tests
   test_error_file.cpp
   test_progress.cpp
   test_gloo_headers.cpp
+  test_exports.cpp
   test_libtorch_integration.cpp)
-target_link_libraries(ddp_unit_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-# The pure rules (bucket assignment, FSDP's unit grouping, optimizer-state
-# re-layouts) are internal headers in src/.
-target_include_directories(ddp_unit_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# Tests link ddp_internal, never the installed libddp: it has every symbol
+# and carries src/'s internal headers (the pure rules: bucket assignment,
+# FSDP's unit grouping, optimizer-state re-layouts; the test seams).
+target_link_libraries(ddp_unit_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+# The symbol checks (test_gloo_headers.cpp, test_exports.cpp) read the
+# installed library's file.
+add_dependencies(ddp_unit_tests ddp)
 ddp_reuse_precompiled_header(ddp_unit_tests)
 target_compile_definitions(ddp_unit_tests PRIVATE
   DDP_LIBRARY_PATH="$<TARGET_FILE:ddp>"
@@ -49,7 +53,7 @@ gtest_discover_tests(ddp_process_tests PROPERTIES LABELS "multiprocess" TIMEOUT 
 # Real cluster launchers: mpirun, a single-host Slurm, two network-namespace
 # nodes. Each test skips with its reason where its tools are missing.
 add_executable(ddp_cluster_tests test_cluster.cpp test_cluster_two_nodes.cpp)
-target_link_libraries(ddp_cluster_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_link_libraries(ddp_cluster_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_cluster_tests)
 add_dependencies(ddp_cluster_tests ddprun wine_ddp ddp_worker)
 gtest_discover_tests(ddp_cluster_tests PROPERTIES LABELS "cluster" TIMEOUT 300
@@ -77,7 +81,7 @@ gtest_discover_tests(ddp_gpu_path_process_tests PROPERTIES LABELS "multiprocess"
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 add_executable(ddp_gpu_tests test_gpu.cpp)
-target_link_libraries(ddp_gpu_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_link_libraries(ddp_gpu_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_gpu_tests)
 add_dependencies(ddp_gpu_tests gpu_worker ddp_worker ddprun)
 gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
@@ -87,9 +91,7 @@ gtest_discover_tests(ddp_gpu_tests PROPERTIES LABELS "gpu" TIMEOUT 300 DISCOVERY
 add_executable(ddp_fsdp_rank_tests test_fsdp_strategies.cpp test_fsdp_state_dict.cpp test_fsdp_ranks.cpp
   test_fsdp_reduction.cpp test_fsdp_mixed_precision.cpp test_clip_grad.cpp)
 target_sources(ddp_fsdp_rank_tests PRIVATE test_hsdp.cpp)
-target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-# The checkpoint tests set the library's test seams (src/test_seams.h).
-target_include_directories(ddp_fsdp_rank_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(ddp_fsdp_rank_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_fsdp_rank_tests)
 gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
@@ -101,9 +103,7 @@ gtest_discover_tests(ddp_fsdp_rank_tests PROPERTIES LABELS "multiprocess" TIMEOU
 add_executable(ddp_integration_rank_tests test_integration_ranks.cpp test_gradient_sync.cpp
   test_process_group.cpp test_rendezvous_faults.cpp test_distributed_data_parallel.cpp test_no_hangs.cpp
   test_zero_redundancy_optimizer.cpp)
-target_link_libraries(ddp_integration_rank_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
-# The gradient engine's tests reach its internal header in src/.
-target_include_directories(ddp_integration_rank_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(ddp_integration_rank_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_integration_rank_tests)
 # ddprun's own tests here launch the tiny worker.
 add_dependencies(ddp_integration_rank_tests ddp_worker ddprun)
@@ -120,7 +120,7 @@ gtest_discover_tests(ddp_torchrun_tests PROPERTIES LABELS "multiprocess" TIMEOUT
 
 # The mpi backend under a real mpirun (each test skips without MPI).
 add_executable(ddp_mpi_tests test_mpi.cpp)
-target_link_libraries(ddp_mpi_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_link_libraries(ddp_mpi_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_mpi_tests)
 add_dependencies(ddp_mpi_tests ddp_worker wine_ddp ddprun)
 gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 300 RUN_SERIAL TRUE
@@ -129,7 +129,7 @@ gtest_discover_tests(ddp_mpi_tests PROPERTIES LABELS "multiprocess;mpi" TIMEOUT 
 # When a job hangs or ranks disagree: the collective trace, stall reports,
 # the desync check, the trace analyser and stack dumps.
 add_executable(ddp_trace_tests test_collective_trace.cpp)
-target_link_libraries(ddp_trace_tests PRIVATE ddp::ddp ddp_test_support GTest::gtest_main)
+target_link_libraries(ddp_trace_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_trace_tests)
 add_dependencies(ddp_trace_tests ddprun ddp_worker)
 gtest_discover_tests(ddp_trace_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -7,6 +7,7 @@
 // Loading never runs code from the file: it understands only the few pickle
 // constructs a weights-only file contains, as Python's weights_only does.
 
+#include <ddp/export.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
@@ -33,15 +34,15 @@ using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
 /// The parameters and buffers of `module`, by their dotted names, in the
 /// order of Python's model.state_dict(): for each module (depth first, in
 /// registration order) its own parameters, then its own buffers.
-StateDict state_dict(const torch::nn::Module& module);
+DDP_API StateDict state_dict(const torch::nn::Module& module);
 /// The same for a TorchScript module (torch::jit::load's result).
-StateDict state_dict(const torch::jit::Module& module);
+DDP_API StateDict state_dict(const torch::jit::Module& module);
 
 /// Copies `state` into `module`'s parameters and buffers. Every name must
 /// exist on both sides with the same shape; the error names the first that
 /// does not.
-void load_state_dict(torch::nn::Module& module, const StateDict& state);
-void load_state_dict(const torch::jit::Module& module, const StateDict& state);
+DDP_API void load_state_dict(torch::nn::Module& module, const StateDict& state);
+DDP_API void load_state_dict(const torch::jit::Module& module, const StateDict& state);
 
 /// One-call checkpoints: save(model, path) writes model's state dict (as
 /// Python's torch.save(model.state_dict(), path) would; it loads with
@@ -50,12 +51,12 @@ void load_state_dict(const torch::jit::Module& module, const StateDict& state);
 /// ModuleHolder, a shared_ptr to a module, an AnyModule, a torch::jit::Module,
 /// or a DistributedDataParallel (see distributed_data_parallel.h: it saves
 /// from rank 0 only and loads on rank 0, then broadcasts).
-void save(const torch::nn::Module& module, const std::string& path);
-void save(const torch::jit::Module& module, const std::string& path);
-void save(const torch::nn::AnyModule& module, const std::string& path);
-void load(torch::nn::Module& module, const std::string& path);
-void load(const torch::jit::Module& module, const std::string& path);
-void load(torch::nn::AnyModule& module, const std::string& path);
+DDP_API void save(const torch::nn::Module& module, const std::string& path);
+DDP_API void save(const torch::jit::Module& module, const std::string& path);
+DDP_API void save(const torch::nn::AnyModule& module, const std::string& path);
+DDP_API void load(torch::nn::Module& module, const std::string& path);
+DDP_API void load(const torch::jit::Module& module, const std::string& path);
+DDP_API void load(torch::nn::AnyModule& module, const std::string& path);
 template <typename Impl>
 void save(const torch::nn::ModuleHolder<Impl>& module, const std::string& path) {
   save(*module, path);
@@ -88,32 +89,32 @@ void load_file_into(const StateDict& targets, const std::string& path);
 /// the tensors themselves (views are copied: only their own elements are
 /// saved); running out of memory is an error naming the file and the size.
 /// A `path` that is a symbolic link is refused, naming it.
-void save_state_dict(const StateDict& state, const std::string& path);
+DDP_API void save_state_dict(const StateDict& state, const std::string& path);
 
 /// Reads a dict of tensors written by save_state_dict or by Python's
 /// torch.save(state_dict). Throws, naming the file, if it is missing,
 /// truncated, or holds anything but a dict of tensors.
-StateDict load_state_dict(const std::string& path);
+DDP_API StateDict load_state_dict(const std::string& path);
 
 /// Writes any value made of dicts, lists, tuples, strings, numbers, booleans,
 /// None and tensors in torch.save's format, atomically, as save_state_dict
 /// does. Typed lists (c10::List<at::Tensor>, of ints, doubles or bools) are
 /// written as plain lists, which Python's weights-only torch.load reads.
-void save_value(const c10::IValue& value, const std::string& path);
+DDP_API void save_value(const c10::IValue& value, const std::string& path);
 
 /// Reads such a value (from C++ or Python). Dicts come back as GenericDicts
 /// keyed by strings or ints; Python's OrderedDict becomes a plain dict.
-c10::IValue load_value(const std::string& path);
+DDP_API c10::IValue load_value(const std::string& path);
 
 /// save_value's file contents, in memory.
-std::vector<char> serialize_value(const c10::IValue& value);
+DDP_API std::vector<char> serialize_value(const c10::IValue& value);
 /// load_value from memory; `name` labels errors.
-c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name);
+DDP_API c10::IValue deserialize_value(const std::vector<char>& bytes, const std::string& name);
 
 /// Writes `bytes` to `path` atomically (temporary file, fsync, rename, fsync
 /// of the directory). The temporary gets an unpredictable name and is created
 /// only where nothing exists (O_EXCL|O_NOFOLLOW), so links planted in a shared
 /// directory are never followed; a `path` that is a symbolic link is refused.
-void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
+DDP_API void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
 
 }  // namespace ddp

@@ -12,6 +12,7 @@
 //   { ddp::CollectiveTag tag("my eval all-reduce");  // names the collectives issued inside
 //     group->all_reduce(metric); }
 
+#include <ddp/export.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
@@ -41,13 +42,13 @@ struct CollectiveRecord {
 };
 
 /// "#532 (all_reduce, ddp bucket 2/3, 1.0 MiB)".
-std::string describe(const CollectiveRecord& record);
+DDP_API std::string describe(const CollectiveRecord& record);
 
 /// A rank's ring buffer of its last `capacity` collectives. Thread-safe:
 /// backends complete collectives on their own threads. Records are allocated
 /// as collectives are issued (about 200 bytes each), not up front: a large
 /// DDP_TRACE_SIZE costs memory only in a job that issues that many.
-class CollectiveTrace {
+class DDP_API CollectiveTrace {
  public:
   /// DDP_TRACE_SIZE from the environment, else 2000 records.
   static size_t default_capacity();
@@ -83,12 +84,12 @@ class CollectiveTrace {
 
 /// Where traces go when neither DDP_TRACE_DIR nor DDP_LOG_DIR is set: the
 /// snapshot directory, noted by save_snapshot_in and load_newest_snapshot.
-void set_trace_fallback_directory(const std::string& dir);
-std::string trace_fallback_directory();
+DDP_API void set_trace_fallback_directory(const std::string& dir);
+DDP_API std::string trace_fallback_directory();
 
 /// While alive, collectives issued by this thread carry `tag` in the trace
 /// (and in the desync check's fingerprint). Tags nest; the innermost wins.
-class CollectiveTag {
+class DDP_API CollectiveTag {
  public:
   explicit CollectiveTag(std::string tag);
   ~CollectiveTag();

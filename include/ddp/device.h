@@ -9,6 +9,7 @@
 //   c10::Device device = ddp::init_device(world);   // cuda:<local_rank> or cpu
 //   auto group = ddp::init_process_group(ddp::ProcessGroupOptions().device(device));
 
+#include <ddp/export.h>
 #include <ddp/env.h>
 
 #include <c10/core/Device.h>
@@ -26,7 +27,7 @@ enum class DeviceKind {
 };
 
 /// "auto", "cpu" or "cuda"; throws on anything else.
-DeviceKind parse_device_kind(const std::string& name);
+DDP_API DeviceKind parse_device_kind(const std::string& name);
 
 /// Options for device_for_local_rank and init_device.
 ///
@@ -44,18 +45,18 @@ struct DeviceOptions {
 /// visible (after CUDA_VISIBLE_DEVICES, which the CUDA runtime applies):
 /// cuda:<local_rank>, or the CPU when there are none and `options` allows it.
 /// Pure, so it can be tested without GPUs.
-c10::Device device_for_local_rank(int local_rank, int cuda_device_count, DeviceOptions options = {});
+DDP_API c10::Device device_for_local_rank(int local_rank, int cuda_device_count, DeviceOptions options = {});
 
 /// The number of CUDA devices this process can use; 0 without CUDA (or
 /// without a CUDA build of torch loaded).
-int visible_cuda_devices();
+DDP_API int visible_cuda_devices();
 
 /// Picks this rank's device (device_for_local_rank over the visible GPUs)
 /// and, for a GPU, makes it the current CUDA device, so that tensors,
 /// streams and NCCL communicators of this rank all land on it.
-c10::Device init_device(const World& world, DeviceOptions options = {});
+DDP_API c10::Device init_device(const World& world, DeviceOptions options = {});
 
 /// Makes `device` the current device of its type (a no-op for the CPU).
-void set_current_device(const c10::Device& device);
+DDP_API void set_current_device(const c10::Device& device);
 
 }  // namespace ddp

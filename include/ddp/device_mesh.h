@@ -18,6 +18,7 @@
 // is ranks i * cols ... i * cols + cols - 1, and its "replicate" group of
 // column j is ranks j, cols + j, 2 * cols + j, ...
 
+#include <ddp/export.h>
 #include <ddp/process_group.h>
 
 #include <memory>
@@ -26,7 +27,7 @@
 
 namespace ddp {
 
-class DeviceMesh {
+class DDP_API DeviceMesh {
  public:
   /// Lays `group`'s ranks out as `shape` (one or two sizes; one of them may
   /// be -1, meaning whatever the group's size leaves) with one name per
@@ -81,6 +82,6 @@ class DeviceMesh {
 /// The mesh's shape for `world_size` ranks: `shape` with its -1 (if any)
 /// replaced by what the other sizes leave. Throws, naming the shape and the
 /// world size, when they do not multiply to it. A pure function, for tests.
-std::vector<int> resolve_mesh_shape(std::vector<int> shape, int world_size);
+DDP_API std::vector<int> resolve_mesh_shape(std::vector<int> shape, int world_size);
 
 }  // namespace ddp

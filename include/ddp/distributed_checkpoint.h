@@ -46,6 +46,7 @@
 // the job; a second job saving into DIR meanwhile fails, naming the first.
 // Every rank must see the same directory (a shared file system, as for DCP).
 
+#include <ddp/export.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/process_group.h>
@@ -83,7 +84,7 @@ struct DistributedCheckpointOptions {
 
 /// The strings a checkpoint was saved with (DistributedCheckpointOptions::
 /// metadata). Reads only the files' headers; not collective.
-std::map<std::string, std::string> distributed_checkpoint_metadata(const std::string& dir);
+DDP_API std::map<std::string, std::string> distributed_checkpoint_metadata(const std::string& dir);
 
 /// What a load read, for logs and tests.
 struct DistributedCheckpointReport {
@@ -93,30 +94,30 @@ struct DistributedCheckpointReport {
 
 namespace detail {
 // Called by the templates below; see src/distributed_checkpoint.cpp.
-void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, ProcessGroup& group,
+DDP_API void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, ProcessGroup& group,
                           const DistributedCheckpointOptions& options);
-c10::IValue read_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, bool with_optimizer,
+DDP_API c10::IValue read_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, bool with_optimizer,
                                  const DistributedCheckpointOptions& options, DistributedCheckpointReport* report);
 /// A replicated module (DDP) and its optimizer's state: `optimizer` (the
 /// layout of optimizer_state_dict) covers the parameters `owned` (indices
 /// into module.named_parameters(), in the optimizer's order): all of them,
 /// the same on every rank, unless ZeRO shards it (`sharded_optimizer`).
-void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module& module, const c10::IValue& optimizer,
+DDP_API void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module& module, const c10::IValue& optimizer,
                                 const std::vector<int64_t>& owned, bool sharded_optimizer, ProcessGroup& group,
                                 const DistributedCheckpointOptions& options);
 /// Loads the module's state; returns the optimizer's (for `owned`) when
 /// `optimizer` (the current optimizer_state_dict, for its param_groups) is
 /// not None.
-c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module& module, const c10::IValue& optimizer,
+DDP_API c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module& module, const c10::IValue& optimizer,
                                        const std::vector<int64_t>& owned, const DistributedCheckpointOptions& options,
                                        DistributedCheckpointReport* report);
 /// The shapes of the checkpoint's tensors whose names start with `prefix`,
 /// after checking that its files read and that none is missing; throws,
 /// naming what is wrong. Reads only headers; not collective.
 std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string& dir, const std::string& prefix);
-std::vector<int64_t> all_indices(const torch::nn::Module& module);
-c10::IValue optimizer_state_or_none(torch::optim::Optimizer* optimizer);
-void load_optimizer_state_or_none(torch::optim::Optimizer* optimizer, const c10::IValue& state);
+DDP_API std::vector<int64_t> all_indices(const torch::nn::Module& module);
+DDP_API c10::IValue optimizer_state_or_none(torch::optim::Optimizer* optimizer);
+DDP_API void load_optimizer_state_or_none(torch::optim::Optimizer* optimizer, const c10::IValue& state);
 }  // namespace detail
 
 /// Writes this rank's shards of `model` (and `optimizer`'s state, built over

@@ -18,6 +18,7 @@
 //     for (auto& batch : *loader) { ... }
 //   }
 
+#include <ddp/export.h>
 #include <torch/arg.h>
 #include <torch/data/samplers/base.h>
 
@@ -54,7 +55,7 @@ struct SamplerOptions {
 };
 
 /// The indices one rank sees in one epoch. Pure: no state, no processes.
-std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
+DDP_API std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
                                                  int64_t epoch);
 /// The same for the rest of an epoch whose first `samples_seen` indices,
 /// in the epoch's job-wide order (its permutation, before padding), the job
@@ -63,7 +64,7 @@ std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const Sam
 /// be. With samples_seen 0 it is the function above. When the rest divides
 /// evenly, every index of the epoch is seen exactly once across the two
 /// world sizes.
-std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
+DDP_API std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
                                                  int64_t epoch, int64_t samples_seen);
 
 /// A torch::data sampler over this rank's share of every epoch.
@@ -79,7 +80,7 @@ std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const Sam
 /// its next pass, then whole epochs again. With workers(n) the loader asks
 /// for up to 2n batches ahead of the ones you consumed; save from a loader
 /// with workers(0), or call set_position() with what you consumed.
-class DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
+class DDP_API DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
  public:
   /// `dataset_size` may be 0 when a reset(size) will follow (a ChunkDataset
   /// does that with the chunk count).
@@ -125,11 +126,5 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   struct State;
   std::shared_ptr<State> state_;
 };
-
-/// Splits `indices` into consecutive batches of `batch_size`, the last one
-/// possibly shorter unless `drop_last` (a DataLoader over a sampler), for
-/// loops that index in-memory tensors themselves.
-std::vector<std::vector<int64_t>> make_batches(const std::vector<int64_t>& indices,
-                                               int64_t batch_size, bool drop_last = false);
 
 }  // namespace ddp

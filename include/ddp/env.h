@@ -4,6 +4,7 @@
 // launchers set: torchrun and ddprun first, then SLURM's srun, then Open MPI's
 // mpirun, then MPICH/PMI. With none of them set, the job is one process.
 
+#include <ddp/export.h>
 #include <functional>
 #include <optional>
 #include <string>
@@ -33,20 +34,9 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 
 /// Reads the world from `lookup`. Throws c10::Error naming the variable and
 /// its value when they are malformed or inconsistent.
-World world_from_env(const EnvLookup& lookup);
+DDP_API World world_from_env(const EnvLookup& lookup);
 
 /// Reads the world from this process's environment.
-World world_from_env();
-
-/// The first host of a SLURM host list: "node[03-05,9],gpu1" -> "node03".
-std::string first_host_of_slurm_nodelist(const std::string& nodelist);
-
-/// Parses an environment variable's value as an integer, or throws an error
-/// that names the variable.
-int parse_int_env(const std::string& name, const std::string& value);
-
-/// Checks that a world of several ranks knows its master (MASTER_ADDR and
-/// MASTER_PORT), as the TCPStore rendezvous needs; the mpi backend does not.
-void require_master(const World& world);
+DDP_API World world_from_env();
 
 }  // namespace ddp

@@ -5,6 +5,7 @@
 // alone: a program that prints e.what() shows the cause and the fix, not a
 // C++ stack trace, and ddprun's root-cause summary quotes that message.
 
+#include <ddp/export.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -13,7 +14,7 @@
 namespace ddp {
 
 /// Thrown by every check in ddp. what() == what_without_backtrace().
-class Error : public c10::Error {
+class DDP_API Error : public c10::Error {
  public:
   explicit Error(std::string message) : c10::Error(std::move(message), /*backtrace=*/nullptr) {}
   const char* what() const noexcept override { return what_without_backtrace(); }
@@ -24,7 +25,7 @@ class Error : public c10::Error {
 /// for peers that timed out, a rendezvous that another rank stopped or that
 /// a rank never joined. record_error() (error_file.h) marks it a
 /// consequence, so launchers name the other rank's error as the root cause.
-class PeerFailure : public Error {
+class DDP_API PeerFailure : public Error {
  public:
   using Error::Error;
 };

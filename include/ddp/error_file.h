@@ -15,6 +15,7 @@
 //     return ddp::report_failure(e);
 //   }
 
+#include <ddp/export.h>
 #include <exception>
 #include <string>
 
@@ -24,11 +25,11 @@ namespace ddp {
 /// this process already recorded an error there (the first one is kept).
 /// c10::Error's message goes without its backtrace. "consequence" is true
 /// for a ddp::PeerFailure and false for any other ddp::Error (error.h);
-/// other exceptions are judged by their text (is_consequence_error). Never
+/// other exceptions are judged by their text (launch_errors.h). Never
 /// throws; returns whether it wrote the file.
-bool record_error(const std::exception& error) noexcept;
+DDP_API bool record_error(const std::exception& error) noexcept;
 /// The same for a message, judged by its text.
-bool record_error(const std::string& message) noexcept;
+DDP_API bool record_error(const std::string& message) noexcept;
 
 /// The whole of a program's failure path, for main()'s catch block:
 /// records `error` (record_error), prints "error: <message>" to stderr
@@ -38,14 +39,6 @@ bool record_error(const std::string& message) noexcept;
 ///   } catch (const std::exception& e) {
 ///     return ddp::report_failure(e);
 ///   }
-int report_failure(const std::exception& error) noexcept;
-
-/// Whether `message` reads like a consequence of another process's failure
-/// rather than a cause: a connection closed or reset by a peer, a timeout
-/// waiting for peers, a rendezvous that another rank stopped. Launchers rank
-/// such errors below original ones. For errors that are not ddp's: ddp's
-/// own say so by their type (ddp::PeerFailure). The patterns, which ddprun
-/// shares: launch_errors.h.
-bool is_consequence_error(const std::string& message);
+DDP_API int report_failure(const std::exception& error) noexcept;
 
 }  // namespace ddp

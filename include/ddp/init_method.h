@@ -12,6 +12,7 @@
 // RANK and WORLD_SIZE (or another launcher's variables) still come from the
 // environment with every form.
 
+#include <ddp/export.h>
 #include <string>
 
 namespace ddp {
@@ -29,10 +30,10 @@ struct InitMethod {
 /// Parses "env://", "tcp://HOST:PORT" ("tcp://[::1]:PORT" for IPv6) or
 /// "file:///ABS/PATH"; an empty string is "env://". Anything else throws a
 /// ddp::Error that names the value and the accepted forms.
-InitMethod parse_init_method(const std::string& text);
+DDP_API InitMethod parse_init_method(const std::string& text);
 
 /// DDP_INIT_METHOD from the environment when it is set and not empty, else
 /// "env://".
-std::string default_init_method();
+DDP_API std::string default_init_method();
 
 }  // namespace ddp

@@ -6,6 +6,7 @@
 // collective: every rank learns which ranks saw a non-finite loss and all of
 // them act the same way.
 
+#include <ddp/export.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -22,16 +23,16 @@ enum class NonFinitePolicy {
 };
 
 /// "skip" or "abort"; throws on anything else.
-NonFinitePolicy parse_nonfinite_policy(const std::string& name);
+DDP_API NonFinitePolicy parse_nonfinite_policy(const std::string& name);
 
 /// The ranks whose `loss` is NaN or infinite, the same list on every rank.
 /// Collective: one all-reduce of world_size bytes.
-std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group);
+DDP_API std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, ProcessGroup& group);
 
 /// Applies `policy`: returns true when the step should go ahead, false when
 /// every rank must skip it; with kAbort throws (on every rank) an error
 /// naming the ranks and `where` (e.g. "epoch 3, step 41").
-bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
+DDP_API bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
                           const std::string& where);
 
 /// A loss that rode on DDP's gradient all-reduce (DDPOptions().carry_loss(true),
@@ -56,6 +57,6 @@ struct ReducedLoss {
 ///   loss.backward();
 ///   if (!ddp::check_loss_is_finite(ddp_model.reduced_loss(), policy, where)) continue;
 ///   optimizer.step();
-bool check_loss_is_finite(const ReducedLoss& loss, NonFinitePolicy policy, const std::string& where);
+DDP_API bool check_loss_is_finite(const ReducedLoss& loss, NonFinitePolicy policy, const std::string& where);
 
 }  // namespace ddp

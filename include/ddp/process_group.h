@@ -3,6 +3,7 @@
 // A group of processes that run collectives together: rendezvous through a
 // c10d TCPStore hosted by rank 0, then a Gloo (CPU) or NCCL (CUDA) backend.
 
+#include <ddp/export.h>
 #include <ddp/collective_trace.h>
 #include <ddp/env.h>
 #include <ddp/error_file.h>  // record_error(), for main()'s catch blocks
@@ -16,7 +17,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,14 +27,6 @@ class Backend;
 
 namespace ddp {
 
-namespace detail {
-class RingCollectives;  // src/ring_collectives.h, not API
-struct RingDeleter {
-  void operator()(RingCollectives* ring) const;
-};
-struct ProgressResponder;  // src/collective_debug.cpp
-}
-
 enum class BackendKind {
   kAuto,  ///< NCCL when the device is CUDA, Gloo otherwise
   kGloo,
@@ -44,24 +36,24 @@ enum class BackendKind {
 
 /// Whether this build of ddp has the mpi backend (MPI was found when it was
 /// configured).
-bool mpi_available();
+DDP_API bool mpi_available();
 
 /// "auto", "gloo", "nccl" or "mpi"; throws on anything else.
-BackendKind parse_backend(const std::string& name);
+DDP_API BackendKind parse_backend(const std::string& name);
 /// The name parse_backend accepts for `backend`.
-std::string to_string(BackendKind backend);
+DDP_API std::string to_string(BackendKind backend);
 /// What `backend` means for tensors on `device`: kAuto is the DDP_BACKEND
 /// environment variable's backend when it is set (gloo, nccl or mpi), else
 /// NCCL for a CUDA device and Gloo otherwise; the others stay as they are.
-BackendKind resolve_backend(BackendKind backend, const c10::Device& device);
+DDP_API BackendKind resolve_backend(BackendKind backend, const c10::Device& device);
 
 /// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
 /// environment if set, else 30 minutes (PyTorch's default for Gloo).
-std::chrono::milliseconds default_timeout();
+DDP_API std::chrono::milliseconds default_timeout();
 
 /// The job's run id: DDP_RUN_ID, else TORCHELASTIC_RUN_ID (set by ddprun
 /// --rdzv-id and torchrun), else "none".
-std::string default_run_id();
+DDP_API std::string default_run_id();
 
 /// How much checking collectives get.
 enum class DebugLevel {
@@ -71,12 +63,12 @@ enum class DebugLevel {
 
 /// DDP_DEBUG from the environment: "detail" (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
 /// is kDetail, unset or "off" is kOff.
-DebugLevel default_debug_level();
+DDP_API DebugLevel default_debug_level();
 
 /// Whether ddp installs its diagnostic handlers unless told otherwise:
 /// DDP_DIAGNOSTIC_HANDLERS from the environment, "1" (ddprun exports it to
 /// its workers) or "0"; unset is "0", for a program ddprun did not start.
-bool default_diagnostic_handlers();
+DDP_API bool default_diagnostic_handlers();
 
 /// Options for init_process_group.
 ///
@@ -144,7 +136,7 @@ struct P2POp {
 
 /// A process group: the ranks of one job and the collectives between them.
 /// All ranks must call collectives in the same order.
-class ProcessGroup {
+class DDP_API ProcessGroup {
  public:
   /// Rendezvous with the other ranks of `world` and connect the backend.
   /// Rank 0 hosts the store on MASTER_ADDR:MASTER_PORT (or the ranks meet
@@ -156,19 +148,19 @@ class ProcessGroup {
   /// This process's rank in this group: its global rank in the world's
   /// group, its place among the members in a subgroup, -1 where it is not
   /// a member (as torch.distributed.get_rank(group)).
-  int rank() const { return member_ ? world_.rank : -1; }
-  int size() const { return world_.world_size; }          ///< how many ranks the group has
+  int rank() const;
+  int size() const;  ///< how many ranks the group has
   /// Where this process stands. In a subgroup, rank and world_size are the
   /// group's (as rank() and size()); local rank, node and master stay the
   /// process's.
-  const World& world() const { return world_; }
-  BackendKind backend() const { return backend_kind_; }   ///< gloo, nccl or mpi, never kAuto
-  std::chrono::milliseconds timeout() const { return options_.timeout(); }  ///< of every collective
+  const World& world() const;
+  BackendKind backend() const;  ///< gloo, nccl or mpi, never kAuto
+  std::chrono::milliseconds timeout() const;  ///< of every collective
   /// Where small bookkeeping tensors (flags, sizes, hashes) must live for
   /// this backend's collectives: the CPU for Gloo, this rank's GPU for NCCL.
-  at::TensorOptions control_options() const { return control_options_; }
+  at::TensorOptions control_options() const;
   /// `tensor` moved to control_options()'s device, to send.
-  at::Tensor to_control(const at::Tensor& tensor) const { return tensor.to(control_options_.device()); }
+  at::Tensor to_control(const at::Tensor& tensor) const;
 
   /// Starts an all-reduce of `tensor` in place and returns at once; call
   /// wait() on the result before reading `tensor`.
@@ -212,7 +204,7 @@ class ProcessGroup {
   /// the backend's own ranks. Every collective has a traced method here
   /// (reduce, gather, scatter, all_to_all, batch_isend_irecv, ... below);
   /// use those in programs.
-  const c10::intrusive_ptr<c10d::Backend>& c10d_backend() const { return backend_; }
+  const c10::intrusive_ptr<c10d::Backend>& c10d_backend() const;
 
   /// Waits for `work`; on failure throws an error that names `operation`,
   /// this rank and the timeout. With NCCL this does not block the host: the
@@ -223,7 +215,7 @@ class ProcessGroup {
 
   /// The rendezvous store, shared by all ranks (keys live under "ddp/"); a
   /// subgroup's is its own prefix of it, shared by its members.
-  c10d::Store& store() { return *store_; }
+  c10d::Store& store();
   /// A fresh store key prefix for one use of the store, "ddp/<purpose>/<n>/".
   /// Ranks that make the same calls in the same order get the same prefixes.
   std::string unique_store_prefix(const std::string& purpose);
@@ -263,11 +255,11 @@ class ProcessGroup {
   std::shared_ptr<ProcessGroup> split(int colour, std::optional<int> key = std::nullopt);
 
   /// Whether this process is one of the group's ranks.
-  bool is_member() const { return member_; }
+  bool is_member() const;
   /// This process's rank in the world's group.
-  int global_rank() const { return global_rank_; }
+  int global_rank() const;
   /// The global ranks of the group's members, indexed by rank in the group.
-  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  const std::vector<int>& global_ranks() const;
   /// The global rank of the member whose rank in this group is `group_rank`.
   int global_rank_of(int group_rank) const;
   /// The rank in this group of global rank `global_rank`, or -1 when it is
@@ -275,10 +267,10 @@ class ProcessGroup {
   int group_rank_of(int global_rank) const;
   /// "world", or for a subgroup its number among its parent's subgroups, in
   /// the order they were made (the same on every rank): "0", "1", nested "0.0".
-  const std::string& name() const { return name_; }
+  const std::string& name() const;
 
   /// This rank's record of its collectives (sequence numbers, tags, times).
-  const CollectiveTrace& trace() const { return *trace_; }
+  const CollectiveTrace& trace() const;
   /// After a collective failed or timed out: asks every rank that can still
   /// reach the store how far it got, and says which ranks are behind and in
   /// which collective, e.g. "rank 1 never entered collective #532
@@ -364,13 +356,10 @@ class ProcessGroup {
   std::vector<c10::IValue> all_gather_object(const c10::IValue& value);
 
  private:
+  ProcessGroup();
+
   // Issues a broadcast that the trace records as `op` (broadcast_object).
   void broadcast_as(const char* op, at::Tensor& tensor, int root);
-  // How many monitored_barriers this rank has entered: their MPI tags.
-  int64_t monitored_barriers_ = 0;
-
- private:
-  ProcessGroup();
 
   // Every collective goes through these: a sequence number and trace record,
   // the desync check under DebugLevel::kDetail, and the record's end when
@@ -395,37 +384,22 @@ class ProcessGroup {
   // The global rank of `group_rank`, as a message names it: "rank 3".
   std::string rank_label(int group_rank) const;
 
-  bool member_ = true;
-  int global_rank_ = 0;
-  std::vector<int> global_ranks_;
-  std::string name_ = "world";
-  int subgroups_made_ = 0;
-
-  std::shared_ptr<CollectiveTrace> trace_;
-  bool tracing_ = true;
-  std::shared_ptr<detail::ProgressResponder> responder_;
-
-  World world_;
-  ProcessGroupOptions options_;
-  BackendKind backend_kind_ = BackendKind::kGloo;
-  c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::Backend> backend_;
-  int64_t store_prefixes_issued_ = 0;
-  at::TensorOptions control_options_;
-  // Gloo's CPU reduce-scatter and all-gather, made on first use.
+  // Gloo's CPU reduce-scatter and all-gather (made on first use), which
+  // talk through send_async and recv_async.
   bool uses_rings(const at::Tensor& tensor) const;
-  using RingPtr = std::unique_ptr<detail::RingCollectives, detail::RingDeleter>;
-  // The rings talk through the group's send_async and recv_async.
   c10::intrusive_ptr<c10d::Work> ring_reduce_scatter(at::Tensor& output, at::Tensor& input);
   c10::intrusive_ptr<c10d::Work> ring_all_gather(at::Tensor& output, at::Tensor& input);
-  std::mutex rings_mutex_;
-  RingPtr reduce_scatter_ring_;
-  RingPtr all_gather_ring_;
+
+  // What a group holds (backend, store, trace, rings, the thread that
+  // answers other ranks' explain_stall) is the library's own, in
+  // src/process_group_impl.h, so that none of it is part of libddp's ABI.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 /// Reads the world from the environment (see env.h) and creates its process
 /// group. A one-process world gets a group of size 1, so the same program
 /// runs alone or under a launcher.
-std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options = {});
+DDP_API std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options = {});
 
 }  // namespace ddp

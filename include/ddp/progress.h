@@ -12,6 +12,7 @@
 //     metrics.write({epoch, epoch_loss, accuracy, progress.epoch_samples_per_second(), progress.elapsed_seconds()});
 //   }
 
+#include <ddp/export.h>
 #include <torch/arg.h>
 
 #include <chrono>
@@ -40,11 +41,8 @@ struct ProgressOptions {
   TORCH_ARG(bool, enabled) = true;
 };
 
-/// "1:02:03", "4:05": hours only when needed.
-std::string format_duration(double seconds);
-
 /// Rank 0's progress display; see ProgressOptions for where and how.
-class ProgressLine {
+class DDP_API ProgressLine {
  public:
   /// A run of `total_epochs` epochs of `steps_per_epoch` optimizer steps.
   ProgressLine(int64_t total_epochs, int64_t steps_per_epoch, ProgressOptions options = {});
@@ -98,7 +96,7 @@ struct EpochMetrics {
 ///   {"epoch": 3, "loss": 0.1234, "test_accuracy": null, "samples_per_s": 1234.5, "wall_time_s": 1.25}
 /// An empty path writes nothing, so callers need no special case. A loss or
 /// rate that is NaN or infinite is written as null, which JSON readers accept.
-class MetricsWriter {
+class DDP_API MetricsWriter {
  public:
   /// Opens `path` (truncated, or appended to when resuming); throws naming
   /// the path if it cannot.

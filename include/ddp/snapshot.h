@@ -14,6 +14,7 @@
 //   ...
 //   if (group->rank() == 0) saver.save(ddp::capture_snapshot(*model, optimizer, epoch, step));
 
+#include <ddp/export.h>
 #include <ddp/checkpoint.h>
 #include <ddp/process_group.h>
 
@@ -47,52 +48,52 @@ struct Snapshot {
 /// The optimizer's state in the layout of Python's optimizer.state_dict():
 /// {"state": {index: {"step", "exp_avg", ...}}, "param_groups": [...]}.
 /// Supports Adam, AdamW and SGD.
-c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
+DDP_API c10::IValue optimizer_state_dict(torch::optim::Optimizer& optimizer);
 /// Whether the entry `key` of a parameter's optimizer state holds one value
 /// per element of the parameter (exp_avg, momentum_buffer, ...) rather than
 /// one for the whole parameter ("step"): what sharding must split.
-bool is_per_element_state(const std::string& key);
+DDP_API bool is_per_element_state(const std::string& key);
 /// Restores what optimizer_state_dict returned. Parameters are matched by
 /// position; counts and shapes must agree.
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
+DDP_API void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
 
 /// The state after `epoch` completed; the sampler resumes at epoch + 1.
-Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
+DDP_API Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
                           int64_t step);
 /// The same from state gathered elsewhere: a full model state dict (FSDP's
 /// full_state_dict, say) and optimizer state in Python's layout (FSDP's
 /// full_optim_state_dict, ZeRO's consolidate_state_dict).
-Snapshot capture_snapshot(StateDict model, c10::IValue optimizer, int64_t epoch, int64_t step);
+DDP_API Snapshot capture_snapshot(StateDict model, c10::IValue optimizer, int64_t epoch, int64_t step);
 /// Puts back the RNG state a snapshot carries (restore_snapshot does too).
-void restore_rng_state(const Snapshot& snapshot);
+DDP_API void restore_rng_state(const Snapshot& snapshot);
 /// Loads the model, the optimizer and the RNG state.
-void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+DDP_API void restore_snapshot(const Snapshot& snapshot, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
 /// Writes `snapshot` to `path` atomically, with a format version and a
 /// checksum of its contents.
-void save_snapshot(const Snapshot& snapshot, const std::string& path);
+DDP_API void save_snapshot(const Snapshot& snapshot, const std::string& path);
 /// Reads and validates a snapshot; throws, naming the file and the reason, if
 /// it is truncated, corrupt, of another version or not a snapshot.
-Snapshot load_snapshot(const std::string& path);
+DDP_API Snapshot load_snapshot(const std::string& path);
 
 /// The newest snapshot in `dir` that loads and validates, if any: the one
 /// furthest along by the step recorded inside it, then its epoch, never by
 /// file time. Invalid files are skipped one by one; for each, a message that
 /// names it and why goes to `skipped` if given. A SnapshotSaver of this
 /// process never prunes the one returned.
-std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
+DDP_API std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
                                              std::vector<std::string>* skipped = nullptr);
 
 /// Rank 0 picks the newest valid snapshot in `dir` and sends it to every
 /// rank, so only rank 0 needs to see the directory; rank 0's savers never
 /// prune it. Collective.
-std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
+DDP_API std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
                                              std::vector<std::string>* skipped = nullptr);
 
 namespace detail {
 /// Records that this process resumed from the snapshot at `path`, which
 /// SnapshotSaver's pruning then keeps.
-void note_resumed_from(const std::string& path);
+DDP_API void note_resumed_from(const std::string& path);
 }  // namespace detail
 
 }  // namespace ddp

@@ -35,6 +35,7 @@
 // written on the calling thread only: every rank takes part in their
 // commit, and ddp has no asynchronous distributed save yet.
 
+#include <ddp/export.h>
 #include <ddp/sharded_snapshot.h>
 #include <ddp/snapshot.h>
 
@@ -73,7 +74,7 @@ struct SnapshotOptions {
 /// the top of this header).
 ///
 /// Not thread-safe: call save() and wait() from one thread.
-class SnapshotSaver {
+class DDP_API SnapshotSaver {
  public:
   /// Writes into `directory`, made (with its parents) at the first save of a
   /// snapshot. At most one saver may own a directory in a process: a second

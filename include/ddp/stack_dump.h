@@ -14,6 +14,7 @@
 // (SIGRTMIN+5), whose handler ddp installs with the first dump or the
 // SIGUSR1 handler, whichever comes first.
 
+#include <ddp/export.h>
 #include <cstdio>
 #include <string>
 
@@ -24,10 +25,10 @@ class CollectiveTrace;
 /// Installs the dump for `signal` (once per process: a second call, with
 /// any signal, changes nothing). Returns false if DDP_STACK_DUMP_SIGNAL=off
 /// turned it off.
-bool install_stack_dump_handler(int signal);
+DDP_API bool install_stack_dump_handler(int signal);
 
 /// Dumps now, from the calling thread, headed by `reason`.
-void dump_stacks(const std::string& reason);
+DDP_API void dump_stacks(const std::string& reason);
 
 namespace detail {
 /// A process group's trace and rank, printed with every dump while it lives.

@@ -12,6 +12,7 @@
 //   });
 //   ... loss.backward(); optimizer.step(); optimizer.zero_grad();
 
+#include <ddp/export.h>
 #include <ddp/process_group.h>
 
 #include <ATen/core/Tensor.h>
@@ -27,12 +28,8 @@ class Optimizer;
 
 namespace ddp {
 
-/// Which rank owns each parameter: the largest parameters are placed first,
-/// each on the rank with the fewest elements so far, so shards balance by
-/// size. Pure; the same on every rank.
-std::vector<int> partition_parameters(const std::vector<int64_t>& numels, int world_size);
 
-class ZeroRedundancyOptimizer {
+class DDP_API ZeroRedundancyOptimizer {
  public:
   /// Builds the optimizer for one shard of parameters (e.g. a torch::optim::Adam).
   using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;

@@ -10,6 +10,7 @@
 // <ddp/distributed_data_parallel.h> includes it because its templates reach
 // each kind of module through ModuleTensors.
 
+#include <ddp/export.h>
 #include <ddp/checkpoint.h>
 #include <ddp/process_group.h>
 
@@ -36,11 +37,11 @@ class ModuleTensors {
   virtual std::vector<std::string> sparse_gradient_parameters() const { return {}; }
 };
 
-std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module> module);
+DDP_API std::shared_ptr<ModuleTensors> module_tensors(std::shared_ptr<torch::nn::Module> module);
 /// Defined in the library; needs <torch/script.h> (or
 /// torch/csrc/jit/api/module.h) where DistributedDataParallel<torch::jit::Module>
 /// is used.
-std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module);
+DDP_API std::shared_ptr<ModuleTensors> module_tensors(const torch::jit::Module& module);
 
 /// How verify_replicas_match's error speaks to the user: the wrapper that
 /// checked, the prefix of the module's names in the whole model (a
