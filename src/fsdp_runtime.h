@@ -135,9 +135,9 @@ struct MixedPrecisionPolicy {
 struct UnitPrecision {
   at::ScalarType own = at::kFloat;    ///< the shard's, its gradient's and the optimizer's
   at::ScalarType param = at::kFloat;  ///< `full`'s; gradients arrive in it
-  /// The flat gradient's: `param`, or a wider reduce_dtype (a sum in it is
-  /// exact and costs nothing extra to cast). A narrower one is a hook
-  /// (compress_hook) around the unit's reduction instead.
+  /// The flat gradient's: `param`, or a wider reduce_dtype (the gradients
+  /// cast to it exactly while they are flattened). Any other reduce_dtype is
+  /// a compress_hook around the unit's hook instead.
   at::ScalarType flat_gradient = at::kFloat;
   /// What gradients are summed across ranks in (the shard group and, under
   /// HSDP, the replicas): reduce_dtype, or `param`.

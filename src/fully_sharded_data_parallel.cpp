@@ -407,9 +407,8 @@ void FsdpRuntime::add_unit(std::string name, std::vector<std::pair<std::string, 
 std::shared_ptr<CommHook> FsdpRuntime::hook_for(const UnitPrecision& precision) const {
   if (options_.comm_hook()) return options_.comm_hook();
   // A reduce_dtype wider than the gradients is the flat gradient's own
-  // (UnitPrecision::flat_gradient); a narrower one casts around the sum.
-  const at::ScalarType wire = precision.reduce;
-  if (c10::elementSize(wire) < c10::elementSize(precision.flat_gradient)) return compress_hook(wire);
+  // (UnitPrecision::flat_gradient); any other casts around the sum.
+  if (precision.reduce != precision.flat_gradient) return compress_hook(precision.reduce);
   return allreduce_hook();
 }
 
