@@ -161,8 +161,9 @@ class FsdpUnit {
   FlatLayout layout;               ///< names (dotted, in the root module), offsets, shapes, this rank's shard
   UnitPrecision precision;
   std::shared_ptr<UnitGather> gather;
-  /// How the gradient is summed across the shard group: allreduce_hook(),
-  /// FSDPOptions::comm_hook, or compress_hook(reduce_dtype).
+  /// How the gradient is summed across the shard group:
+  /// FSDPOptions::comm_hook, or compress_hook(reduce_dtype); null, the
+  /// UnitReduce's own collective.
   std::shared_ptr<CommHook> hook;
   at::Tensor full;   ///< layout.padded elements in precision.param; memory only while unsharded
   at::Tensor shard;  ///< this rank's part in precision.own; the optimizer's parameter
@@ -245,7 +246,8 @@ std::shared_ptr<UnitGather> keep_whole(bool casts);
 
 /// How a unit's (averaged) gradient is summed across the shard group, chosen
 /// once at construction: a reduce-scatter into the shard, an all-reduce
-/// (kNoShard), or nothing (one rank). Each runs the unit's hook.
+/// (kNoShard), or nothing (one rank). Each runs the unit's hook, or without
+/// one its collective directly.
 class UnitReduce {
  public:
   virtual ~UnitReduce() = default;
@@ -364,8 +366,8 @@ class FsdpRuntime : private ReductionPolicy {
   /// broadcast of its flat tensor) before it is sharded.
   void add_unit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                 bool broadcast_from_rank0 = false);
-  /// The unit's hook: FSDPOptions::comm_hook, or the plain reduction, in a
-  /// compress_hook when reduce_dtype is narrower than the gradients.
+  /// The unit's hook: FSDPOptions::comm_hook, compress_hook(reduce_dtype)
+  /// when the gradients are not summed in their own dtype, or null.
   std::shared_ptr<CommHook> hook_for(const UnitPrecision& precision) const;
   /// After the units are formed: frozen parameters under param_dtype, each
   /// unit's reshard_after_forward, then the gradient engine.

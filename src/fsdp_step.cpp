@@ -226,8 +226,12 @@ class ReduceScatter : public UnitReduce {
   c10::intrusive_ptr<c10::ivalue::Future> launch(FsdpUnit& unit, at::Tensor flat, size_t position,
                                                 bool is_last) override {
     unit.gradient_shard = at::empty({unit.layout.shard.numel()}, flat.options());
-    GradBucket bucket(position, std::move(flat), is_last, unit.gradient_shard);
-    in_flight_ = unit.hook->run(*group_, bucket);
+    if (!unit.hook) {
+      in_flight_ = group_->reduce_scatter_async(unit.gradient_shard, flat)->getFuture();
+    } else {
+      GradBucket bucket(position, std::move(flat), is_last, unit.gradient_shard);
+      in_flight_ = unit.hook->run(*group_, bucket);
+    }
     return in_flight_;
   }
   void reset() override { in_flight_.reset(); }
@@ -247,6 +251,7 @@ class AllReduce : public UnitReduce {
   c10::intrusive_ptr<c10::ivalue::Future> launch(FsdpUnit& unit, at::Tensor flat, size_t position,
                                                 bool is_last) override {
     unit.gradient_flat = flat;
+    if (!unit.hook) return group_->all_reduce_async(flat)->getFuture();
     GradBucket bucket(position, std::move(flat), is_last);
     return unit.hook->run(*group_, bucket);
   }

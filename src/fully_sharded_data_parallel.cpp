@@ -409,7 +409,7 @@ std::shared_ptr<CommHook> FsdpRuntime::hook_for(const UnitPrecision& precision) 
   // A reduce_dtype wider than the gradients is the flat gradient's own
   // (UnitPrecision::flat_gradient); any other casts around the sum.
   if (precision.reduce != precision.flat_gradient) return compress_hook(precision.reduce);
-  return allreduce_hook();
+  return nullptr;
 }
 
 std::vector<at::Tensor> FsdpRuntime::shards() const {

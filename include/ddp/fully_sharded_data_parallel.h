@@ -229,10 +229,10 @@ class DDP_API FsdpUnitModule : public torch::nn::Module {
   /// Runs after it: frees the unit (per strategy) and arranges its gather
   /// for backward on `outputs`.
   void after_forward(const std::vector<at::Tensor>& outputs);
-  /// Set by FullyShardedDataParallel; without one the wrapper is a no-op, so
-  /// the same model also runs alone or under DistributedDataParallel.
   /// What floating-point inputs are cast to (FSDPOptions::param_dtype).
   std::optional<at::ScalarType> input_dtype() const;
+  /// Set by FullyShardedDataParallel; without one the wrapper is a no-op, so
+  /// the same model also runs alone or under DistributedDataParallel.
   void attach(FsdpRuntime* runtime, size_t unit) {
     runtime_ = runtime;
     unit_ = unit;
