@@ -29,13 +29,8 @@ inline std::string without_backtrace_lines(const std::string& text) {
   return out;
 }
 
-// Exported: sharded_snapshot.h declares this function for its templates, and
-// sharded_snapshot.cpp defines it too (one of the two definitions must go).
-DDP_API inline std::string message_of(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    return without_backtrace_lines(c10_error->what_without_backtrace());
-  }
-  return without_backtrace_lines(e.what());
-}
+// The message without backtrace lines (defined in src/error_text.cpp).
+// Exported: the public templates of sharded_snapshot.h quote errors with it.
+DDP_API std::string message_of(const std::exception& e);
 
 }  // namespace ddp::detail

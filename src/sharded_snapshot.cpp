@@ -6,6 +6,7 @@
 
 #include <ddp/error.h>
 
+#include "error_text.h"
 #include "fmt_header_only.h"
 #include "snapshot_retention.h"
 
@@ -79,11 +80,6 @@ TrainingProgress validated_progress(int64_t step, const std::string& path) {
 constexpr const char* kModelPrefix = "model.";
 
 }  // namespace
-
-std::string message_of(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error ? error->what_without_backtrace() : e.what();
-}
 
 std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(const std::string& dir,
                                                                             std::vector<std::string>* skipped) {

@@ -40,7 +40,7 @@ namespace detail {
 /// sharded (each rank holds a disjoint part of the whole), or nullptr when
 /// every rank holds all of it.
 DDP_API double clip_grad_norm(const std::vector<at::Tensor>& params, ProcessGroup* shard_group, double max_norm,
-                      double norm_type, NonFinitePolicy policy);
+                              double norm_type, NonFinitePolicy policy);
 /// Throws if the model steps an optimizer inside backward: the step has
 /// then already happened, and clipping afterwards would change nothing.
 DDP_API void refuse_clipping_after_step_in_backward(bool steps_optimizer_in_backward);

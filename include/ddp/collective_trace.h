@@ -83,7 +83,7 @@ class DDP_API CollectiveTrace {
 };
 
 /// Where traces go when neither DDP_TRACE_DIR nor DDP_LOG_DIR is set: the
-/// snapshot directory, noted by save_snapshot_in and load_newest_snapshot.
+/// snapshot directory, noted by SnapshotSaver and load_newest_snapshot.
 DDP_API void set_trace_fallback_directory(const std::string& dir);
 DDP_API std::string trace_fallback_directory();
 

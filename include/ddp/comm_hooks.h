@@ -119,7 +119,8 @@ class DeviceMesh;
 /// taken in another order).
 ///
 ///   auto mesh = ddp::DeviceMesh::from_launcher(group);
-///   ddp::DistributedDataParallel model(net, group, ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh)));
+///   ddp::DistributedDataParallel model(
+///       net, group, ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh)));
 DDP_API std::shared_ptr<CommHook> hierarchical_allreduce_hook(const DeviceMesh& mesh);
 
 /// PowerSGD (Vogels et al., 2019) with the options of PyTorch's

@@ -95,22 +95,25 @@ struct DistributedCheckpointReport {
 namespace detail {
 // Called by the templates below; see src/distributed_checkpoint.cpp.
 DDP_API void save_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, ProcessGroup& group,
-                          const DistributedCheckpointOptions& options);
+                                  const DistributedCheckpointOptions& options);
 DDP_API c10::IValue read_fsdp_checkpoint(const std::string& dir, const c10::IValue& sharded, bool with_optimizer,
-                                 const DistributedCheckpointOptions& options, DistributedCheckpointReport* report);
+                                         const DistributedCheckpointOptions& options,
+                                         DistributedCheckpointReport* report);
 /// A replicated module (DDP) and its optimizer's state: `optimizer` (the
 /// layout of optimizer_state_dict) covers the parameters `owned` (indices
 /// into module.named_parameters(), in the optimizer's order): all of them,
 /// the same on every rank, unless ZeRO shards it (`sharded_optimizer`).
-DDP_API void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module& module, const c10::IValue& optimizer,
-                                const std::vector<int64_t>& owned, bool sharded_optimizer, ProcessGroup& group,
-                                const DistributedCheckpointOptions& options);
+DDP_API void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module& module,
+                                        const c10::IValue& optimizer, const std::vector<int64_t>& owned,
+                                        bool sharded_optimizer, ProcessGroup& group,
+                                        const DistributedCheckpointOptions& options);
 /// Loads the module's state; returns the optimizer's (for `owned`) when
 /// `optimizer` (the current optimizer_state_dict, for its param_groups) is
 /// not None.
-DDP_API c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module& module, const c10::IValue& optimizer,
-                                       const std::vector<int64_t>& owned, const DistributedCheckpointOptions& options,
-                                       DistributedCheckpointReport* report);
+DDP_API c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module& module,
+                                               const c10::IValue& optimizer, const std::vector<int64_t>& owned,
+                                               const DistributedCheckpointOptions& options,
+                                               DistributedCheckpointReport* report);
 /// The shapes of the checkpoint's tensors whose names start with `prefix`,
 /// after checking that its files read and that none is missing; throws,
 /// naming what is wrong. Reads only headers; not collective.
@@ -171,9 +174,9 @@ template <typename M>
 void save_distributed_checkpoint(const std::string& dir, DistributedDataParallel<M>& model,
                                  ZeroRedundancyOptimizer& optimizer, const DistributedCheckpointOptions& options = {}) {
   const auto& local = optimizer.local_indices();
-  detail::save_replicated_checkpoint(dir, *model.module(), detail::optimizer_state_or_none(&optimizer.local_optimizer()),
-                                     std::vector<int64_t>(local.begin(), local.end()), true,
-                                     *model.process_group(), options);
+  detail::save_replicated_checkpoint(
+      dir, *model.module(), detail::optimizer_state_or_none(&optimizer.local_optimizer()),
+      std::vector<int64_t>(local.begin(), local.end()), true, *model.process_group(), options);
 }
 
 template <typename M>

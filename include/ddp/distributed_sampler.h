@@ -56,7 +56,7 @@ struct SamplerOptions {
 
 /// The indices one rank sees in one epoch. Pure: no state, no processes.
 DDP_API std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
-                                                 int64_t epoch);
+                                                         int64_t epoch);
 /// The same for the rest of an epoch whose first `samples_seen` indices,
 /// in the epoch's job-wide order (its permutation, before padding), the job
 /// has consumed, at whatever world size: the rest is padded (or its tail
@@ -65,7 +65,7 @@ DDP_API std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, c
 /// evenly, every index of the epoch is seen exactly once across the two
 /// world sizes.
 DDP_API std::vector<int64_t> distributed_sampler_indices(int64_t dataset_size, const SamplerOptions& options,
-                                                 int64_t epoch, int64_t samples_seen);
+                                                         int64_t epoch, int64_t samples_seen);
 
 /// A torch::data sampler over this rank's share of every epoch.
 ///

@@ -33,7 +33,7 @@ DDP_API std::vector<int> ranks_with_nonfinite_loss(const at::Tensor& loss, Proce
 /// every rank must skip it; with kAbort throws (on every rank) an error
 /// naming the ranks and `where` (e.g. "epoch 3, step 41").
 DDP_API bool check_loss_is_finite(const at::Tensor& loss, ProcessGroup& group, NonFinitePolicy policy,
-                          const std::string& where);
+                                  const std::string& where);
 
 /// A loss that rode on DDP's gradient all-reduce (DDPOptions().carry_loss(true),
 /// model.note_loss(loss) before backward): what every rank knows once

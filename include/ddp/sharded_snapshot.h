@@ -52,23 +52,24 @@ DDP_API DistributedCheckpointOptions::Metadata progress_metadata(const TrainingP
 /// The snapshots in `dir` whose files are all there, whose headers read and
 /// whose progress matches their name, newest first; the others are named in
 /// `skipped`. Reads headers only.
-DDP_API std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(const std::string& dir,
-                                                                            std::vector<std::string>* skipped);
+DDP_API std::vector<std::pair<std::string, TrainingProgress>> valid_sharded_snapshots(
+    const std::string& dir, std::vector<std::string>* skipped);
 /// Every rank's candidates (valid_sharded_snapshots) must be the same;
 /// throws on every rank if not (the ranks see different directories).
 DDP_API void agree_on_candidates(ProcessGroup& group, const std::string& dir,
-                         const std::vector<std::pair<std::string, TrainingProgress>>& candidates);
+                                 const std::vector<std::pair<std::string, TrainingProgress>>& candidates);
 /// After every rank tried to load `path`: whether all of them did, some did,
 /// or none. A failure is named in `skipped` with the first failing rank's
 /// `error` ("" where this rank loaded it).
 enum class LoadAgreement { kAll, kSome, kNone };
 DDP_API LoadAgreement agree_on_load(ProcessGroup& group, const std::string& path, const std::string& error,
-                            std::vector<std::string>* skipped);
+                                    std::vector<std::string>* skipped);
 /// The message of an exception, without a backtrace.
 DDP_API std::string message_of(const std::exception& e);
 /// Throws, naming `dir`, when ranks that loaded a snapshot the others could
 /// not are left holding it (`partly_loaded`).
-DDP_API void check_not_left_partly_loaded(const std::string& dir, bool partly_loaded, const std::vector<std::string>& why);
+DDP_API void check_not_left_partly_loaded(const std::string& dir, bool partly_loaded,
+                                          const std::vector<std::string>& why);
 }  // namespace detail
 
 /// Loads the newest sharded snapshot in `dir` that every rank can load,

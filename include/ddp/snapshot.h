@@ -59,7 +59,7 @@ DDP_API void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const
 
 /// The state after `epoch` completed; the sampler resumes at epoch + 1.
 DDP_API Snapshot capture_snapshot(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, int64_t epoch,
-                          int64_t step);
+                                  int64_t step);
 /// The same from state gathered elsewhere: a full model state dict (FSDP's
 /// full_state_dict, say) and optimizer state in Python's layout (FSDP's
 /// full_optim_state_dict, ZeRO's consolidate_state_dict).
@@ -82,13 +82,13 @@ DDP_API Snapshot load_snapshot(const std::string& path);
 /// names it and why goes to `skipped` if given. A SnapshotSaver of this
 /// process never prunes the one returned.
 DDP_API std::optional<Snapshot> load_newest_snapshot(const std::string& dir,
-                                             std::vector<std::string>* skipped = nullptr);
+                                                     std::vector<std::string>* skipped = nullptr);
 
 /// Rank 0 picks the newest valid snapshot in `dir` and sends it to every
 /// rank, so only rank 0 needs to see the directory; rank 0's savers never
 /// prune it. Collective.
 DDP_API std::optional<Snapshot> load_newest_snapshot(const std::string& dir, ProcessGroup& group,
-                                             std::vector<std::string>* skipped = nullptr);
+                                                     std::vector<std::string>* skipped = nullptr);
 
 namespace detail {
 /// Records that this process resumed from the snapshot at `path`, which

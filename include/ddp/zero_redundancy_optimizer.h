@@ -28,7 +28,6 @@ class Optimizer;
 
 namespace ddp {
 
-
 class DDP_API ZeroRedundancyOptimizer {
  public:
   /// Builds the optimizer for one shard of parameters (e.g. a torch::optim::Adam).
