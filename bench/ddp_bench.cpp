@@ -20,7 +20,7 @@
 #include "bench_models.h"
 #include "bench_stats.h"
 
-#include "../src/bucket_assignment.h"  // internal: the bucket rule alone
+#include "engine/bucket_assignment.h"  // internal (ddp_internal): the bucket rule alone
 #include <ddp/collective_trace.h>
 #include <ddp/comm_hooks.h>
 #include <ddp/distributed_data_parallel.h>

@@ -157,7 +157,7 @@ def render(results, collectives, date):
         "",
         "One layer's worth of floats (reduce-scatter input and all-gather output of "
         f"{collectives[0]['numel']:,} elements), median of 11, the slowest rank. FSDP on Gloo uses the rings "
-        "(`src/ring_collectives.h`); with NCCL it uses NCCL's own.",
+        "(`src/comm/ring_collectives.h`); with NCCL it uses NCCL's own.",
         "",
         "| ranks | all-reduce ms | Gloo reduce-scatter ms | ring reduce-scatter ms | Gloo all-gather ms | ring all-gather ms |",
         "|---|---|---|---|---|---|",

@@ -1,5 +1,5 @@
-#include "bucket_assignment.h"
-#include "zero_redundancy_optimizer_impl.h"
+#include "engine/bucket_assignment.h"
+#include "sharding/zero_redundancy_optimizer_impl.h"
 
 #include <c10/util/Exception.h>
 #include <algorithm>

@@ -7,7 +7,7 @@
 #include "support/fsdp_trainers.h"
 #include "support/ranks.h"
 #include "support/torch_errors.h"
-#include "test_seams.h"
+#include "launch/test_seams.h"
 
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/error.h>

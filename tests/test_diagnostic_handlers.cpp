@@ -1,5 +1,5 @@
 // ddp's process-wide handlers (the SIGUSR1 stack dump and the std::terminate
-// handler, src/stack_dump.cpp) are installed only when asked for: through
+// handler, src/comm/stack_dump.cpp) are installed only when asked for: through
 // ProcessGroupOptions or DDP_DIAGNOSTIC_HANDLERS, which ddprun exports to its
 // workers. A program that asks for neither keeps its own. Each case runs in
 // a fresh process (this binary again), since a handler once installed stays.

@@ -1,6 +1,6 @@
 #include <ddp/env.h>
 
-#include "env_impl.h"
+#include "launch/env_impl.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The error file a worker leaves for its launcher (src/error_file.cpp): whether an error is a
+// The error file a worker leaves for its launcher (src/launch/error_file.cpp): whether an error is a
 // consequence of another rank's failure is decided by its type for ddp's errors, and by its text
 // only for exceptions that are not ddp's.
 

@@ -70,7 +70,7 @@ TEST(Exports, ApiIsExportedAndInternalsAreNot) {
   EXPECT_TRUE(exported("ddp::ProcessGroup::all_reduce("));
   EXPECT_TRUE(exported("typeinfo for ddp::Error"));
   // Internal helpers of the environment and the sampler, and the process
-  // group's state behind its pointer (src/process_group_impl.h).
+  // group's state behind its pointer (src/comm/process_group_impl.h).
   EXPECT_FALSE(exported("ddp::parse_int_env("));
   EXPECT_FALSE(exported("ddp::make_batches("));
   EXPECT_FALSE(exported("ddp::detail::RingCollectives"));

@@ -1,8 +1,8 @@
 // How a Sequential root's children become FSDP units, and the order a
 // unit's lifecycle calls may come in: the pure rules, without modules or
 // processes.
-#include "fsdp_runtime.h"
-#include "fsdp_unit_grouping.h"
+#include "sharding/fsdp_runtime.h"
+#include "sharding/fsdp_unit_grouping.h"
 
 #include <ddp/error.h>
 

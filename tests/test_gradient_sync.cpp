@@ -1,9 +1,9 @@
-// The gradient engine under DDP and FSDP (src/gradient_sync_engine.h), driven by
+// The gradient engine under DDP and FSDP (src/engine/gradient_sync_engine.h), driven by
 // a recording policy on real ranks: its launch order, its end-of-backward
 // rules and its guards, whatever order each rank's gradients arrive in.
 #include "support/ranks.h"
 
-#include "gradient_sync_engine.h"
+#include "engine/gradient_sync_engine.h"
 #include <ddp/error.h>
 #include <ddp/process_group.h>
 

@@ -4,7 +4,7 @@
 
 #include <ddp/ddp.h>
 
-#include "bucket_reducer.h"
+#include "engine/bucket_reducer.h"
 
 #include <gtest/gtest.h>
 #include <support/ranks.h>

@@ -1,7 +1,7 @@
-// The optimizer-state re-layouts of src/optimizer_state.h:
+// The optimizer-state re-layouts of src/checkpoint/optimizer_state.h:
 // pure functions, tested on small hand-made states and on real Adam states.
 
-#include "optimizer_state.h"
+#include "checkpoint/optimizer_state.h"
 #include <ddp/snapshot.h>
 
 #include <ATen/Functions.h>

@@ -4,7 +4,7 @@
 #include <support/subprocess.h>
 #include <support/torch_errors.h>
 
-#include "duration_text.h"
+#include "common/duration_text.h"
 
 #include <cstdio>
 #include <filesystem>

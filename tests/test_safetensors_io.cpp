@@ -1,9 +1,9 @@
-// The files of a distributed checkpoint (src/safetensors_io.h): how a flat
+// The files of a distributed checkpoint (src/checkpoint/safetensors_io.h): how a flat
 // range of a tensor becomes boxes, and what the reader refuses. Hostile
 // headers must give a ddp error naming the file, never a crash, an
 // overflow or an element left unread (valgrind ran the reader over these and
 // more: see the closing note of the stop that added it).
-#include "safetensors_io.h"
+#include "checkpoint/safetensors_io.h"
 
 #include <support/hostile_files.h>
 #include <support/subprocess.h>

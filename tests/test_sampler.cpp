@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <support/subprocess.h>
 
-#include "distributed_sampler_impl.h"
+#include "training/distributed_sampler_impl.h"
 
 #include <set>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "shard_range.h"
+#include "common/shard_range.h"
 
 #include <ddp/error.h>
 

@@ -14,8 +14,8 @@
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
-#include "snapshot_retention.h"
-#include "test_seams.h"
+#include "checkpoint/snapshot_retention.h"
+#include "launch/test_seams.h"
 
 #include <signal.h>
 #include <stdlib.h>
@@ -38,7 +38,7 @@ namespace {
 using namespace std::chrono_literals;
 
 // Holds each write of the asynchronous savers made in one test back by
-// `delay`, through the library's test seam (src/test_seams.h); a saver reads
+// `delay`, through the library's test seam (src/launch/test_seams.h); a saver reads
 // it when its thread starts, so declare this before the saver.
 class ScopedWriteDelay {
  public:

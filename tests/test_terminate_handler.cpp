@@ -1,5 +1,5 @@
 // What a ddp job prints when an exception escapes where nothing can catch it
-// (src/stack_dump.cpp's terminate handler, installed with the first process
+// (src/comm/stack_dump.cpp's terminate handler, installed with the first process
 // group). It blames the transport only for an exception that came from the
 // transport; issue 34 item 11 saw an out-of-memory in a save blamed on it.
 #include <ddp/collective_trace.h>

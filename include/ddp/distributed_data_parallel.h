@@ -46,9 +46,9 @@ class Optimizer;
 
 namespace ddp {
 namespace detail {
-class BucketReducer;  // src/bucket_reducer.h
+class BucketReducer;  // src/engine/bucket_reducer.h
 class DdpRuntime;
-class LossRiderHook;  // src/ddp_hooks.h
+class LossRiderHook;  // src/engine/ddp_hooks.h
 }  // namespace detail
 
 /// Options for DistributedDataParallel; the defaults are PyTorch's.
@@ -217,7 +217,7 @@ struct ModuleAdapter {
 /// DistributedDataParallel's runtime, the part that does not depend on the
 /// module's type: at construction the replica check and rank 0's broadcast,
 /// before each forward the buffer broadcast, the bucket reducer (internal,
-/// src/bucket_reducer.h) with the hooks composed from DDPOptions, and Join's
+/// src/engine/bucket_reducer.h) with the hooks composed from DDPOptions, and Join's
 /// shadow step. DistributedDataParallel<ModuleType> holds it by value and
 /// calls it inline, so it is declared here.
 class DDP_API DdpRuntime {

@@ -286,7 +286,7 @@ class DDP_API ProcessGroup {
   /// Writes the trace to trace_path(); returns the path, or "" if none.
   std::string write_trace() const;
 
-  // ---- More collectives (src/process_group_collectives.cpp) ---------------
+  // ---- More collectives (src/comm/process_group_collectives.cpp) ---------------
   //
   // The rest of torch.distributed's collectives, each traced and checked
   // like the ones above (a sequence number, a trace record, the
@@ -392,7 +392,7 @@ class DDP_API ProcessGroup {
 
   // What a group holds (backend, store, trace, rings, the thread that
   // answers other ranks' explain_stall) is the library's own, in
-  // src/process_group_impl.h, so that none of it is part of libddp's ABI.
+  // src/comm/process_group_impl.h, so that none of it is part of libddp's ABI.
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

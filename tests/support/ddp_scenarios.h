@@ -14,7 +14,7 @@
 #include <ddp/snapshot.h>
 #include <ddp/zero_redundancy_optimizer.h>
 
-#include "distributed_sampler_impl.h"
+#include "training/distributed_sampler_impl.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/loss.h>

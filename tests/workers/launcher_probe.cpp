@@ -180,7 +180,7 @@ void write_pid_file(const std::string& dir, const std::string& name, pid_t pid) 
 
 bool file_exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
-// The record ddp::record_error writes (src/error_file.cpp), renamed into place whole.
+// The record ddp::record_error writes (src/launch/error_file.cpp), renamed into place whole.
 void record_error(const std::string& text, bool consequence) {
   const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
   if (path == nullptr || *path == '\0') usage_error("TORCHELASTIC_ERROR_FILE is not set");
