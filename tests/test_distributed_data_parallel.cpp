@@ -360,13 +360,17 @@ enum class Stepping { kAfterBackward, kInBackward };
 // micro-batch, and returns its weights. Every rank sees other data.
 template <typename Optimizer, typename Options>
 at::Tensor train_mlp(const Group& group, Stepping stepping, const Options& options, int steps,
-                     Optimizer** seen = nullptr, bool gradient_as_bucket_view = false) {
+                     Optimizer** seen = nullptr, bool gradient_as_bucket_view = false,
+                     std::shared_ptr<ddp::CommHook> comm_hook = nullptr) {
   torch::manual_seed(11);
   Mlp model;
   // Every parameter a bucket of its own: six buckets, six steps per backward.
-  ddp::DistributedDataParallel<Mlp> ddp_model(
-      model, group,
-      ddp::DDPOptions().first_bucket_cap_mb(1e-4).bucket_cap_mb(1e-4).gradient_as_bucket_view(gradient_as_bucket_view));
+  ddp::DistributedDataParallel<Mlp> ddp_model(model, group,
+                                              ddp::DDPOptions()
+                                                  .first_bucket_cap_mb(1e-4)
+                                                  .bucket_cap_mb(1e-4)
+                                                  .gradient_as_bucket_view(gradient_as_bucket_view)
+                                                  .comm_hook(comm_hook));
   auto optimizer = std::make_unique<Optimizer>(ddp_model.parameters(), options);
   if (stepping == Stepping::kInBackward) ddp_model.step_in_backward(*optimizer);
   at::manual_seed(100 + group->rank());
@@ -402,6 +406,23 @@ TEST(StepInBackward, GivesExactlyTheWeightsOfAStepAfterBackward) {
     const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
     EXPECT_TRUE(at::equal(train_mlp<torch::optim::SGD>(group, Stepping::kAfterBackward, sgd, 3),
                           train_mlp<torch::optim::SGD>(group, Stepping::kInBackward, sgd, 3)));
+  }));
+}
+
+// The step is a continuation of whatever hook reduces the bucket: with a
+// compressing hook it sees exactly the averages that hook produced, as a step
+// after backward would.
+TEST(StepInBackward, ComposesWithTheUsersCommHook) {
+  expect_all_succeeded(run_on_ranks(2, [](const Group& group) {
+    const auto adam = torch::optim::AdamOptions(1e-2);
+    const at::Tensor plain = train_mlp<torch::optim::Adam>(group, Stepping::kAfterBackward, adam, 3);
+    const at::Tensor after = train_mlp<torch::optim::Adam>(group, Stepping::kAfterBackward, adam, 3, nullptr, false,
+                                                           ddp::bf16_compress_hook());
+    const at::Tensor in = train_mlp<torch::optim::Adam>(group, Stepping::kInBackward, adam, 3, nullptr, false,
+                                                        ddp::bf16_compress_hook());
+    EXPECT_FALSE(at::equal(plain, after)) << "bfloat16 rounding should change the trajectory";
+    EXPECT_TRUE(at::equal(after, in)) << (after - in).abs().max();
+    expect_replicas_identical(group, in, "adam over bf16-compressed buckets, stepped in backward");
   }));
 }
 

@@ -552,22 +552,21 @@ bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
 // of their own).
 constexpr uint32_t kReduceScatterTags = 1u << 24, kAllGatherTags = 2u << 24;
 
+// A ring is made at its first use: most groups never reduce-scatter on CPU.
+static detail::RingCollectives& ring_in(std::unique_ptr<detail::RingCollectives>& ring, ProcessGroup& group,
+                                        uint32_t tags) {
+  if (!ring) ring = std::make_unique<detail::RingCollectives>(std::make_unique<GroupTransport>(group), tags);
+  return *ring;
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_reduce_scatter(at::Tensor& output, at::Tensor& input) {
   std::lock_guard<std::mutex> lock(impl_->rings_mutex_);
-  if (!impl_->reduce_scatter_ring_) {
-    impl_->reduce_scatter_ring_ =
-        std::make_unique<detail::RingCollectives>(std::make_unique<GroupTransport>(*this), kReduceScatterTags);
-  }
-  return impl_->reduce_scatter_ring_->reduce_scatter(output, input);
+  return ring_in(impl_->reduce_scatter_ring_, *this, kReduceScatterTags).reduce_scatter(output, input);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroup::ring_all_gather(at::Tensor& output, at::Tensor& input) {
   std::lock_guard<std::mutex> lock(impl_->rings_mutex_);
-  if (!impl_->all_gather_ring_) {
-    impl_->all_gather_ring_ =
-        std::make_unique<detail::RingCollectives>(std::make_unique<GroupTransport>(*this), kAllGatherTags);
-  }
-  return impl_->all_gather_ring_->all_gather(output, input);
+  return ring_in(impl_->all_gather_ring_, *this, kAllGatherTags).all_gather(output, input);
 }
 
 std::shared_ptr<ProcessGroup> init_process_group(ProcessGroupOptions options) {
