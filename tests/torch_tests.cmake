@@ -149,3 +149,8 @@ target_sources(ddp_fsdp_rank_tests PRIVATE test_checkpoint_safety.cpp)
 # ddp's SIGUSR1 and terminate handlers only when asked for (ProcessGroupOptions, DDP_DIAGNOSTIC_HANDLERS),
 # as ddprun asks for its workers.
 target_sources(ddp_trace_tests PRIVATE test_diagnostic_handlers.cpp)
+# DiLoCo, Streaming DiLoCo and post-local SGD (include/ddp/diloco.h) on 1 to 4 real ranks.
+add_executable(ddp_diloco_tests test_diloco.cpp)
+target_link_libraries(ddp_diloco_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_diloco_tests)
+gtest_discover_tests(ddp_diloco_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

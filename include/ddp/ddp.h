@@ -17,6 +17,7 @@
 #include <ddp/comm_hooks.h>
 #include <ddp/device.h>
 #include <ddp/device_mesh.h>
+#include <ddp/diloco.h>
 #include <ddp/distributed_checkpoint.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/distributed_sampler.h>
