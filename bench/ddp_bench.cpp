@@ -53,7 +53,7 @@ struct Config {
   int64_t warmup = 5;
   int64_t batch = 0;  // per rank; 0 = the model's default
   std::string backend = "gloo";
-  double bucket_cap_mb = 25.0;       // DDP modes: DDPOptions::bucket_cap_mb
+  double bucket_cap_mb = 0;          // DDP modes: DDPOptions::bucket_cap_mb; 0: unset (fitted to the link)
   std::string comm_hook = "allreduce";  // DDP modes: allreduce, fp16, bf16 or powersgd
   int64_t powersgd_rank = 4;          // --comm-hook powersgd: matrix_approximation_rank
   bool only_4kb = false;              // collective mode: the 4 KB all-reduce alone
@@ -73,8 +73,9 @@ void add_flags(CLI::App& app, Config& c) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--backend", c.backend, "gloo, nccl or mpi (ranks started by mpirun)");
   app.add_flag("--only-4kb", c.only_4kb, "collective mode: only the 4 KB all-reduce, 100000 times (for perf)");
-  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "DDP modes: the bucket size cap in MB")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb,
+                 "DDP modes: the bucket size cap in MB; 0: ddp's default, fitted to the link after the first step")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--comm-hook", c.comm_hook,
                  "DDP modes: how each bucket is reduced (powersgd: warm-up of 2 steps, then compressed)")
       ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
@@ -224,8 +225,8 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
                          .overlap_with_backward(c.mode != "no-overlap")
                          .rebuild_buckets(c.mode != "no-rebuild")
                          .gradient_as_bucket_view(c.mode == "bucket-view")
-                         .bucket_cap_mb(c.bucket_cap_mb)
                          .comm_hook(make_comm_hook(c));
+      if (c.bucket_cap_mb > 0) options.bucket_cap_mb(c.bucket_cap_mb);
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
       std::function<void(torch::optim::Optimizer&)> step_in_backward;
       if (c.step_in_backward) step_in_backward = [&](torch::optim::Optimizer& o) { ddp_model.step_in_backward(o); };
@@ -235,7 +236,7 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
           step_in_backward);
       ddp_model.stop_stepping_in_backward();
       extra["buckets"] = ddp_model.bucket_assignment().size();
-      extra["bucket_cap_mb"] = c.bucket_cap_mb;
+      extra["bucket_cap_mb"] = ddp_model.bucket_cap_mb();  // the fitted one when unset
       extra["comm_hook"] = c.comm_hook;
       extra["step_in_backward"] = c.step_in_backward;
       if (c.comm_hook == "powersgd") extra["powersgd_rank"] = c.powersgd_rank;

@@ -100,7 +100,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=0)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    # None: PyTorch's default (25 MB, and a 1 MB first bucket); a value also sets the first bucket.
+    parser.add_argument("--bucket-cap-mb", type=float, default=None)
     parser.add_argument("--comm-hook", default="allreduce", choices=["allreduce", "fp16", "bf16", "powersgd"],
                         help="as ddp_bench's: powersgd starts after 2 plain steps")
     parser.add_argument("--powersgd-rank", type=int, default=4)

@@ -154,3 +154,11 @@ add_executable(ddp_diloco_tests test_diloco.cpp)
 target_link_libraries(ddp_diloco_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_diloco_tests)
 gtest_discover_tests(ddp_diloco_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# DDP's bucket sizes (issue 37 item 3): the caps' rules as pure functions, and
+# on 2 real ranks the buckets fitted to the link after the first iteration.
+add_executable(ddp_bucket_sizing_tests test_bucket_sizing.cpp)
+target_link_libraries(ddp_bucket_sizing_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_bucket_sizing_tests)
+gtest_discover_tests(ddp_bucket_sizing_tests PROPERTIES LABELS "unit;multiprocess" TIMEOUT 180
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -36,6 +36,7 @@
 #include <type_traits>
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -51,14 +52,31 @@ class DdpRuntime;
 class LossRiderHook;  // src/engine/ddp_hooks.h
 }  // namespace detail
 
-/// Options for DistributedDataParallel; the defaults are PyTorch's.
+/// Options for DistributedDataParallel; the defaults are PyTorch's, except
+/// that buckets are fitted to the link unless bucket_cap_mb is set.
 ///
 ///   ddp::DDPOptions().bucket_cap_mb(50).find_unused_parameters(true)
 struct DDPOptions {
-  /// Cap of every bucket after the first, in MiB (PyTorch's default).
-  TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  /// Cap of the first bucket, in MiB: small, so communication starts early.
-  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Cap of every bucket after the first, in MiB. Unset (the default), ddp
+  /// fits it to the link: the first iteration runs with PyTorch's 25 MiB,
+  /// then, when buckets are rebuilt, every rank measures the group's
+  /// all-reduce (latency, bandwidth) and the backward pass it just ran, and
+  /// all ranks take the cap that the slowest rank's figures say exposes the
+  /// least communication: a few MiB when a slow link can hide behind a long
+  /// backward, one or few buckets when latency dominates (see README,
+  /// "Buckets"). Needs rebuild_buckets; without it the cap stays 25 MiB.
+  /// Set, it is used as given and never changed: bucket_cap_mb(25) is
+  /// PyTorch's fixed default.
+  TORCH_ARG(std::optional<double>, bucket_cap_mb) = std::nullopt;
+  /// Cap of the first bucket (the last layers' gradients, ready first), in
+  /// MiB: small, so communication starts early in backward. Unset, it
+  /// follows PyTorch: bucket_cap_mb when that is set (so
+  /// bucket_cap_mb(100) makes every bucket 100 MiB), else 1 MiB (PyTorch's
+  /// dist._DEFAULT_FIRST_BUCKET_BYTES; a model under 1 MiB travels in one
+  /// bucket). Set, it is used as given.
+  ///
+  ///   ddp::DDPOptions().bucket_cap_mb(25).first_bucket_cap_mb(1)  // PyTorch's defaults, pinned
+  TORCH_ARG(std::optional<double>, first_bucket_cap_mb) = std::nullopt;
   /// Allow parameters that take no part in a forward: they count as ready
   /// with a zero gradient. Off, such a parameter is an error naming it.
   TORCH_ARG(bool, find_unused_parameters) = false;
@@ -241,6 +259,7 @@ class DDP_API DdpRuntime {
   void set_require_sync(bool require_sync);
   bool require_sync() const;
   const std::vector<std::vector<size_t>>& bucket_assignment() const;
+  double bucket_cap_mb() const;
   bool buckets_rebuilt() const;
   const at::Tensor& bucket_buffer(size_t index) const;
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
@@ -408,6 +427,10 @@ class DistributedDataParallel {
   const std::vector<std::vector<size_t>>& bucket_assignment() const { return runtime_.bucket_assignment(); }
   /// Whether the buckets were regrouped after the first iteration.
   bool buckets_rebuilt() const { return runtime_.buckets_rebuilt(); }
+  /// The cap of every bucket after the first, in MiB: DDPOptions's
+  /// bucket_cap_mb when set; otherwise 25 until the first iteration ends,
+  /// then the cap fitted to the link.
+  double bucket_cap_mb() const { return runtime_.bucket_cap_mb(); }
   /// The flat gradient buffer of bucket `index`, for inspection.
   const at::Tensor& bucket_buffer(size_t index) const { return runtime_.bucket_buffer(index); }
   const std::shared_ptr<ProcessGroup>& process_group() const { return runtime_.group(); }

@@ -3,16 +3,17 @@
 #include <ddp/error.h>
 
 #include "engine/bucket_assignment.h"
+#include "engine/bucket_sizing.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <numeric>
 
 namespace ddp::detail {
 namespace {
-
-size_t mib_to_bytes(double mib) { return static_cast<size_t>(mib * 1024.0 * 1024.0); }
 
 bool is_alias_of(const at::Tensor& grad, const at::Tensor& slot) {
   return grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.sizes() == slot.sizes();
@@ -40,11 +41,9 @@ BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::st
       names_(std::move(names)),
       group_(std::move(group)),
       options_(std::move(options)),
+      caps_(bucket_caps_of(options_.bucket_cap_mb(), options_.first_bucket_cap_mb())),
       comm_hook_(options_.comm_hook()) {
   DDP_CHECK(params_.size() == names_.size(), "ddp: BucketReducer needs one name per parameter");
-  DDP_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_cap_mb() > 0,
-              "ddp: bucket caps must be positive, got bucket_cap_mb=", options_.bucket_cap_mb(),
-              " first_bucket_cap_mb=", options_.first_bucket_cap_mb());
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
     DDP_CHECK(p.requires_grad() && p.is_leaf(), "ddp: parameter '", names_[i],
@@ -58,8 +57,7 @@ BucketReducer::BucketReducer(std::vector<at::Tensor> params, std::vector<std::st
   sync.allow_unused = options_.find_unused_parameters();
   sync.overlap = options_.overlap_with_backward();
   engine_ = std::make_unique<GradientSyncEngine>(params_, names_, group_, static_cast<ReductionPolicy&>(*this), sync);
-  build_buckets(compute_bucket_assignment(infos_of(params_), mib_to_bytes(options_.first_bucket_cap_mb()),
-                                          mib_to_bytes(options_.bucket_cap_mb())));
+  build_buckets(compute_bucket_assignment(infos_of(params_), caps_.first_bytes, caps_.bytes));
 }
 
 void BucketReducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
@@ -115,6 +113,7 @@ void BucketReducer::prepare_for_forward() {
 }
 
 std::vector<size_t> BucketReducer::on_round_start(bool /*synchronised: always, DDP does not track no_sync()*/) {
+  if (reduced_steps_ == 0) first_gradient_at_ = last_gradient_at_ = std::chrono::steady_clock::now();
   if (!forward_seen_ && !missing_forward_warning_.empty() && !warned_missing_forward_) {
     warned_missing_forward_ = true;
     // Once per reducer, not TORCH_WARN_ONCE's once per process: each wrapped
@@ -131,7 +130,10 @@ std::vector<size_t> BucketReducer::on_round_start(bool /*synchronised: always, D
 }
 
 void BucketReducer::on_gradient_ready(size_t param_index, bool has_gradient) {
-  if (reduced_steps_ == 0) ready_order_.push_back(param_index);
+  if (reduced_steps_ == 0) {
+    ready_order_.push_back(param_index);
+    last_gradient_at_ = std::chrono::steady_clock::now();
+  }
   at::Tensor slot = slot_of(param_index);
   at::Tensor& param = params_[param_index];
   const at::Tensor& grad = param.grad();
@@ -250,8 +252,29 @@ void BucketReducer::maybe_rebuild_buckets() {
   group_->broadcast(sent, 0);
   order = sent.cpu();
   std::vector<size_t> visit(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n);
-  auto rebuilt = compute_bucket_assignment(infos_of(params_), visit, mib_to_bytes(options_.first_bucket_cap_mb()),
-                                           mib_to_bytes(options_.bucket_cap_mb()));
+  const auto infos = infos_of(params_);
+  if (caps_.fit_to_link && !params_.empty()) {
+    size_t gradient_bytes = 0;
+    for (const auto& p : params_) gradient_bytes += static_cast<size_t>(p.numel()) * p.element_size();
+    // Without overlap every bucket waits for the end of backward: nothing hides.
+    const double backward_s =
+        options_.overlap_with_backward()
+            ? std::chrono::duration<double>(last_gradient_at_ - first_gradient_at_).count()
+            : 0.0;
+    // Every rank gets the same figures (the maxima), so the same cap.
+    link_ = measure_link(*group_, params_.front().options(), gradient_bytes, backward_s);
+    caps_.bytes = fit_bucket_cap_bytes(infos, visit, caps_.first_bytes, *link_);
+    const char* log = std::getenv("DDP_LOG_BUCKETS");
+    if (log && *log && std::string(log) != "0" && group_->rank() == 0) {
+      std::fprintf(stderr,
+                   "ddp: buckets fitted to the link: all-reduce %.3f ms + %.3f ns/byte (CPU busy %.0f%% of it), "
+                   "backward %.1f ms -> bucket_cap_mb %g, %zu buckets\n",
+                   link_->latency_s * 1e3, link_->seconds_per_byte * 1e9, link_->cpu_share * 100,
+                   link_->backward_s * 1e3, static_cast<double>(caps_.bytes) / (1024.0 * 1024.0),
+                   compute_bucket_assignment(infos, visit, caps_.first_bytes, caps_.bytes).size());
+    }
+  }
+  auto rebuilt = compute_bucket_assignment(infos, visit, caps_.first_bytes, caps_.bytes);
   ready_order_.clear();
   ready_order_.shrink_to_fit();
   if (rebuilt != engine_->groups()) build_buckets(rebuilt);

@@ -18,10 +18,12 @@
 #include <ddp/process_group.h>
 
 #include "common/flat_layout.h"
+#include "engine/bucket_sizing.h"
 #include "engine/gradient_sync_engine.h"
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -32,7 +34,8 @@ namespace ddp::detail {
 
 /// Averages the gradients of `params` across `group` during each backward.
 /// DistributedDataParallel owns one (through DdpRuntime). It reads the
-/// bucketing options of DDPOptions (bucket caps, find_unused_parameters,
+/// bucketing options of DDPOptions (bucket caps, bucket_sizing.h's rules;
+/// find_unused_parameters,
 /// gradient_as_bucket_view, rebuild_buckets, overlap_with_backward,
 /// static_graph, comm_hook) and ignores the rest.
 class BucketReducer : private ReductionPolicy {
@@ -79,6 +82,11 @@ class BucketReducer : private ReductionPolicy {
   int64_t reduced_steps() const { return reduced_steps_; }
   /// Whether the buckets were regrouped after the first iteration.
   bool buckets_rebuilt() const { return buckets_rebuilt_; }
+  /// The cap of every bucket after the first, in bytes (fitted to the link
+  /// once buckets are rebuilt, when the options set none).
+  size_t bucket_cap_bytes() const { return caps_.bytes; }
+  /// The figures the cap was fitted to, once it was.
+  const std::optional<LinkMeasurement>& link_measurement() const { return link_; }
   /// The flat gradient buffer of bucket `index` (for inspection and tests).
   const at::Tensor& bucket_buffer(size_t index) const { return buckets_.at(index).flat; }
 
@@ -112,6 +120,10 @@ class BucketReducer : private ReductionPolicy {
   std::vector<std::string> names_;
   std::shared_ptr<ProcessGroup> group_;
   DDPOptions options_;
+  BucketCaps caps_;
+  std::optional<LinkMeasurement> link_;
+  // First iteration: the backward window that buckets can hide behind.
+  std::chrono::steady_clock::time_point first_gradient_at_, last_gradient_at_;
   std::shared_ptr<CommHook> comm_hook_;  // null: the plain all-reduce, called directly
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_param_;

@@ -106,6 +106,10 @@ const std::vector<std::vector<size_t>>& DdpRuntime::bucket_assignment() const { 
 
 bool DdpRuntime::buckets_rebuilt() const { return reducer_->buckets_rebuilt(); }
 
+double DdpRuntime::bucket_cap_mb() const {
+  return static_cast<double>(reducer_->bucket_cap_bytes()) / (1024.0 * 1024.0);
+}
+
 const at::Tensor& DdpRuntime::bucket_buffer(size_t index) const { return reducer_->bucket_buffer(index); }
 
 void DdpRuntime::note_loss(const at::Tensor& loss) {
