@@ -1,5 +1,8 @@
 #include "fault/ft_store.h"
 
+#include "comm/etcd_store.h"
+#include "common/etcd_v2_client.h"
+
 #include <ddp/error.h>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -8,6 +11,21 @@ namespace ddp::detail {
 
 c10::intrusive_ptr<c10d::Store> open_ft_store(const std::string& spec, std::chrono::milliseconds timeout) {
   const std::string tcp = "tcp://";
+  const std::string etcd = "etcd://";
+  if (spec.rfind(etcd, 0) == 0) {
+    // etcd://HOST:PORT[,HOST:PORT...][/PREFIX]
+    const std::string rest = spec.substr(etcd.size());
+    const size_t slash = rest.find('/');
+    const std::string members = rest.substr(0, slash);
+    const std::string prefix = slash == std::string::npos ? "/ddp-ft" : rest.substr(slash);
+    std::vector<std::string> endpoints;
+    try {
+      endpoints = EtcdV2Client::parse_endpoints(members);
+    } catch (const std::invalid_argument& error) {
+      DDP_CHECK(false, "ddp: fault-tolerance store '", spec, "': ", error.what());
+    }
+    return make_etcd_store(endpoints, prefix, timeout);
+  }
   DDP_CHECK(spec.rfind(tcp, 0) == 0, "ddp: fault-tolerance store '", spec,
             "' is not tcp://HOST:PORT or etcd://HOST:PORT[,HOST:PORT...][/PREFIX]");
   const std::string address = spec.substr(tcp.size());

@@ -68,6 +68,10 @@ constexpr FlagSpec kFlags[] = {
     {"run-id", FlagKind::kValue, EnvDefault::kNone, 0},  // --rdzv-id by another name
     {"rdzv-secret-file", FlagKind::kValue, EnvDefault::kNone, 0},
     {"cpu-bind", FlagKind::kValue, EnvDefault::kNone, 0},
+    // Per-step fault tolerance; PET_ defaults like torchrun's own flags.
+    {"fault-tolerance", FlagKind::kSwitch, EnvDefault::kPet, 0},
+    {"ft-deadline", FlagKind::kValue, EnvDefault::kPet, 0},
+    {"ft-store-port", FlagKind::kValue, EnvDefault::kNone, 0},
 };
 
 // Where several flags set one value, the name they are applied under.

@@ -244,6 +244,7 @@ void apply_switch(LaunchOptions& options, const std::string& canonical, const st
   if (canonical == "no-prefix") options.prefix_output = !on;
   if (canonical == "no-python") options.no_python = on;  // ddprun always starts PROGRAM itself
   if (canonical == "virtual-local-rank") options.virtual_local_rank = on;
+  if (canonical == "fault-tolerance") options.fault_tolerance = on;
   if (canonical == "module" && on) {
     throw UsageError(label + " runs PROGRAM as a Python module; ddprun starts PROGRAM itself: write "
                              "'ddprun [options] python3 -m MODULE [ARGS...]' instead");
@@ -267,11 +268,27 @@ void apply_value(LaunchOptions& options, const std::string& canonical, const std
   } else if (canonical == "nnodes") {
     apply_nnodes(options, label, value);
   } else if (canonical == "rdzv-backend") {
-    if (value != "c10d" && value != "static") bad_value(label, value, "expected 'c10d' or 'static'");
+    if (value != "c10d" && value != "static" && value != "etcd-v2") {
+      bad_value(label, value, "expected 'c10d', 'etcd-v2' or 'static'");
+    }
     options.rdzv_backend = value;
   } else if (canonical == "rdzv-endpoint") {
-    check_rdzv_endpoint(label, value);
+    if (options.rdzv_backend == "etcd-v2") {
+      // The cluster's members, any of which may be down.
+      std::stringstream members(value);
+      for (std::string member; std::getline(members, member, ',');) {
+        if (member.rfind(':') == std::string::npos) bad_value(label, value, "expected HOST:PORT[,HOST:PORT...]");
+        check_rdzv_endpoint(label, member);
+      }
+    } else {
+      check_rdzv_endpoint(label, value);
+    }
     options.rdzv_endpoint = value;
+  } else if (canonical == "ft-deadline") {
+    options.ft_deadline_seconds = parse_seconds(label, value);
+    if (!(options.ft_deadline_seconds > 0)) bad_value(label, value, "expected a number of seconds > 0");
+  } else if (canonical == "ft-store-port") {
+    options.ft_store_port = parse_int(label, value, 1, 65535, "expected a port in 1..65535");
   } else if (canonical == "rdzv-conf") {
     apply_rdzv_conf(options, label, value);
   } else if (canonical == "rdzv-secret-file") {

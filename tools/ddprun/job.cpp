@@ -3,15 +3,18 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <regex>
 #include <thread>
 
 #include "console.h"
+#include "etcd_rendezvous.h"
 #include "launcher_test_seams.h"
 #include "rdzv.h"
 #include "signal_pipe.h"
@@ -19,6 +22,12 @@
 
 namespace ddprun {
 namespace {
+
+std::string host_name_for_reports() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "unknown host";
+  return name;
+}
 
 // After the final SIGKILL, how long we keep reading pipes that some process which left the
 // workers' process groups may still hold open. Their data is not worth hanging for.
@@ -103,7 +112,29 @@ void Job::watch_until_done() {
 
 // With the c10d rendezvous: stop the workers when the store says so, or when it is gone.
 void Job::check_rendezvous() {
+  if (etcd_ != nullptr && stage_ == Stage::kRunning && !options_.fault_tolerance) {
+    const std::string failure = etcd_->other_failure();
+    if (!failure.empty()) {
+      say("stopping the workers on this node: another node failed: " + failure);
+      stopped_by_rendezvous_ = true;
+      stop_workers(SIGTERM);
+    }
+  }
   if (client_ == nullptr || stage_ != Stage::kRunning) return;
+  if (options_.fault_tolerance) {
+    // The workers settle membership among themselves: a lost node or a lost store host is
+    // theirs to survive, not a reason to stop this node's.
+    const RdzvView view = client_->view();
+    const bool lost = client_->store_lost();
+    if ((lost || view.kind == RdzvView::kStop || view.kind == RdzvView::kLost || view.kind == RdzvView::kFail) &&
+        !rendezvous_change_said_) {
+      rendezvous_change_said_ = true;
+      say("fault tolerance: " +
+          (lost ? "lost the rendezvous store at " + client_->endpoint() : "the rendezvous says: " + view.text) +
+          "; this node's workers go on");
+    }
+    return;
+  }
   if (client_->store_lost()) {
     say("lost the rendezvous store at " + client_->endpoint() + ": no answer for " +
         format_seconds(std::round(client_->seconds_since_answer() * 10) / 10) +
@@ -158,7 +189,7 @@ void Job::wait_for_events() {
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     timeout_ms = static_cast<int>(std::clamp<long long>(remaining + 1, 0, 60 * 1000));
   }
-  if (client_ != nullptr) {
+  if (client_ != nullptr || etcd_ != nullptr) {
     // The store's silence is measured here, whether or not the heartbeat thread wakes us.
     const int monitor_ms = static_cast<int>(std::max(10.0, options_.monitor_interval_seconds * 1000));
     timeout_ms = timeout_ms < 0 ? monitor_ms : std::min(timeout_ms, monitor_ms);
@@ -232,6 +263,10 @@ void Job::collect_exits() {
       newly_failed.push_back(&worker);
     }
   }
+  if (options_.fault_tolerance && stage_ == Stage::kRunning) {
+    handle_fault_tolerant_exits(newly_failed);
+    return;
+  }
   if (newly_failed.empty()) return;
 
   const bool first = first_failed_ == nullptr;
@@ -251,7 +286,62 @@ void Job::collect_exits() {
     const Worker& failed = *newly_failed.front();
     client_->notify_failing(attempt_, failed.global_rank, describe_exit(failed.exit_code, failed.term_signal));
   }
+  if (first && etcd_ != nullptr) {
+    const Worker& failed = *newly_failed.front();
+    etcd_->notify_failing("rank " + std::to_string(failed.global_rank) + " on node " +
+                          std::to_string(assignment_.node_rank) + " (" + host_name_for_reports() + ", pid " +
+                          std::to_string(failed.pid) + "): " + describe_exit(failed.exit_code, failed.term_signal));
+  }
   stop_workers(SIGTERM);
+}
+
+namespace {
+
+// The training step a worker's last lines name ("step 17", "step=17", "step: 17"), as ddp's
+// fault-tolerant loop logs it; empty when none does.
+std::string last_step_named(const Worker& worker) {
+  static const std::regex kStep(R"((?:^|[^A-Za-z_])step[ =:]+(\d+))", std::regex::icase);
+  for (size_t stream = worker.streams.size(); stream-- > 0;) {
+    const std::vector<std::string>& lines = worker.streams[stream].recent_lines();
+    for (size_t i = lines.size(); i-- > 0;) {
+      std::smatch match;
+      if (std::regex_search(lines[i], match, kStep)) return match[1].str();
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+// --fault-tolerance: a failed worker is started again alone, as a new replica, while the
+// others train on; nobody else is stopped. Each failure is one line.
+void Job::handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed) {
+  for (Worker* worker : newly_failed) {
+    if (first_failed_ == nullptr) first_failed_ = worker;
+    for (LineForwarder& stream : worker->streams) stream.read_available();
+    // Its children (the process group's leader is a zombie until the end) go with it.
+    ::killpg(worker->pid, SIGKILL);
+    const std::string step = last_step_named(*worker);
+    int running = 0;
+    for (const Worker& other : workers_) running += other.exited ? 0 : 1;
+    std::string line = "fault tolerance: " + worker->label() + " failed: " +
+                       describe_exit(worker->exit_code, worker->term_signal) +
+                       (step.empty() ? "" : " (its last step: " + step + ")");
+    if (fault_restarts_used_ < options_.max_restarts) {
+      ++fault_restarts_used_;
+      worker->replaced = true;
+      const std::string next_id = assignment_.ft_node_id + "/" + std::to_string(worker->local_rank) + "/inc" +
+                                  std::to_string(worker->incarnation + 1);
+      say(line + "; restarting it alone as replica " + next_id + " (restart " + std::to_string(fault_restarts_used_) +
+          " of " + std::to_string(options_.max_restarts) + "); " + std::to_string(running) +
+          " other worker(s) of this node go on");
+      restart_alone(*worker);
+    } else {
+      worker->given_up = true;
+      say(line + "; not restarting it (--max-restarts " + std::to_string(options_.max_restarts) + " used up); " +
+          std::to_string(running) + " other worker(s) of this node go on");
+    }
+  }
 }
 
 void Job::stop_workers(int signal_number) {
@@ -300,6 +390,15 @@ AttemptOutcome Job::report_outcome() const {
   AttemptOutcome outcome;
   outcome.received_signal = received_signal_;
   outcome.worker_failed = first_failed_ != nullptr;
+  if (options_.fault_tolerance && first_failed_ != nullptr && received_signal_ == 0) {
+    // The job goes on without those given up: it succeeds when the workers still running
+    // finish, and fails only when none did.
+    const bool some_finished = std::any_of(workers_.begin(), workers_.end(), [](const Worker& worker) {
+      return worker.exited && !worker.failed() && !worker.replaced;
+    });
+    outcome.worker_failed = !some_finished;
+    if (some_finished) return outcome;
+  }
   outcome.stopped_by_rendezvous = stopped_by_rendezvous_;
   outcome.store_lost = store_lost_;
   if (outcome.received_signal == 0 && !outcome.worker_failed && !stopped_by_rendezvous_ && !store_lost_)

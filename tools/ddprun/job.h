@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 
 namespace ddprun {
 
+class EtcdRendezvous;
 class RdzvClient;
 class SignalPipe;
 class Watchdog;
@@ -41,6 +43,7 @@ struct FailedWorker {
 
 struct AttemptOutcome {
   int received_signal = 0;  // ddprun was asked to stop: never restart
+  // Under --fault-tolerance: every worker failed for good (none of them finished).
   bool worker_failed = false;
   FailedWorker first_failure;  // when worker_failed
   // With the c10d rendezvous: the store asked us to stop (another node failed, a node was lost
@@ -59,6 +62,9 @@ struct Assignment {
   int base_rank = 0;  // global rank of local rank 0
   std::string master_addr;
   int master_port = 0;
+  // --fault-tolerance: this node's part of its workers' replica ids ("node0-5f3a9c21"), unique
+  // to this ddprun so that a node started again never reuses one.
+  std::string ft_node_id;
 };
 
 // One attempt of the job: start the workers, watch them and their output, stop them.
@@ -71,6 +77,10 @@ class Job {
 
   AttemptOutcome run();
 
+  // With --rdzv-backend etcd-v2: this node's first failure is told to the others, and (outside
+  // --fault-tolerance) another node's stops this node's workers. Set before run().
+  void set_etcd_rendezvous(EtcdRendezvous* rendezvous) { etcd_ = rendezvous; }
+
  private:
   enum class Stage {
     kRunning,   // workers are running normally
@@ -82,6 +92,9 @@ class Job {
 
   // Setting the workers up (worker_setup.cpp).
   void start_workers();
+  // --fault-tolerance: starts `failed`'s local rank again, alone, as its next incarnation.
+  void restart_alone(const Worker& failed);
+  Environment environment_for(const Worker& worker) const;
   std::string error_file_for(const Worker& worker) const;
   void open_log_files();
   void open_stream_files();
@@ -96,6 +109,7 @@ class Job {
   void wait_for_events();
   void handle_signals();
   void collect_exits();
+  void handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed);
   void stop_workers(int signal_number);
   void kill_workers(bool early);
   void kill_all_groups();
@@ -115,9 +129,15 @@ class Job {
   Watchdog& watchdog_;
   SignalPipe& signals_;
   RdzvClient* client_;
+  EtcdRendezvous* etcd_ = nullptr;
   bool stopped_by_rendezvous_ = false;
   bool store_lost_ = false;
-  std::vector<Worker> workers_;
+  // A deque: restarts under --fault-tolerance add incarnations while pointers to the earlier
+  // ones (first_failed_) stay valid. A replaced worker stays, reaped at the very end.
+  std::deque<Worker> workers_;
+  Environment workers_environment_;  // what every worker shares, set by start_workers()
+  int fault_restarts_used_ = 0;
+  bool rendezvous_change_said_ = false;
   Stage stage_ = Stage::kRunning;
   Clock::time_point kill_deadline_;
   Clock::time_point abandon_deadline_;

@@ -91,22 +91,33 @@ void validate(const LaunchOptions& options) {
                                 " workers, more than the limit of " +
                                 std::to_string(std::numeric_limits<int>::max()) + " ranks in a job");
   }
-  const bool c10d = options.rdzv_backend == "c10d";
+  const bool etcd = options.rdzv_backend == "etcd-v2";
+  // Whether the agents meet in a rendezvous (node ranks assigned there) rather than by hand.
+  const bool c10d = options.rdzv_backend == "c10d" || etcd;
   if (options.rdzv_backend != "static" && !c10d) {
-    throw invalid("--rdzv-backend", options.rdzv_backend, "expected 'c10d' or 'static'");
+    throw invalid("--rdzv-backend", options.rdzv_backend, "expected 'c10d', 'etcd-v2' or 'static'");
   }
   if (c10d && options.rdzv_endpoint.empty()) {
-    throw std::invalid_argument("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]");
+    throw std::invalid_argument(etcd ? "--rdzv-backend etcd-v2 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...], the etcd "
+                                       "cluster's client URLs"
+                                     : "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]");
   }
-  if (!c10d && !options.rdzv_secret_file.empty()) {
+  if (options.rdzv_backend != "c10d" && !options.rdzv_secret_file.empty()) {
     throw std::invalid_argument("--rdzv-secret-file protects the c10d rendezvous store; it needs --rdzv-backend c10d");
   }
   if (c10d && options.standalone) {
-    throw std::invalid_argument("--standalone runs a single node without a rendezvous; drop it or --rdzv-backend c10d");
+    throw std::invalid_argument("--standalone runs a single node without a rendezvous; drop it or --rdzv-backend " +
+                                options.rdzv_backend);
+  }
+  if (etcd && options.max_restarts > 0 && !options.fault_tolerance) {
+    // The etcd rendezvous forms one round: restarting every node's workers together is the
+    // c10d backend's job.
+    throw std::invalid_argument("--max-restarts with --rdzv-backend etcd-v2 needs --fault-tolerance (a failed worker is "
+                                "then restarted alone); for restarts of the whole job use --rdzv-backend c10d");
   }
   if (!c10d && options.min_nodes != options.nnodes) {
     throw invalid("--nnodes", std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes),
-                  "MIN:MAX needs --rdzv-backend c10d");
+                  "MIN:MAX needs --rdzv-backend c10d or etcd-v2");
   }
   if (options.min_nodes < 1 || options.min_nodes > options.nnodes) {
     throw invalid("--nnodes", std::to_string(options.min_nodes) + ":" + std::to_string(options.nnodes),

@@ -77,8 +77,10 @@ struct LaunchOptions {
   std::string logs_specs = "default";
   bool no_python = false;
   // Rendezvous of the agents (one ddprun per node): "static" (--master-addr and --node-rank
-  // given by hand on every node) or "c10d" (the agents meet in a store at rdzv_endpoint, which
-  // one of them hosts; node ranks, the master and restarts are agreed there).
+  // given by hand on every node), "c10d" (the agents meet in a store at rdzv_endpoint, which
+  // one of them hosts; node ranks, the master and restarts are agreed there) or "etcd-v2" (they
+  // meet in an etcd cluster, rdzv_endpoint listing its members HOST:PORT,HOST:PORT...; no ddprun
+  // holds state the job needs).
   std::string rdzv_backend = "static";
   std::string rdzv_endpoint;  // HOST[:PORT], port 29400 when omitted
   // --nnodes MIN:MAX: with c10d, rounds form with MIN..MAX nodes; nnodes holds MAX.
@@ -96,6 +98,17 @@ struct LaunchOptions {
   // How often the agent polls the store (its heartbeat), in seconds; at least
   // kMinMonitorIntervalSeconds.
   double monitor_interval_seconds = 0.5;
+  // --fault-tolerance (docs/fault_tolerance.md, "Running it under ddprun"): a failed worker is
+  // restarted alone, with a new replica id, while the others go on; max_restarts bounds the
+  // restarts of this node's workers together. Workers get DDP_FAULT_TOLERANCE=1, DDP_FT_STORE,
+  // DDP_FT_REPLICA_ID, DDP_FT_INITIAL_REPLICAS and DDP_FT_DEADLINE_MS.
+  bool fault_tolerance = false;
+  // --ft-deadline: how long a step may wait for a member before it is fenced out.
+  double ft_deadline_seconds = 5.0;
+  // --ft-store-port: where the store keeper (ddp_ft_store) serves the fault-tolerance store
+  // under static and c10d rendezvous; 0: any free port with --standalone, else the master's
+  // (static) or the rendezvous endpoint's (c10d) port + 1.
+  int ft_store_port = 0;
   // PROGRAM followed by its arguments, passed to execvp untouched.
   std::vector<std::string> command;
 };

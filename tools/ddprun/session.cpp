@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -18,11 +20,13 @@
 
 #include "console.h"
 #include "cpu_binding.h"
+#include "etcd_rendezvous.h"
 #include "job.h"
 #include "posix_util.h"
 #include "rdzv.h"
 #include "signal_pipe.h"
 #include "std_spec.h"
+#include "store_keeper.h"
 #include "watchdog.h"
 
 #include <ddp/launch_env.h>
@@ -71,6 +75,23 @@ Assignment assignment_for(const RdzvView& round) {
   return assignment;
 }
 
+// --fault-tolerance: this ddprun's part of its workers' replica ids, "node<R>-<8 hex digits>":
+// random, so that a node whose ddprun is started again never hands out an id twice.
+std::string ft_node_id(int node_rank) {
+  unsigned char bytes[4] = {};
+  FileDescriptor source(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));
+  if (source.get() < 0 || ::read(source.get(), bytes, sizeof bytes) != static_cast<ssize_t>(sizeof bytes)) {
+    throw_errno("cannot read /dev/urandom for the workers' replica ids");
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string id = "node" + std::to_string(node_rank) + "-";
+  for (unsigned char byte : bytes) {
+    id += kHex[byte >> 4];
+    id += kHex[byte & 0xf];
+  }
+  return id;
+}
+
 std::string host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "(unknown host)";
@@ -91,7 +112,16 @@ class Session {
   int run() {
     setup_ = worker_setup();
     if (options_.rdzv_backend == "c10d") return run_rendezvous();
-    const Environment shared = shared_environment();
+    if (options_.rdzv_backend == "etcd-v2") return run_etcd_rendezvous();
+    Environment shared = shared_environment();
+    if (options_.fault_tolerance) {
+      // Node 0's ddprun keeps the store; the others reach it at the master's address.
+      const std::string host = options_.standalone ? "127.0.0.1" : options_.master_addr;
+      int port = options_.ft_store_port;
+      if (port == 0 && !options_.standalone) port = options_.master_port + 1;
+      if (options_.standalone || options_.node_rank == 0) port = start_store_keeper(port);
+      shared.set("DDP_FT_STORE", "tcp://" + host + ":" + std::to_string(port));
+    }
     // Static: the flags fix this node's place; only the attempt and the port change.
     RdzvView place;
     place.node_rank = options_.node_rank;
@@ -105,11 +135,13 @@ class Session {
     for (int attempt = 0;; ++attempt) {
       place.round = attempt;
       place.restart_count = attempt;
-      const Assignment assignment = assignment_for(place);
+      Assignment assignment = assignment_for(place);
+      if (options_.fault_tolerance) assignment.ft_node_id = ft_node_id(place.node_rank);
       AttemptOutcome outcome = Job(options_, assignment, shared, setup_, error_dir_, watchdog_, signals_).run();
       if (outcome.received_signal != 0) return finish(128 + outcome.received_signal);
       if (!outcome.worker_failed) return finish(0);
-      if (attempt >= options_.max_restarts) {
+      // Under --fault-tolerance the restarts were each worker's own: every worker failed for good.
+      if (attempt >= options_.max_restarts || options_.fault_tolerance) {
         report_root_cause(attempt, outcome.first_failure);
         return finish(1);
       }
@@ -136,7 +168,7 @@ class Session {
   // The whole run with the c10d rendezvous: every round's place in the job comes from the
   // agents' store, which one of the agents hosts.
   int run_rendezvous() {
-    const Environment shared = shared_environment();
+    Environment shared = shared_environment();
     std::string host = options_.rdzv_endpoint;
     int port = 29400;
     const size_t colon = host.rfind(':');
@@ -172,6 +204,12 @@ class Session {
       say("cannot host the rendezvous store on " + host + ":" + std::to_string(port) + " (" + why +
           "); joining it as a client");
     }
+    if (options_.fault_tolerance) {
+      // The ddprun hosting the rendezvous keeps the workers' store too, on the next port.
+      int ft_port = options_.ft_store_port != 0 ? options_.ft_store_port : port + 1;
+      if (server) ft_port = start_store_keeper(ft_port);
+      shared.set("DDP_FT_STORE", "tcp://" + host + ":" + std::to_string(ft_port));
+    }
     if (options_.node_rank_given) say("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks");
     RdzvClient client(host, port, options_.local_addr, options_.monitor_interval_seconds,
                       options_.heartbeat_timeout_seconds, config.secret);
@@ -204,7 +242,8 @@ class Session {
         say(view.text);
         return finish(1);
       }
-      const Assignment assignment = assignment_for(view);
+      Assignment assignment = assignment_for(view);
+      if (options_.fault_tolerance) assignment.ft_node_id = ft_node_id(view.node_rank);
       say("rendezvous round " + std::to_string(view.round) + " (" + view.text + "): node rank " +
           std::to_string(view.node_rank) + " of " + std::to_string(view.nnodes) + ", ranks " +
           std::to_string(view.base_rank) + ".." + std::to_string(view.base_rank + options_.nproc_per_node - 1) +
@@ -216,6 +255,12 @@ class Session {
       if (outcome.received_signal != 0) {
         client.report(view.round, "signal", {signal_name(outcome.received_signal)});
         return finish(128 + outcome.received_signal);
+      }
+      if (options_.fault_tolerance) {
+        // One round: the workers rode out what happened; this node's outcome is its own.
+        client.report(view.round, outcome.worker_failed ? "stopped" : "success", {});
+        if (outcome.worker_failed) report_root_cause(0, outcome.first_failure);
+        return end_job(outcome.worker_failed ? 1 : 0);
       }
       if (outcome.store_lost) return finish(1);
       if (outcome.worker_failed) {
@@ -232,6 +277,56 @@ class Session {
         client.report(view.round, outcome.stopped_by_rendezvous ? "stopped" : "success", {});
       }
     }
+  }
+
+  // The whole run with the etcd-v2 rendezvous: one round, formed in the etcd cluster, which
+  // no ddprun hosts.
+  int run_etcd_rendezvous() {
+    EtcdRendezvous rendezvous(options_);
+    say("joining the etcd-v2 rendezvous at " + rendezvous.endpoints() + " (run id '" + options_.run_id + "', " +
+        std::to_string(options_.min_nodes) + ".." + std::to_string(options_.nnodes) + " nodes)");
+    if (options_.node_rank_given) say("--node-rank is ignored with --rdzv-backend etcd-v2: the rendezvous assigns node ranks");
+    EtcdRound round;
+    if (const int stop_signal = rendezvous.join(signals_, &round)) {
+      say("received " + signal_name(stop_signal) + "; leaving the job");
+      return finish(128 + stop_signal);
+    }
+    Environment shared = shared_environment();
+    if (options_.fault_tolerance) shared.set("DDP_FT_STORE", rendezvous.ft_store_spec());
+    RdzvView place;
+    place.round = 0;
+    place.restart_count = 0;
+    place.node_rank = round.node_rank;
+    place.nnodes = round.nnodes;
+    place.world_size = round.world_size;
+    place.base_rank = round.base_rank;
+    place.master_addr = round.master_addr;
+    place.master_port = round.master_port;
+    Assignment assignment = assignment_for(place);
+    if (options_.fault_tolerance) assignment.ft_node_id = ft_node_id(round.node_rank);
+    say("etcd-v2 rendezvous: node rank " + std::to_string(round.node_rank) + " of " + std::to_string(round.nnodes) +
+        ", ranks " + std::to_string(round.base_rank) + ".." +
+        std::to_string(round.base_rank + options_.nproc_per_node - 1) + " of world size " +
+        std::to_string(round.world_size) + ", master " + round.master_addr + ":" + std::to_string(round.master_port));
+    rendezvous.start_watching();
+    Job job(options_, assignment, shared, setup_, error_dir_, watchdog_, signals_);
+    job.set_etcd_rendezvous(&rendezvous);
+    const AttemptOutcome outcome = job.run();
+    if (outcome.received_signal != 0) {
+      rendezvous.report_done("signal");
+      return finish(128 + outcome.received_signal);
+    }
+    if (outcome.worker_failed) {
+      report_root_cause(0, outcome.first_failure);
+      rendezvous.report_done("failed");
+      return finish(1);
+    }
+    if (outcome.stopped_by_rendezvous) {
+      rendezvous.report_done("stopped");
+      return finish(1);
+    }
+    rendezvous.report_done("success");
+    return finish(0);
   }
 
   // Waits for this node's next round (or the job's end). Returns a stop signal if ddprun was
@@ -272,9 +367,23 @@ class Session {
     }
   }
 
+  // --fault-tolerance: starts ddp_ft_store on `port` (0: any) for the workers' store and
+  // returns the port it serves on. It lives as long as this session.
+  int start_store_keeper(int port) {
+    store_keeper_ = StoreKeeper::start(port, signals_);
+    say("fault tolerance: serving the workers' store on port " + std::to_string(store_keeper_->port()) +
+        " (ddp_ft_store, pid " + std::to_string(store_keeper_->pid()) +
+        "); this node is the job's single point of failure, which --rdzv-backend etcd-v2 removes");
+    return store_keeper_->port();
+  }
+
   // The environment every worker of every attempt shares.
   Environment shared_environment() const {
     Environment environment = Environment::inherited();
+    if (options_.fault_tolerance) {
+      environment.set("DDP_FAULT_TOLERANCE", "1");
+      environment.set("DDP_FT_DEADLINE_MS", std::to_string(std::llround(options_.ft_deadline_seconds * 1000)));
+    }
     environment.set(ddp::launch_env::kLocalWorldSize, std::to_string(options_.nproc_per_node));
     environment.set("ROLE_NAME", options_.role);
     environment.set("TORCHELASTIC_MAX_RESTARTS", std::to_string(options_.max_restarts));
@@ -416,6 +525,7 @@ class Session {
 
   const LaunchOptions& options_;
   WorkerSetup setup_;
+  std::unique_ptr<StoreKeeper> store_keeper_;  // --fault-tolerance on the node hosting the store
   // Forked first, before any handler or worker pipe exists that it should not inherit.
   Watchdog watchdog_;
   SignalPipe signals_;

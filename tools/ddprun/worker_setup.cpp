@@ -198,12 +198,14 @@ void Job::start_workers() {
   shared.set(ddp::launch_env::kGroupRank, std::to_string(assignment_.node_rank));
   shared.set("GROUP_WORLD_SIZE", std::to_string(assignment_.nnodes));
   shared.set("ROLE_WORLD_SIZE", std::to_string(assignment_.world_size));
+  if (options_.fault_tolerance) shared.set("DDP_FT_INITIAL_REPLICAS", std::to_string(assignment_.world_size));
+  workers_environment_ = std::move(shared);
 
-  workers_.reserve(static_cast<size_t>(options_.nproc_per_node));
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     Worker worker;
     worker.local_rank = local_rank;
     worker.global_rank = assignment_.base_rank + local_rank;
+    if (options_.fault_tolerance) worker.replica_id = assignment_.ft_node_id + "/" + std::to_string(local_rank) + "/inc0";
     workers_.push_back(std::move(worker));
   }
   // Every log file exists before the first worker starts, so a log directory we cannot write
@@ -211,38 +213,68 @@ void Job::start_workers() {
   if (!options_.log_dir.empty()) open_log_files();
   if (!setup_.stream_log_dir.empty()) open_stream_files();
   for (Worker& worker : workers_) {
-    Environment environment = shared;
-    if (setup_.omp_threads_from_cpus) {
-      environment.set("OMP_NUM_THREADS", std::to_string(cpus_of(worker).size()));
-    }
-    environment.set(ddp::launch_env::kRank, std::to_string(worker.global_rank));
-    environment.set(ddp::launch_env::kLocalRank, std::to_string(worker.local_rank));
-    if (options_.virtual_local_rank) {
-      // As torchrun: each worker sees only its own GPU, as device 0.
-      environment.set(ddp::launch_env::kLocalRank, "0");
-      environment.set("CUDA_VISIBLE_DEVICES", virtual_local_rank_device(worker.local_rank));
-    }
-    environment.set("ROLE_RANK", std::to_string(worker.global_rank));
-    // Where the worker records its first error (torchrun's convention), so that the summary
-    // names the earliest original error rather than whichever worker exited first.
-    worker.error_file = error_file_for(worker);
     // With --log-dir, open_log_files() cleared it, checking what was there.
+    worker.error_file = error_file_for(worker);
     if (options_.log_dir.empty()) ::unlink(worker.error_file.c_str());
-    environment.set(ddp::launch_env::kErrorFile, worker.error_file);
-    // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
-    // collective fails, next to the attempt's logs.
-    if (!options_.log_dir.empty()) environment.set(ddp::launch_env::kLogDir, attempt_log_dir(options_.log_dir, attempt_));
-    spawn(worker, environment);
+    spawn(worker, environment_for(worker));
   }
 }
 
+Environment Job::environment_for(const Worker& worker) const {
+  Environment environment = workers_environment_;
+  if (setup_.omp_threads_from_cpus) {
+    environment.set("OMP_NUM_THREADS", std::to_string(cpus_of(worker).size()));
+  }
+  environment.set(ddp::launch_env::kRank, std::to_string(worker.global_rank));
+  environment.set(ddp::launch_env::kLocalRank, std::to_string(worker.local_rank));
+  if (options_.virtual_local_rank) {
+    // As torchrun: each worker sees only its own GPU, as device 0.
+    environment.set(ddp::launch_env::kLocalRank, "0");
+    environment.set("CUDA_VISIBLE_DEVICES", virtual_local_rank_device(worker.local_rank));
+  }
+  environment.set("ROLE_RANK", std::to_string(worker.global_rank));
+  // Where the worker records its first error (torchrun's convention), so that the summary
+  // names the earliest original error rather than whichever worker exited first.
+  environment.set(ddp::launch_env::kErrorFile, worker.error_file);
+  // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
+  // collective fails, next to the attempt's logs.
+  if (!options_.log_dir.empty()) environment.set(ddp::launch_env::kLogDir, attempt_log_dir(options_.log_dir, attempt_));
+  if (options_.fault_tolerance) environment.set("DDP_FT_REPLICA_ID", worker.replica_id);
+  return environment;
+}
+
+void Job::restart_alone(const Worker& failed) {
+  Worker next;
+  next.local_rank = failed.local_rank;
+  next.global_rank = failed.global_rank;
+  next.incarnation = failed.incarnation + 1;
+  next.replica_id = assignment_.ft_node_id + "/" + std::to_string(next.local_rank) + "/inc" +
+                    std::to_string(next.incarnation);
+  // The same files as the first incarnation, appended to: one log per rank tells its story.
+  auto share = [](const FileDescriptor& file) {
+    return FileDescriptor(file.get() < 0 ? -1 : ::fcntl(file.get(), F_DUPFD_CLOEXEC, 3));
+  };
+  next.log_file = share(failed.log_file);
+  next.log_path = failed.log_path;
+  next.stdout_file = share(failed.stdout_file);
+  next.stdout_path = failed.stdout_path;
+  next.stderr_file = share(failed.stderr_file);
+  next.stderr_path = failed.stderr_path;
+  next.error_file = error_file_for(next);
+  ::unlink(next.error_file.c_str());
+  Worker& worker = workers_.emplace_back(std::move(next));
+  spawn(worker, environment_for(worker));
+}
+
 std::string Job::error_file_for(const Worker& worker) const {
+  // A restarted incarnation's own file: the earlier one's record stays for the summary.
+  const std::string incarnation = worker.incarnation > 0 ? ".inc" + std::to_string(worker.incarnation) : "";
   if (!options_.log_dir.empty()) {
     return attempt_log_dir(options_.log_dir, attempt_) + "/rank_" + std::to_string(worker.global_rank) +
-           ".error.json";
+           incarnation + ".error.json";
   }
   return error_dir_ + "/attempt_" + std::to_string(attempt_) + ".rank_" + std::to_string(worker.global_rank) +
-         ".error.json";
+         incarnation + ".error.json";
 }
 
 void Job::open_log_files() {

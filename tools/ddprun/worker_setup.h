@@ -48,11 +48,17 @@ struct Worker {
   int term_signal = 0;
   bool exited_while_stopping = false;
   bool sigkilled_by_launcher = false;
+  // --fault-tolerance: which start of this local rank it is (0 first), its DDP_FT_REPLICA_ID,
+  // and whether a later incarnation took its place or it failed with no restart left.
+  int incarnation = 0;
+  std::string replica_id;
+  bool replaced = false;
+  bool given_up = false;
 
   bool failed() const { return term_signal != 0 || exit_code != 0; }
   std::string label() const {
     return "rank " + std::to_string(global_rank) + " (local rank " + std::to_string(local_rank) +
-           ", pid " + std::to_string(pid) + ")";
+           ", pid " + std::to_string(pid) + (replica_id.empty() ? "" : ", replica " + replica_id) + ")";
   }
   // What the worker said last: its last error line (stderr first), else its last stderr line,
   // else its last stdout line. Stack frames never count.

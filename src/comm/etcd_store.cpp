@@ -1,0 +1,256 @@
+#include "comm/etcd_store.h"
+
+#include "common/etcd_v2_client.h"
+
+#include <ddp/error.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <memory>
+
+namespace ddp::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long one wait on etcd's change index may last before the key is read again.
+constexpr std::chrono::milliseconds kWaitSlice{1000};
+
+const char kStandard[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+const char kUrlSafe[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+std::string bytes_to_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> string_to_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+std::string join_keys(const std::vector<std::string>& keys) {
+  std::string text;
+  for (const std::string& key : keys) text += (text.empty() ? "" : ", ") + key;
+  return text;
+}
+
+class EtcdStore : public c10d::Store {
+ public:
+  EtcdStore(std::vector<std::string> endpoints, std::string prefix, std::chrono::milliseconds timeout)
+      : endpoints_(std::move(endpoints)), prefix_(normalise(std::move(prefix))), client_(endpoints_, timeout) {
+    timeout_ = timeout;
+  }
+
+  c10::intrusive_ptr<c10d::Store> clone() override {
+    return c10::make_intrusive<EtcdStore>(endpoints_, prefix_, timeout_);
+  }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    const EtcdResponse response = call([&] { return client_.set(node(key), base64_encode(bytes_to_string(value))); });
+    check(response, "set", key);
+  }
+
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    // c10d's rule (TCPStore's): a missing key takes `desired` only when `expected` is empty;
+    // the answer is the value the key holds afterwards, or `expected` for a missing key.
+    const std::string desired_text = base64_encode(bytes_to_string(desired));
+    while (true) {
+      const EtcdResponse current = call([&] { return client_.get(node(key)); });
+      if (current.error_code == kEtcdKeyNotFound) {
+        if (!expected.empty()) return expected;
+        const EtcdResponse created = call([&] { return client_.create(node(key), desired_text); });
+        if (created.error_code == kEtcdNodeExist) continue;
+        check(created, "compareSet", key);
+        return desired;
+      }
+      check(current, "compareSet", key);
+      const std::string value = base64_decode(current.node.value);
+      if (value != bytes_to_string(expected)) return string_to_bytes(value);
+      const EtcdResponse swapped =
+          call([&] { return client_.compare_and_swap(node(key), desired_text, current.node.modified_index); });
+      if (swapped.error_code == kEtcdTestFailed) continue;
+      check(swapped, "compareSet", key);
+      return desired;
+    }
+  }
+
+  std::vector<uint8_t> get(const std::string& key) override {
+    wait({key}, timeout_);
+    const EtcdResponse response = call([&] { return client_.get(node(key)); });
+    check(response, "get", key);
+    return string_to_bytes(base64_decode(response.node.value));
+  }
+
+  int64_t add(const std::string& key, int64_t delta) override {
+    // As TCPStore: the counter is its decimal text, which get() returns.
+    while (true) {
+      const EtcdResponse current = call([&] { return client_.get(node(key)); });
+      if (current.error_code == kEtcdKeyNotFound) {
+        const EtcdResponse created = call([&] { return client_.create(node(key), base64_encode(std::to_string(delta))); });
+        if (created.error_code == kEtcdNodeExist) continue;
+        check(created, "add", key);
+        return delta;
+      }
+      check(current, "add", key);
+      const std::string text = base64_decode(current.node.value);
+      int64_t value = 0;
+      try {
+        value = std::stoll(text);
+      } catch (const std::exception&) {
+        DDP_CHECK(false, "ddp: etcd store key '", key, "' holds '", text, "', not a number, so add() cannot count on it");
+      }
+      const int64_t next = value + delta;
+      const EtcdResponse swapped = call([&] {
+        return client_.compare_and_swap(node(key), base64_encode(std::to_string(next)), current.node.modified_index);
+      });
+      if (swapped.error_code == kEtcdTestFailed) continue;
+      check(swapped, "add", key);
+      return next;
+    }
+  }
+
+  bool deleteKey(const std::string& key) override {
+    const EtcdResponse response = call([&] { return client_.remove(node(key)); });
+    if (response.error_code == kEtcdKeyNotFound) return false;
+    check(response, "deleteKey", key);
+    return true;
+  }
+
+  bool check(const std::vector<std::string>& keys) override {
+    for (const std::string& key : keys) {
+      const EtcdResponse response = call([&] { return client_.get(node(key)); });
+      if (response.error_code == kEtcdKeyNotFound) return false;
+      check(response, "check", key);
+    }
+    return true;
+  }
+
+  int64_t getNumKeys() override {
+    const EtcdResponse response = call([&] { return client_.get(prefix_ + "/kv"); });
+    if (response.error_code == kEtcdKeyNotFound) return 0;
+    check(response, "getNumKeys", prefix_ + "/kv");
+    return static_cast<int64_t>(
+        std::count_if(response.children.begin(), response.children.end(), [](const EtcdNode& n) { return !n.dir; }));
+  }
+
+  std::vector<std::string> listKeys() override {
+    const EtcdResponse response = call([&] { return client_.get(prefix_ + "/kv"); });
+    std::vector<std::string> keys;
+    if (response.error_code == kEtcdKeyNotFound) return keys;
+    check(response, "listKeys", prefix_ + "/kv");
+    for (const EtcdNode& child : response.children) {
+      const std::string name = child.key.substr(child.key.rfind('/') + 1);
+      if (!child.dir && name.size() > 1) keys.push_back(base64_decode(name.substr(1)));
+    }
+    return keys;
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    for (const std::string& key : keys) {
+      while (true) {
+        const EtcdResponse current = call([&] { return client_.get(node(key)); });
+        if (current.ok()) break;
+        if (current.error_code != kEtcdKeyNotFound) check(current, "wait", key);
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        if (left.count() <= 0) {
+          C10_THROW_ERROR(DistStoreError, "ddp: wait timeout after " + std::to_string(timeout.count()) +
+                                              " ms for keys [" + join_keys(keys) + "] in the etcd store at " +
+                                              client_.current_endpoint() + prefix_ +
+                                              "; the rank that sets them may have died or not started");
+        }
+        // A change to the key from the index the read saw on; whatever it is, read again.
+        call([&] { return client_.wait(node(key), current.etcd_index + 1, std::min(left, kWaitSlice)); });
+      }
+    }
+  }
+
+  bool hasExtendedApi() const override { return false; }
+
+ private:
+  static std::string normalise(std::string prefix) {
+    if (prefix.empty() || prefix[0] != '/') prefix = "/" + prefix;
+    while (prefix.size() > 1 && prefix.back() == '/') prefix.pop_back();
+    return prefix == "/" ? "" : prefix;
+  }
+
+  // One etcd node per key, named so that no character of the key means anything to etcd (and
+  // never with a leading '_', which etcd hides).
+  std::string node(const std::string& key) const { return prefix_ + "/kv/k" + base64_encode(key, /*url_safe=*/true); }
+
+  // The client's exceptions as c10d's: a store nobody answers is a DistStoreError.
+  template <typename Call>
+  EtcdResponse call(Call&& operation) {
+    try {
+      return operation();
+    } catch (const EtcdUnavailable& error) {
+      C10_THROW_ERROR(DistStoreError, error.what());
+    }
+  }
+
+  void check(const EtcdResponse& response, const char* what, const std::string& key) const {
+    if (response.error_code == 0) return;
+    C10_THROW_ERROR(DistStoreError, std::string("ddp: etcd store ") + what + "('" + key + "') failed: etcd error " +
+                                        std::to_string(response.error_code) + ": " + response.error_message);
+  }
+
+  std::vector<std::string> endpoints_;
+  std::string prefix_;
+  EtcdV2Client client_;
+};
+
+}  // namespace
+
+std::string base64_encode(const std::string& bytes, bool url_safe) {
+  const char* alphabet = url_safe ? kUrlSafe : kStandard;
+  std::string text;
+  text.reserve((bytes.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 2 < bytes.size(); i += 3) {
+    const uint32_t word = (static_cast<uint8_t>(bytes[i]) << 16) | (static_cast<uint8_t>(bytes[i + 1]) << 8) |
+                          static_cast<uint8_t>(bytes[i + 2]);
+    text += alphabet[(word >> 18) & 63];
+    text += alphabet[(word >> 12) & 63];
+    text += alphabet[(word >> 6) & 63];
+    text += alphabet[word & 63];
+  }
+  if (i < bytes.size()) {
+    uint32_t word = static_cast<uint8_t>(bytes[i]) << 16;
+    if (i + 1 < bytes.size()) word |= static_cast<uint8_t>(bytes[i + 1]) << 8;
+    text += alphabet[(word >> 18) & 63];
+    text += alphabet[(word >> 12) & 63];
+    text += i + 1 < bytes.size() ? alphabet[(word >> 6) & 63] : '=';
+    text += '=';
+  }
+  return text;
+}
+
+std::string base64_decode(const std::string& text) {
+  auto value_of = [&](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+' || c == '-') return 62;
+    if (c == '/' || c == '_') return 63;
+    DDP_CHECK(false, "ddp: '", text.substr(0, 64), "' is not base64; was the etcd key written by something other than ddp?");
+    return 0;
+  };
+  std::string bytes;
+  uint32_t word = 0;
+  int bits = 0;
+  for (char c : text) {
+    if (c == '=') break;
+    word = (word << 6) | static_cast<uint32_t>(value_of(c));
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      bytes += static_cast<char>((word >> bits) & 0xff);
+    }
+  }
+  return bytes;
+}
+
+c10::intrusive_ptr<c10d::Store> make_etcd_store(const std::vector<std::string>& endpoints, const std::string& prefix,
+                                                std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<EtcdStore>(endpoints, prefix, timeout);
+}
+
+}  // namespace ddp::detail

@@ -1,0 +1,30 @@
+#pragma once
+
+// A c10d::Store kept in an etcd cluster through its v2 API (common/etcd_v2_client.h), so that
+// the workers' rendezvous and fault-tolerance state survive the loss of any one node: etcd
+// replicates every write to a majority of its members, and the client fails over between them.
+//
+// Keys live under PREFIX/kv/, one etcd node each, named by the base64url of the c10d key (so a
+// '/' in a key makes no directory); values are base64, so any bytes round-trip. add() and
+// compareSet() are compare-and-swap loops on the node's modifiedIndex; wait() reads, then waits
+// on etcd's change index, re-reading at least every second so that a member cut off mid-wait
+// costs at most that.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace ddp::detail {
+
+/// endpoints: the members' client URLs (HOST:PORT); prefix: where the keys live ("/ddp-ft/job7").
+/// Every operation times out after `timeout` (c10::DistStoreError), failovers included.
+c10::intrusive_ptr<c10d::Store> make_etcd_store(const std::vector<std::string>& endpoints, const std::string& prefix,
+                                                std::chrono::milliseconds timeout);
+
+/// base64 (RFC 4648, with padding) and back; base64_decode throws on bad input.
+std::string base64_encode(const std::string& bytes, bool url_safe = false);
+std::string base64_decode(const std::string& text);
+
+}  // namespace ddp::detail

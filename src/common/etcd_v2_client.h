@@ -1,0 +1,95 @@
+#pragma once
+
+// A client of etcd's v2 key-value API (etcd 3.4 serves it with --enable-v2), over libcurl,
+// torch-free: ddprun's etcd-v2 rendezvous and ddp's etcd store (comm/etcd_store.h) share it.
+//
+// It holds every member's client URL and fails over between them: a request that cannot
+// connect, times out or gets a server error (no leader during an election) goes to the next
+// member, round the list, until the request's deadline. Reads ask for quorum=true, so that a
+// member cut off from the others cannot answer with stale values.
+//
+// A write that was applied by a member that then died before answering is retried on the next
+// one; a compare-and-swap retried that way may then fail (its own write changed the value), and
+// an increment built from one may count twice. Callers that must know re-read.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ddp::detail {
+
+// etcd's v2 errorCode values that callers act on.
+constexpr int kEtcdKeyNotFound = 100;
+constexpr int kEtcdTestFailed = 101;  // compare-and-swap: the value or index differed
+constexpr int kEtcdNodeExist = 105;   // create: the key already exists
+constexpr int kEtcdEventIndexCleared = 401;
+
+// No member answered before the deadline.
+class EtcdUnavailable : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct EtcdNode {
+  std::string key;  // the full path, "/prefix/name"
+  std::string value;
+  bool dir = false;
+  std::uint64_t modified_index = 0;
+};
+
+// One answer: the node (or the directory's children), or etcd's error.
+struct EtcdResponse {
+  int error_code = 0;  // 0: success; else etcd's errorCode
+  std::string error_message;
+  std::string action;  // "get", "set", "create", "compareAndSwap", "delete", ...
+  EtcdNode node;
+  std::vector<EtcdNode> children;  // a directory's entries (recursive listings flattened)
+  std::uint64_t etcd_index = 0;    // X-Etcd-Index: the store's index when it answered
+  bool timed_out = false;          // a wait that saw no change before its deadline
+  bool ok() const { return error_code == 0 && !timed_out; }
+};
+
+class EtcdV2Client {
+ public:
+  // endpoints: "HOST:PORT" or "http(s)://HOST:PORT" each. request_timeout bounds one call,
+  // failovers included.
+  EtcdV2Client(std::vector<std::string> endpoints, std::chrono::milliseconds request_timeout);
+
+  // "h1:p1,h2:p2" as a list; throws std::invalid_argument on an empty entry or a missing port.
+  static std::vector<std::string> parse_endpoints(const std::string& comma_list);
+
+  EtcdResponse get(const std::string& key, bool recursive = false);
+  // Unconditional; ttl_seconds > 0 makes the key expire.
+  EtcdResponse set(const std::string& key, const std::string& value, int ttl_seconds = 0);
+  // Only if the key does not exist (kEtcdNodeExist otherwise).
+  EtcdResponse create(const std::string& key, const std::string& value, int ttl_seconds = 0);
+  // Only if the key's modifiedIndex is prev_index (kEtcdTestFailed otherwise).
+  EtcdResponse compare_and_swap(const std::string& key, const std::string& value, std::uint64_t prev_index,
+                                int ttl_seconds = 0);
+  // Refreshes a key's TTL, keeping its value, only if it exists.
+  EtcdResponse refresh(const std::string& key, int ttl_seconds);
+  EtcdResponse remove(const std::string& key, bool recursive = false);
+  // Waits for the first change at or after wait_index of the key (or below it, recursive),
+  // at most `timeout`; timed_out when none came.
+  EtcdResponse wait(const std::string& key, std::uint64_t wait_index, std::chrono::milliseconds timeout,
+                    bool recursive = false);
+
+  // The member that answered last, "http://HOST:PORT".
+  std::string current_endpoint() const;
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  std::chrono::milliseconds request_timeout() const { return request_timeout_; }
+
+ private:
+  EtcdResponse request(const std::string& method, const std::string& key, const std::string& query,
+                       const std::string& body, std::chrono::milliseconds timeout, bool is_wait);
+
+  std::vector<std::string> endpoints_;  // "http://HOST:PORT"
+  std::chrono::milliseconds request_timeout_;
+  std::atomic<size_t> preferred_{0};
+};
+
+}  // namespace ddp::detail

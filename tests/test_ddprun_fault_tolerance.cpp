@@ -1,0 +1,224 @@
+// ddprun --fault-tolerance: a failed worker is restarted alone, with a new replica id, while its
+// siblings keep running (same pids); --max-restarts bounds it; the store keeper serves a real
+// c10d store that outlives any worker; PET_FAULT_TOLERANCE turns it on; without it restart mode
+// is what it was; under the c10d rendezvous the loss of a whole node leaves the others running.
+#include <signal.h>
+
+#include <fstream>
+#include <regex>
+
+#include "support/ddprun_fixtures.h"
+
+namespace {
+
+using namespace ddprun_tests;
+using ddp::testing::RdzvAgent;
+
+std::string worker() { return bin_path("ft_store_worker"); }
+
+// The "ft-env KEY=VALUE ..." lines the worker prints, in order.
+std::vector<std::map<std::string, std::string>> ft_env_lines(const std::string& out) {
+  std::vector<std::map<std::string, std::string>> result;
+  for (const std::string& line : lines_of(out)) {
+    const size_t at = line.find("ft-env ");
+    if (at == std::string::npos) continue;
+    auto& variables = result.emplace_back();
+    std::istringstream words(line.substr(at + 7));
+    for (std::string word; words >> word;) {
+      const size_t equals = word.find('=');
+      variables[word.substr(0, equals)] = word.substr(equals + 1);
+    }
+  }
+  return result;
+}
+
+void touch(const std::string& path) { std::ofstream(path) << "\n"; }
+
+// The pid of ddp_ft_store as ddprun announced it, or -1.
+int keeper_pid(const std::string& err) {
+  std::smatch match;
+  static const std::regex kKeeper(R"(ddp_ft_store, pid (\d+)\))");
+  return std::regex_search(err, match, kKeeper) ? std::stoi(match[1]) : -1;
+}
+
+RunOptions background_options(EnvAssignments env = {}) {
+  RunOptions options = run_options(std::move(env));
+  options.timeout = 60s;
+  return options;
+}
+
+TEST(FaultTolerance, KilledWorkerIsRestartedAloneWhileItsSiblingsKeepTheirPids) {
+  TempDir dir;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "2", worker(),
+                   "--dir", dir.path()}),
+      background_options());
+  const int rank0 = wait_for_pid_file(dir.file("pid.0.0"), 30s);
+  const int rank1 = wait_for_pid_file(dir.file("pid.1.0"), 30s);
+  const int rank2 = wait_for_pid_file(dir.file("pid.2.0"), 30s);
+  ASSERT_GT(rank0, 0);
+  ASSERT_GT(rank1, 0);
+  ASSERT_GT(rank2, 0);
+  ASSERT_EQ(::kill(rank1, SIGKILL), 0);
+  const int rank1_again = wait_for_pid_file(dir.file("pid.1.1"), 30s);
+  EXPECT_GT(rank1_again, 0) << "rank 1 was not restarted";
+  EXPECT_NE(rank1_again, rank1);
+  // Nobody else was touched.
+  EXPECT_TRUE(ddp::testing::process_alive(rank0));
+  EXPECT_TRUE(ddp::testing::process_alive(rank2));
+  touch(dir.file("finish"));
+  ProcessResult result = ddp::testing::wait_background(job, 30s);
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+
+  // One line says who failed, how, and what took its place.
+  static const std::regex kLine(
+      R"(ddprun: fault tolerance: rank 1 \(local rank 1, pid (\d+), replica (node0-[0-9a-f]{8})/1/inc0\) failed: )"
+      R"(killed by signal 9 \(SIGKILL\); restarting it alone as replica (node0-[0-9a-f]{8})/1/inc1 \(restart 1 of 2\); )"
+      R"(2 other worker\(s\) of this node go on)");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(result.err, match, kLine)) << result.describe();
+  EXPECT_EQ(std::stoi(match[1]), rank1);
+  EXPECT_EQ(match[2], match[3]);
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank"), 1u) << result.describe();
+  EXPECT_EQ(result.err.find("stopped rank"), std::string::npos) << "nobody may be stopped: " << result.describe();
+
+  // Four incarnations joined one store, which outlived the one that was killed.
+  const auto env = ft_env_lines(result.out);
+  ASSERT_EQ(env.size(), 4u) << result.describe();
+  for (const auto& vars : env) {
+    EXPECT_EQ(vars.at("DDP_FAULT_TOLERANCE"), "1");
+    EXPECT_EQ(vars.at("DDP_FT_INITIAL_REPLICAS"), "3");
+    EXPECT_EQ(vars.at("DDP_FT_DEADLINE_MS"), "5000");
+    EXPECT_EQ(vars.at("DDP_FT_STORE"), env[0].at("DDP_FT_STORE"));
+  }
+  EXPECT_EQ(env.back().at("RANK"), "1");
+  EXPECT_EQ(env.back().at("DDP_FT_REPLICA_ID"), std::string(match[3]) + "/1/inc1");
+  EXPECT_TRUE(std::regex_match(env[0].at("DDP_FT_STORE"), std::regex(R"(tcp://127\.0\.0\.1:\d+)")));
+  EXPECT_EQ(count_of(result.out, "sees joined=4"), 3u) << result.describe();
+  // The store goes with the job.
+  const int keeper = keeper_pid(result.err);
+  ASSERT_GT(keeper, 0) << result.describe();
+  EXPECT_TRUE(wait_until_dead(keeper)) << "ddp_ft_store outlived ddprun";
+}
+
+TEST(FaultTolerance, MaxRestartsBoundsTheRestartsThenTheOthersFinish) {
+  TempDir dir;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "2", worker(),
+                   "--dir", dir.path(), "--fail-rank", "1", "3"}),
+      background_options());
+  RdzvAgent agent;
+  agent.process = job;
+  ASSERT_TRUE(ddp::testing::wait_for_err(agent, "not restarting it", 30s)) << agent.err_so_far();
+  touch(dir.file("finish"));
+  ProcessResult& result = agent.finish(30s);
+  // The two that never failed finished: the job succeeds without the one given up.
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank 1"), 3u) << result.describe();
+  EXPECT_EQ(count_of(result.err, "restarting it alone"), 2u) << result.describe();
+  EXPECT_NE(result.err.find("failed: exit code 3 (its last step: 7); not restarting it (--max-restarts 2 used up); "
+                            "2 other worker(s) of this node go on"),
+            std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("/1/inc2) failed"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("/1/inc3"), std::string::npos) << result.describe();
+  EXPECT_EQ(count_of(result.out, "sees joined=5"), 2u) << result.describe();
+}
+
+TEST(FaultTolerance, JobFailsWhenEveryWorkerFailedForGood) {
+  TempDir dir;
+  ProcessResult result = ddprun({"--standalone", "--fault-tolerance", "--nproc-per-node", "1", "--max-restarts", "1",
+                                 worker(), "--dir", dir.path(), "--fail-rank", "0", "4"},
+                                background_options());
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank 0"), 2u) << result.describe();
+  EXPECT_NE(result.err.find("root cause"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("exit code 4"), std::string::npos) << result.describe();
+}
+
+TEST(FaultTolerance, PetFaultToleranceTurnsItOnAndPetFtDeadlineSetsTheDeadline) {
+  TempDir dir;
+  ProcessResult result =
+      ddprun({"--standalone", "--nproc-per-node", "2", worker(), "--dir", dir.path(), "--finish-after", "0"},
+             background_options({{"PET_FAULT_TOLERANCE", "1"}, {"PET_FT_DEADLINE", "2.5"}}));
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  const auto env = ft_env_lines(result.out);
+  ASSERT_EQ(env.size(), 2u) << result.describe();
+  std::set<std::string> ids;
+  for (const auto& vars : env) {
+    EXPECT_EQ(vars.at("DDP_FAULT_TOLERANCE"), "1");
+    EXPECT_EQ(vars.at("DDP_FT_DEADLINE_MS"), "2500");
+    EXPECT_EQ(vars.at("DDP_FT_INITIAL_REPLICAS"), "2");
+    EXPECT_TRUE(std::regex_match(vars.at("DDP_FT_REPLICA_ID"),
+                                 std::regex("node0-[0-9a-f]{8}/" + vars.at("RANK") + "/inc0")))
+        << vars.at("DDP_FT_REPLICA_ID");
+    ids.insert(vars.at("DDP_FT_REPLICA_ID"));
+  }
+  EXPECT_EQ(ids.size(), 2u);
+  EXPECT_EQ(count_of(result.out, "sees joined="), 2u) << result.describe();
+}
+
+TEST(FaultTolerance, StaticNodesOtherThanZeroReachTheStoreOnTheMastersNextPort) {
+  // Node 1 of a static job hosts nothing; its workers are told where node 0's keeper is.
+  ProcessResult result = ddprun({"--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3", "--master-port",
+                                 "4000", "--fault-tolerance", "/bin/sh", "-c", "echo STORE=$DDP_FT_STORE"});
+  EXPECT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.out.find("STORE=tcp://10.1.2.3:4001"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("ddp_ft_store"), std::string::npos) << "node 1 must not host the store";
+}
+
+TEST(FaultTolerance, WithoutItRestartModeIsUnchanged) {
+  // Rank 1 kills itself on the first attempt: every worker is stopped and started again, and
+  // none sees a fault-tolerance variable.
+  ProcessResult result = ddprun(
+      {"--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "/bin/sh", "-c",
+       "echo \"FT=${DDP_FAULT_TOLERANCE:-unset} STORE=${DDP_FT_STORE:-unset} ID=${DDP_FT_REPLICA_ID:-unset} "
+       "RC=$TORCHELASTIC_RESTART_COUNT\"; if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then kill -9 $$; "
+       "fi; sleep 1"});
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(count_of(result.out, "FT=unset STORE=unset ID=unset RC=0"), 2u) << result.describe();
+  EXPECT_EQ(count_of(result.out, "FT=unset STORE=unset ID=unset RC=1"), 2u) << result.describe();
+  EXPECT_NE(result.err.find("restarting all workers (restart 1 of 1)"), std::string::npos) << result.describe();
+  EXPECT_NE(result.err.find("stopped rank 0"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("fault tolerance"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("ddp_ft_store"), std::string::npos) << result.describe();
+}
+
+TEST(FaultTolerance, UnderC10dALostNodeLeavesTheOtherRunning) {
+  TempDir dir;
+  const int port = ddp::testing::free_port();
+  const int store_port = ddp::testing::free_port();
+  std::deque<RdzvAgent> agents;
+  auto start = [&](const std::string& local_addr) -> RdzvAgent& {
+    agents.emplace_back();
+    agents.back().process = ddp::testing::start_background(
+        ddprun_argv({"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port), "--local-addr",
+                     local_addr, "--nnodes", "2", "--nproc-per-node", "1", "--fault-tolerance", "--ft-store-port",
+                     std::to_string(store_port), "--rdzv-conf", "heartbeat_timeout=1", "--monitor-interval", "0.2",
+                     worker(), "--dir", dir.path()}),
+        background_options());
+    return agents.back();
+  };
+  RdzvAgent& host = start("127.0.0.2");
+  ASSERT_TRUE(ddp::testing::wait_for_err(host, "hosting the rendezvous store", 30s)) << host.err_so_far();
+  RdzvAgent& other = start("127.0.0.3");
+  const int worker0 = wait_for_pid_file(dir.file("pid.0.0"), 30s);
+  const int worker1 = wait_for_pid_file(dir.file("pid.1.0"), 30s);
+  ASSERT_GT(worker0, 0) << ddp::testing::describe_agents(agents);
+  ASSERT_GT(worker1, 0) << ddp::testing::describe_agents(agents);
+  // The whole of node 1 goes: its ddprun, and with it its worker.
+  ASSERT_EQ(::kill(other.process.pid, SIGKILL), 0);
+  EXPECT_TRUE(wait_until_dead(worker1, 10s));
+  // Longer than the heartbeat timeout: the store declares node 1 lost, and node 0 goes on.
+  ASSERT_TRUE(ddp::testing::wait_for_err(host, "this node's workers go on", 15s)) << host.err_so_far();
+  EXPECT_TRUE(ddp::testing::process_alive(worker0));
+  touch(dir.file("finish"));
+  ProcessResult& result = host.finish(30s);
+  other.finish(1s);
+  EXPECT_EQ(result.exit_code, 0) << ddp::testing::describe_agents(agents);
+  EXPECT_NE(result.out.find("rank 0 replica node0-"), std::string::npos) << result.describe();
+  EXPECT_NE(result.out.find("sees joined=2"), std::string::npos) << result.describe();
+  ddp::testing::finish_agents(agents);
+}
+
+}  // namespace
