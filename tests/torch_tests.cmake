@@ -162,3 +162,15 @@ target_link_libraries(ddp_bucket_sizing_tests PRIVATE ddp_internal ddp_test_supp
 ddp_reuse_precompiled_header(ddp_bucket_sizing_tests)
 gtest_discover_tests(ddp_bucket_sizing_tests PROPERTIES LABELS "unit;multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# Per-step fault tolerance (include/ddp/fault_tolerance.h): three ft_worker
+# replicas over a TCPStore served by the test, killed, stopped and restarted.
+add_executable(ft_worker workers/ft_worker.cpp)
+target_link_libraries(ft_worker PRIVATE ddp_internal)
+ddp_reuse_precompiled_header(ft_worker)
+add_executable(ddp_fault_tolerance_tests test_fault_tolerance.cpp)
+target_link_libraries(ddp_fault_tolerance_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_fault_tolerance_tests)
+add_dependencies(ddp_fault_tolerance_tests ft_worker)
+gtest_discover_tests(ddp_fault_tolerance_tests PROPERTIES LABELS "multiprocess" TIMEOUT 120
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

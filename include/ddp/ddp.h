@@ -24,6 +24,7 @@
 #include <ddp/env.h>
 #include <ddp/error.h>
 #include <ddp/error_file.h>
+#include <ddp/fault_tolerance.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/grad_scaler.h>
 #include <ddp/launch_env.h>

@@ -1,0 +1,1032 @@
+// FaultTolerance: the quorum, the per-step vote, recovery and healing.
+//
+// The store's keys (all under "ft/"):
+//   gen                   the newest generation whose membership is decided
+//   q/<g>/m               generation g's membership (membership.h), written once by compareSet
+//   q/<g>/a/<id>          <id> came to form generation g
+//   q/<g>/dead/<id>       <id>'s connections hung up (crash) or it left, before it came
+//   abort/<g>             generation g failed: every member drops its group
+//   pg/<g>/...            the Gloo group of generation g; socks/<g>/<id> its members' socket addresses
+//   s/<g>/<step>/ok, /v   a step's vote: members that finished it, and the verdict
+//   join_seq, join/<k>    joiners, in order of arrival; hb/<id> heartbeats
+//
+// A step is attempted at most once per generation (a failure ends the
+// generation), so (generation, step) names an attempt.
+
+#include <ddp/fault_tolerance.h>
+
+#include <ddp/error.h>
+
+#include "comm/backends.h"
+#include "fault/ft_store.h"
+#include "fault/membership.h"
+#include "fault/socket_watch.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/Functions.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace ddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using detail::Membership;
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::string(value) : fallback;
+}
+
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// The CPU's default generator, which a skipped step must leave as it found
+// it and a joiner receives.
+at::Generator cpu_generator() { return at::detail::getDefaultCPUGenerator(); }
+
+std::string text_of(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+std::vector<uint8_t> bytes_of(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
+
+std::string ids_text(const std::vector<std::string>& ids) {
+  std::string text;
+  for (size_t i = 0; i < ids.size(); ++i) text += (i ? ", " : "") + ids[i];
+  return text;
+}
+
+// Keys.
+std::string k_gen() { return "ft/gen"; }
+std::string k_members(int64_t g) { return "ft/q/" + std::to_string(g) + "/m"; }
+std::string k_arrived(int64_t g, const std::string& id) { return "ft/q/" + std::to_string(g) + "/a/" + id; }
+std::string k_dead(int64_t g, const std::string& id) { return "ft/q/" + std::to_string(g) + "/dead/" + id; }
+std::string k_abort(int64_t g) { return "ft/abort/" + std::to_string(g); }
+std::string k_socks(int64_t g, const std::string& id) { return "ft/socks/" + std::to_string(g) + "/" + id; }
+std::string k_ok(int64_t g, int64_t s) { return "ft/s/" + std::to_string(g) + "/" + std::to_string(s) + "/ok"; }
+std::string k_verdict(int64_t g, int64_t s) { return "ft/s/" + std::to_string(g) + "/" + std::to_string(s) + "/v"; }
+std::string k_join_seq() { return "ft/join_seq"; }
+std::string k_join(int64_t k) { return "ft/join/" + std::to_string(k); }
+std::string k_heartbeat(const std::string& id) { return "ft/hb/" + id; }
+
+// One generation: its membership and its Gloo group.
+struct Generation {
+  int64_t g = 0;
+  Membership membership;
+  int rank = -1;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<detail::TrackedSocket> sockets;
+  bool aborted = false;  // guarded by Impl::mutex_
+  std::map<std::string, std::string> id_of_address;  // filled on the first hang-up
+  int size() const { return static_cast<int>(membership.ids.size()); }
+};
+
+// A bucket's all-reduce in flight: its future completes once, with the
+// average, or with the bucket untouched when the step failed (the step is
+// then skipped, so the value does not matter, and the reduced tensor is the
+// hook's own: an abandoned operation can never write into the bucket).
+struct PendingBucket {
+  c10::intrusive_ptr<c10::ivalue::Future> out = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  at::Tensor result;
+  at::Tensor fallback;
+  std::atomic<bool> done{false};
+  void finish(bool ok) {
+    if (done.exchange(true)) return;
+    out->markCompleted(ok ? result : fallback);
+  }
+};
+
+enum class Reconfigure { kNone, kFailure, kJoin };
+
+}  // namespace
+
+bool fault_tolerance_requested() { return env_or("DDP_FAULT_TOLERANCE", "0") == "1"; }
+
+FaultToleranceOptions::FaultToleranceOptions() {
+  store_ = env_or("DDP_FT_STORE", "");
+  replica_id_ = env_or("DDP_FT_REPLICA_ID", "");
+  if (const char* n = std::getenv("DDP_FT_INITIAL_REPLICAS"); n && *n) initial_replicas_ = std::atoi(n);
+  if (const char* d = std::getenv("DDP_FT_DEADLINE_MS"); d && *d) {
+    deadline_ = std::chrono::milliseconds(std::atoll(d));
+  }
+}
+
+struct FaultTolerance::Impl {
+  FaultToleranceOptions options;
+  std::string id;
+  c10::intrusive_ptr<c10d::Store> store;    // the training thread's connection
+  c10::intrusive_ptr<c10d::Store> wstore;   // the watcher's own
+  std::shared_ptr<ProcessGroup> local;
+
+  std::shared_ptr<torch::nn::Module> module;
+  torch::optim::Optimizer* optimizer = nullptr;
+  FaultTolerantSampler* sampler = nullptr;
+  std::vector<std::pair<std::function<void(torch::serialize::OutputArchive&)>,
+                        std::function<void(torch::serialize::InputArchive&)>>>
+      extra_state;
+
+  // Shared with the watcher and Gloo's callback threads.
+  mutable std::mutex mutex;
+  std::shared_ptr<Generation> current;
+  std::vector<std::shared_ptr<PendingBucket>> pending;
+  bool step_failed = false;
+  std::string failure_cause;
+  Clock::time_point failure_time;
+  bool wake = false;
+  std::condition_variable wake_cv;
+  // Heartbeats seen: value and when it last changed, per replica watched.
+  std::map<std::string, std::pair<std::string, Clock::time_point>> heartbeats;
+  std::set<std::string> watched;
+
+  std::atomic<int64_t> join_seq_seen{0};
+  std::atomic<int64_t> joined_upto{0};
+  std::atomic<int64_t> current_step{0};
+  std::atomic<int64_t> current_gen{0};
+  std::atomic<bool> hold{false};
+  std::atomic<bool> stop{false};
+  std::thread watcher;
+
+  // Groups to destroy off the training thread (one stuck in a send to a dead
+  // peer only returns at its timeout).
+  std::mutex reap_mutex;
+  std::condition_variable reap_cv;
+  std::deque<std::shared_ptr<Generation>> to_reap;
+  std::thread reaper;
+
+  bool joined = false;
+  bool left = false;
+  Reconfigure reconfigure = Reconfigure::kNone;
+  int64_t step = 0;
+  at::Tensor rng_before_step;
+  Clock::time_point step_started;
+  FaultToleranceStats stats;
+  int64_t store_ops = 0;
+  int64_t store_ops_counted_steps = 0;
+  std::vector<std::string> keys_of_old_generations;
+
+  const bool debug = env_or("DDP_FT_DEBUG", "0") == "1";
+
+  explicit Impl(FaultToleranceOptions o) : options(std::move(o)) {}
+
+  // ---- the watcher -----------------------------------------------------------
+
+  void start_threads() {
+    watcher = std::thread([this] { watch(); });
+    reaper = std::thread([this] { reap(); });
+  }
+
+  void stop_threads() {
+    stop = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      wake = true;
+    }
+    wake_cv.notify_all();
+    reap_cv.notify_all();
+    if (watcher.joinable()) watcher.join();
+    if (reaper.joinable()) reaper.join();
+  }
+
+  void note_failure(int64_t g, const std::string& cause) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!current || current->g != g || step_failed) return;
+      step_failed = true;
+      failure_cause = cause;
+      failure_time = Clock::now();
+      wake = true;
+    }
+    wake_cv.notify_all();
+  }
+
+  bool heartbeat_stale(const std::string& who) {
+    std::lock_guard<std::mutex> lock(mutex);
+    watched.insert(who);
+    auto it = heartbeats.find(who);
+    if (it == heartbeats.end()) return false;  // not seen yet: the watcher looks within one interval
+    return Clock::now() - it->second.second > options.heartbeat_timeout();
+  }
+
+  void watch() {
+    int64_t beat = 0;
+    auto next_beat = Clock::now();
+    while (!stop) {
+      std::shared_ptr<Generation> gen;
+      bool failed = false;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        wake_cv.wait_for(lock, std::chrono::milliseconds(10), [&] { return stop.load() || wake; });
+        wake = false;
+        if (stop) break;
+        gen = current;
+        failed = step_failed;
+      }
+      try {
+        if (Clock::now() >= next_beat) {
+          next_beat = Clock::now() + options.heartbeat_interval();
+          wstore->set(k_heartbeat(id), bytes_of(std::to_string(++beat)));
+          if (wstore->check({k_join_seq()})) join_seq_seen = wstore->add(k_join_seq(), 0);
+          std::set<std::string> ids;
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            ids = watched;
+          }
+          for (const auto& who : ids) {
+            if (who == id || !wstore->check({k_heartbeat(who)})) continue;
+            std::string value = text_of(wstore->get(k_heartbeat(who)));
+            std::lock_guard<std::mutex> lock(mutex);
+            auto it = heartbeats.find(who);
+            if (it == heartbeats.end() || it->second.first != value) heartbeats[who] = {value, Clock::now()};
+          }
+        }
+        bool aborted = false;
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          aborted = !gen || gen->aborted;
+        }
+        if (!aborted) {
+          auto hung_up = detail::hung_up_peers(gen->sockets);
+          if (!hung_up.empty()) {
+            abort_generation(*wstore, gen, "crash: connection closed", hung_up);
+          } else if (failed) {
+            abort_generation(*wstore, gen, "", {});
+          } else if (wstore->check({k_abort(gen->g)})) {
+            abort_generation(*wstore, gen, "another member failed", {});
+          }
+        }
+      } catch (const std::exception& e) {
+        // The store is out of reach for now; the training thread's own calls
+        // report it. Back off so a dead store does not spin.
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  }
+
+  // Which member a hung-up peer address belongs to: each member published
+  // the local addresses of its group's sockets.
+  std::string member_at(c10d::Store& s, Generation& gen, const std::string& address) {
+    if (gen.id_of_address.empty()) {
+      for (const auto& who : gen.membership.ids) {
+        if (who == id || !s.check({k_socks(gen.g, who)})) continue;
+        std::stringstream in(text_of(s.get(k_socks(gen.g, who))));
+        for (std::string a; in >> a;) gen.id_of_address[a] = who;
+      }
+    }
+    auto it = gen.id_of_address.find(address);
+    return it == gen.id_of_address.end() ? "" : it->second;
+  }
+
+  // Generation `gen` failed: say so to every member (abort/<g>), mark the
+  // peers that hung up without coming to the next quorum as crashed, come
+  // to the next quorum, shut the group's sockets (pending operations fail at
+  // once) and give the pending buckets back. The arrival is written before
+  // the sockets close, so no member takes this one's hang-up for a crash.
+  void abort_generation(c10d::Store& s, const std::shared_ptr<Generation>& gen, const std::string& cause,
+                        const std::vector<std::string>& hung_up) {
+    if (debug) {
+      std::string peers;
+      for (const auto& a : hung_up) peers += a + " ";
+      std::fprintf(stderr, "ddp: ft debug: %s aborts generation %lld: %s [%s]\n", id.c_str(),
+                   static_cast<long long>(gen->g), cause.c_str(), peers.c_str());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (gen->aborted) return;
+    }
+    const int64_t next = gen->g + 1;
+    for (const auto& address : hung_up) {
+      std::string who = member_at(s, *gen, address);
+      if (!who.empty() && !s.check({k_arrived(next, who)})) s.set(k_dead(next, who), bytes_of("crash"));
+    }
+    s.set(k_arrived(next, id), bytes_of("1"));
+    s.set(k_abort(gen->g), bytes_of("1"));
+    // A member waiting for the verdict of the step in flight learns it now.
+    s.compareSet(k_verdict(gen->g, current_step.load()), {}, bytes_of("S"));
+    std::vector<std::shared_ptr<PendingBucket>> give_back;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (gen->aborted) return;
+      gen->aborted = true;
+      if (current == gen && !step_failed) {
+        step_failed = true;
+        failure_cause = cause;
+        failure_time = Clock::now();
+      } else if (current == gen && failure_cause.empty()) {
+        failure_cause = cause;
+      }
+      give_back.swap(pending);
+    }
+    detail::shutdown_sockets(gen->sockets);
+    for (auto& p : give_back) p->finish(false);
+  }
+
+  void reap() {
+    while (true) {
+      std::shared_ptr<Generation> gen;
+      {
+        std::unique_lock<std::mutex> lock(reap_mutex);
+        reap_cv.wait(lock, [&] { return stop.load() || !to_reap.empty(); });
+        if (to_reap.empty()) return;
+        gen = std::move(to_reap.front());
+        to_reap.pop_front();
+      }
+      gen.reset();  // joins the group's threads, possibly after its timeout
+    }
+  }
+
+  void retire(std::shared_ptr<Generation> gen) {
+    {
+      std::lock_guard<std::mutex> lock(reap_mutex);
+      to_reap.push_back(std::move(gen));
+    }
+    reap_cv.notify_all();
+  }
+
+  // ---- the hook --------------------------------------------------------------
+
+  c10::intrusive_ptr<c10::ivalue::Future> run_bucket(GradBucket& bucket) {
+    auto p = std::make_shared<PendingBucket>();
+    p->fallback = bucket.buffer();
+    std::shared_ptr<Generation> gen;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      gen = current;
+      if (!gen || gen->aborted || step_failed) {
+        p->finish(false);
+        return p->out;
+      }
+      pending.push_back(p);
+    }
+    // Averaged over the members that contribute: divided before the sum, as
+    // DDP does, so a sum of averages cannot overflow.
+    p->result = bucket.buffer().div(gen->size());
+    try {
+      std::vector<at::Tensor> tensors{p->result};
+      auto work = gen->backend->allreduce(tensors);
+      const int64_t g = gen->g;
+      work->getFuture()->addCallback([this, p, g](c10::ivalue::Future& f) {
+        if (f.hasError()) note_failure(g, "collective failed: " + f.tryRetrieveErrorMessage());
+        p->finish(!f.hasError());
+      });
+    } catch (const std::exception& e) {
+      note_failure(gen->g, std::string("collective failed: ") + e.what());
+      p->finish(false);
+    }
+    return p->out;
+  }
+
+  // ---- generations -----------------------------------------------------------
+
+  // The joiners registered after `after`, in order, up to the first gap.
+  std::vector<std::pair<int64_t, std::string>> joiners_after(int64_t after) {
+    std::vector<std::pair<int64_t, std::string>> found;
+    if (!store->check({k_join_seq()})) return found;
+    const int64_t last = store->add(k_join_seq(), 0);
+    for (int64_t k = after + 1; k <= last; ++k) {
+      if (!store->check({k_join(k)})) break;
+      found.emplace_back(k, text_of(store->get(k_join(k))));
+    }
+    return found;
+  }
+
+  // Decides generation `next`'s membership with the other members, or reads
+  // it when another member decided first. `previous` is the last
+  // generation's membership (empty for the first quorum).
+  Membership decide(int64_t next, const Membership& previous, bool first_quorum) {
+    const auto started = Clock::now();
+    store->set(k_arrived(next, id), bytes_of("1"));
+    for (const auto& who : previous.ids) {
+      std::lock_guard<std::mutex> lock(mutex);
+      watched.insert(who);
+    }
+    while (true) {
+      if (store->check({k_members(next)})) return detail::decode_membership(text_of(store->get(k_members(next))));
+      if (store->check({k_gen()}) && std::stoll(text_of(store->get(k_gen()))) >= next &&
+          !store->check({k_members(next)})) {
+        // Decided and already cleaned up: this member is long gone.
+        throw FencedOut(c10::str("ddp: replica ", id, " was fenced out: the other members formed generation ", next,
+                                 " and moved on without it (it missed the ", options.deadline().count(),
+                                 " ms deadline: hung or cut off). Exit and let the launcher restart it, or make a "
+                                 "new FaultTolerance to rejoin"));
+      }
+      const bool late = Clock::now() - started > options.deadline();
+      bool decided = true;
+      std::vector<std::string> members;
+      for (const auto& who : previous.ids) {
+        if (who == id || store->check({k_arrived(next, who)})) {
+          members.push_back(who);
+        } else if (!(store->check({k_dead(next, who)}) || heartbeat_stale(who) || late)) {
+          decided = false;
+        }
+      }
+      Membership m;
+      m.carried = static_cast<int>(members.size());
+      m.joined_upto = previous.joined_upto;
+      if (!hold || first_quorum) {
+        for (const auto& [k, who] : joiners_after(previous.joined_upto)) {
+          m.joined_upto = k;
+          if (!heartbeat_stale(who)) members.push_back(who);
+        }
+      }
+      // The first quorum waits for initial_replicas up to the join timeout,
+      // then goes on with min_replicas; later ones need min_replicas.
+      const bool timed_out = Clock::now() - started > options.join_timeout();
+      const int wanted = first_quorum && !timed_out ? options.initial_replicas() : options.min_replicas();
+      if (static_cast<int>(members.size()) < wanted) {
+        DDP_CHECK(!timed_out, "ddp: only ", members.size(), " replica(s) came to the quorum within ",
+                  options.join_timeout().count(), " ms (", ids_text(members), "); ", wanted,
+                  " are needed (min_replicas). Start more workers or lower it");
+        decided = false;
+      }
+      if (decided && first_quorum && m.carried == 0 && std::find(members.begin(), members.end(), id) == members.end()) {
+        decided = false;  // this joiner's own registration is not visible yet
+      }
+      if (decided) {
+        m.ids = members;
+        auto winner = store->compareSet(k_members(next), {}, bytes_of(detail::encode_membership(m)));
+        return detail::decode_membership(text_of(winner));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+  // Makes generation g's Gloo group (always Gloo, made here explicitly: its
+  // sockets are what an abort shuts down) on a fresh store prefix. The one
+  // place a group is made, so that torch's reconfigure API can replace it.
+  std::shared_ptr<Generation> make_generation(int64_t g, const Membership& m) {
+    auto gen = std::make_shared<Generation>();
+    gen->g = g;
+    gen->membership = m;
+    gen->rank = m.rank_of(id);
+    World world;
+    world.rank = gen->rank;
+    world.world_size = gen->size();
+    world.local_world_size = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", "1").c_str()));
+    world.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
+    world.master_port = std::atoi(env_or("MASTER_PORT", "0").c_str());
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("ft/pg/" + std::to_string(g), store);
+    {
+      std::lock_guard<std::mutex> lock(detail::socket_tracking_mutex());
+      auto before = detail::open_sockets();
+      gen->backend = detail::make_gloo_backend(prefixed, world, options.deadline());
+      gen->sockets = detail::connected_sockets_since(before);
+    }
+    std::string addresses;
+    for (const auto& s : gen->sockets) addresses += s.local + " ";
+    store->set(k_socks(g, id), bytes_of(addresses));
+    for (const auto& who : m.ids) {
+      for (const auto& key : {k_arrived(g, who), k_dead(g, who), k_socks(g, who)}) keys_of_old_generations.push_back(key);
+      // Gloo's own keys: "<device>/<rank>" under the group's prefix.
+      keys_of_old_generations.push_back("ft/pg/" + std::to_string(g) + "/0/" + std::to_string(m.rank_of(who)));
+    }
+    keys_of_old_generations.push_back(k_members(g));
+    keys_of_old_generations.push_back(k_abort(g));
+    return gen;
+  }
+
+  // ---- state for joiners -----------------------------------------------------
+
+  std::string save_state() {
+    torch::serialize::OutputArchive archive;
+    archive.write("ft/step", at::scalar_tensor(step, at::kLong));
+    archive.write("ft/rng", cpu_generator().get_state());
+    if (sampler) {
+      archive.write("ft/sampler/epoch", at::scalar_tensor(sampler->epoch(), at::kLong));
+      archive.write("ft/sampler/cursor", at::scalar_tensor(sampler->cursor(), at::kLong));
+    }
+    if (module) {
+      for (const auto& p : module->named_parameters()) archive.write("model/" + p.key(), p.value().detach());
+      for (const auto& b : module->named_buffers()) archive.write("model/" + b.key(), b.value().detach(), true);
+    }
+    if (optimizer) {
+      torch::serialize::OutputArchive sub;
+      optimizer->save(sub);
+      archive.write("optimizer", sub);
+    }
+    for (size_t i = 0; i < extra_state.size(); ++i) {
+      torch::serialize::OutputArchive sub;
+      extra_state[i].first(sub);
+      archive.write("extra/" + std::to_string(i), sub);
+    }
+    std::ostringstream out;
+    archive.save_to(out);
+    return out.str();
+  }
+
+  void load_state(const std::string& blob) {
+    torch::serialize::InputArchive archive;
+    archive.load_from(blob.data(), blob.size());
+    // Each read into a fresh tensor: reading into a defined one resizes it in place.
+    at::Tensor saved_step, rng;
+    archive.read("ft/step", saved_step);
+    step = saved_step.item<int64_t>();
+    current_step = step;
+    archive.read("ft/rng", rng);
+    cpu_generator().set_state(rng);
+    if (sampler) {
+      at::Tensor epoch, cursor;
+      archive.read("ft/sampler/epoch", epoch);
+      archive.read("ft/sampler/cursor", cursor);
+      sampler->set_position(epoch.item<int64_t>(), cursor.item<int64_t>());
+    }
+    if (module) {
+      torch::NoGradGuard no_grad;
+      // Copied into the tensors DDP already holds, never replacing them.
+      for (auto& p : module->named_parameters()) {
+        at::Tensor v;
+        archive.read("model/" + p.key(), v);
+        p.value().detach().copy_(v);
+      }
+      for (auto& b : module->named_buffers()) {
+        at::Tensor v;
+        archive.read("model/" + b.key(), v, true);
+        b.value().detach().copy_(v);
+      }
+    }
+    if (optimizer) {
+      torch::serialize::InputArchive sub;
+      archive.read("optimizer", sub);
+      optimizer->load(sub);
+    }
+    for (size_t i = 0; i < extra_state.size(); ++i) {
+      torch::serialize::InputArchive sub;
+      archive.read("extra/" + std::to_string(i), sub);
+      extra_state[i].second(sub);
+    }
+  }
+
+  // Rank 0 (a carried member, or the first quorum's first) sends the state
+  // to every joiner, point to point over the new group.
+  void heal(Generation& gen) {
+    const int first_joiner = std::max(1, gen.membership.carried);
+    if (first_joiner >= gen.size()) return;
+    auto wait = [&](const c10::intrusive_ptr<c10d::Work>& work) {
+      DDP_PEER_CHECK(work->wait(options.deadline()), "ddp: sending the state to a joiner failed");
+    };
+    if (gen.rank == 0) {
+      const std::string blob = save_state();
+      at::Tensor size = at::scalar_tensor(static_cast<int64_t>(blob.size()), at::kLong).reshape({1});
+      at::Tensor bytes = at::empty({static_cast<int64_t>(blob.size())}, at::kByte);
+      std::memcpy(bytes.data_ptr(), blob.data(), blob.size());
+      for (int r = first_joiner; r < gen.size(); ++r) {
+        std::vector<at::Tensor> a{size}, b{bytes};
+        wait(gen.backend->send(a, r, 1));
+        wait(gen.backend->send(b, r, 2));
+        stats.heal_bytes_sent += static_cast<int64_t>(blob.size());
+      }
+    } else if (gen.rank >= first_joiner) {
+      at::Tensor size = at::zeros({1}, at::kLong);
+      std::vector<at::Tensor> a{size};
+      wait(gen.backend->recv(a, 0, 1));
+      at::Tensor bytes = at::empty({size.item<int64_t>()}, at::kByte);
+      std::vector<at::Tensor> b{bytes};
+      wait(gen.backend->recv(b, 0, 2));
+      load_state(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
+      stats.heal_bytes_received += bytes.numel();
+    }
+  }
+
+  // Forms generations from `next` on until one is made and healed: a member
+  // that dies while a group is being made fails that generation too.
+  // False only for the first quorum, when it was formed without this
+  // process (which then waits to be let in as a joiner).
+  bool form(int64_t next, Membership previous, bool first_quorum, const std::string& why) {
+    const auto started = failure_time_or_now();
+    const std::vector<std::string> before = previous.ids;
+    while (true) {
+      Membership m = decide(next, previous, first_quorum);
+      if (m.rank_of(id) < 0 && first_quorum) return false;
+      if (m.rank_of(id) < 0) {
+        throw FencedOut(c10::str("ddp: replica ", id, " was fenced out: generation ", next, " was formed without it (",
+                                 ids_text(m.ids), ") because it missed the ", options.deadline().count(),
+                                 " ms deadline (hung or cut off). Exit and let the launcher restart it, or make "
+                                 "a new FaultTolerance to rejoin"));
+      }
+      store->compareSet(k_gen(), next == 1 ? std::vector<uint8_t>{} : bytes_of(std::to_string(next - 1)),
+                        bytes_of(std::to_string(next)));
+      std::shared_ptr<Generation> gen;
+      try {
+        gen = make_generation(next, m);
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          current = gen;
+          step_failed = false;
+          failure_cause.clear();
+          pending.clear();
+          for (const auto& who : m.ids) watched.insert(who);
+        }
+        current_gen = next;
+        joined_upto = m.joined_upto;
+        heal(*gen);
+      } catch (const FencedOut&) {
+        throw;
+      } catch (const std::exception& e) {
+        // Someone died while the group was made or the state sent: this
+        // generation fails as a step would.
+        if (debug) std::fprintf(stderr, "ddp: ft debug: generation %lld failed: %s\n", static_cast<long long>(next), e.what());
+        store->set(k_arrived(next + 1, id), bytes_of("1"));
+        store->set(k_abort(next), bytes_of("1"));
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (gen) gen->aborted = true;
+          current = nullptr;
+        }
+        if (gen) {
+          detail::shutdown_sockets(gen->sockets);
+          retire(gen);
+        }
+        previous = m;
+        first_quorum = false;
+        ++next;
+        continue;
+      }
+      const double recovered_ms = ms_since(started);
+      if (!before.empty() || !first_quorum) {
+        stats.membership_changes += 1;
+        stats.last_recovery_ms = recovered_ms;
+        log_change(before, m, why, recovered_ms);
+      }
+      if (gen->rank == 0) delete_old_keys(next);
+      return true;
+    }
+  }
+
+  Clock::time_point failure_time_or_now() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return step_failed ? failure_time : Clock::now();
+  }
+
+  void log_change(const std::vector<std::string>& before, const Membership& m, const std::string& why,
+                  double recovered_ms) {
+    if (!options.log_membership()) return;
+    const int64_t g = current_gen.load();
+    std::string what;
+    for (const auto& who : before) {
+      if (m.rank_of(who) >= 0) continue;
+      std::string cause;
+      if (store->check({k_dead(g, who)})) {
+        cause = text_of(store->get(k_dead(g, who))) == "left" ? "left cleanly" : "crash: connection closed";
+      } else if (heartbeat_stale(who)) {
+        cause = "deadline: no heartbeat for " + std::to_string(options.heartbeat_timeout().count()) + " ms (hung)";
+      } else {
+        cause = "partition: alive but missed the " + std::to_string(options.deadline().count()) + " ms deadline";
+      }
+      what += (what.empty() ? "" : "; ") + ("replica " + who + " left (" + cause + ")");
+    }
+    for (const auto& who : m.ids) {
+      if (std::find(before.begin(), before.end(), who) == before.end() && who != id) {
+        what += (what.empty() ? "" : "; ") + ("replica " + who + " joined");
+      }
+    }
+    if (what.empty()) what = why;
+    std::fprintf(stderr, "ddp: membership: %s at step %lld; recovered in %.0f ms; %zu -> %zu replicas\n",
+                 what.c_str(), static_cast<long long>(step), recovered_ms, before.size(), m.ids.size());
+    std::fflush(stderr);
+  }
+
+  // Keys of generations before the previous one: every member that could
+  // still read them has moved on.
+  void delete_old_keys(int64_t g) {
+    std::vector<std::string> keep;
+    const std::string newer1 = "/" + std::to_string(g) + "/", newer2 = "/" + std::to_string(g - 1) + "/";
+    for (const auto& key : keys_of_old_generations) {
+      const bool recent = key.find(newer1) != std::string::npos || key.find(newer2) != std::string::npos ||
+                          key == k_abort(g) || key == k_abort(g - 1);
+      if (recent) {
+        keep.push_back(key);
+      } else {
+        store->deleteKey(key);
+      }
+    }
+    keys_of_old_generations.swap(keep);
+  }
+
+  void join() {
+    std::signal(SIGPIPE, SIG_IGN);  // Gloo writes with writev and does not suppress it
+    const int64_t k = store->add(k_join_seq(), 1);
+    store->set(k_join(k), bytes_of(id));
+    const auto started = Clock::now();
+    while (true) {
+      if (!store->check({k_gen()})) {
+        Membership none;
+        if (form(1, none, /*first_quorum=*/true, "first quorum")) break;
+        continue;
+      }
+      const int64_t g = std::stoll(text_of(store->get(k_gen())));
+      if (store->check({k_members(g)})) {
+        Membership m = detail::decode_membership(text_of(store->get(k_members(g))));
+        if (m.rank_of(id) >= 0) {
+          // Let in: the members of g make its group now, and send the state.
+          adopt(g, m);
+          break;
+        }
+      }
+      DDP_CHECK(Clock::now() - started < options.join_timeout(), "ddp: replica ", id, " was not let into the job within ",
+                options.join_timeout().count(), " ms; are the members training (they let joiners in at a step "
+                "boundary)?");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    joined = true;
+  }
+
+  // A joiner whose admission into generation g was decided by the members.
+  void adopt(int64_t g, const Membership& m) {
+    const auto started = Clock::now();
+    std::shared_ptr<Generation> gen = make_generation(g, m);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      current = gen;
+      step_failed = false;
+      for (const auto& who : m.ids) watched.insert(who);
+    }
+    current_gen = g;
+    joined_upto = m.joined_upto;
+    heal(*gen);
+    if (options.log_membership()) {
+      std::fprintf(stderr, "ddp: membership: replica %s joined at step %lld, healed from %s (%lld bytes) in %.0f ms; %d replicas\n",
+                   id.c_str(), static_cast<long long>(step), m.ids[0].c_str(),
+                   static_cast<long long>(stats.heal_bytes_received), ms_since(started), gen->size());
+      std::fflush(stderr);
+    }
+  }
+
+  void reconfigure_now(const std::string& why) {
+    std::shared_ptr<Generation> old;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      old = current;
+    }
+    DDP_CHECK(old, "ddp: fault tolerance has no generation to leave");
+    // Come to the next quorum before closing anything (see abort_generation).
+    store->set(k_arrived(old->g + 1, id), bytes_of("1"));
+    std::vector<std::shared_ptr<PendingBucket>> give_back;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      old->aborted = true;
+      give_back.swap(pending);
+    }
+    detail::shutdown_sockets(old->sockets);
+    for (auto& p : give_back) p->finish(false);
+    retire(old);
+    form(old->g + 1, old->membership, false, why);
+    reconfigure = Reconfigure::kNone;
+  }
+};
+
+FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  auto& o = impl_->options;
+  DDP_CHECK(!o.store().empty(), "ddp: fault tolerance needs a store: set DDP_FT_STORE (ddprun --fault-tolerance does) ",
+            "or FaultToleranceOptions::store");
+  DDP_CHECK(!o.replica_id().empty() && o.replica_id().find_first_of(",| ") == std::string::npos,
+            "ddp: fault tolerance needs a replica id without ',', '|' or spaces (DDP_FT_REPLICA_ID or "
+            "FaultToleranceOptions::replica_id), got '", o.replica_id(), "'");
+  DDP_CHECK(o.deadline().count() > 0 && o.heartbeat_interval().count() > 0 &&
+                o.heartbeat_timeout() > o.heartbeat_interval(),
+            "ddp: fault tolerance needs a positive deadline and a heartbeat timeout longer than its interval");
+  DDP_CHECK(o.initial_replicas() >= 1 && o.min_replicas() >= 1, "ddp: initial_replicas and min_replicas must be >= 1");
+  std::signal(SIGPIPE, SIG_IGN);  // Gloo's writev does not suppress it: a dead peer must not kill a survivor
+  impl_->id = o.replica_id();
+  impl_->store = detail::open_ft_store(o.store(), o.deadline());
+  impl_->wstore = detail::open_ft_store(o.store(), o.deadline());
+  impl_->start_threads();
+}
+
+FaultTolerance::~FaultTolerance() {
+  impl_->stop_threads();
+  std::shared_ptr<Generation> gen;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    gen = std::move(impl_->current);
+  }
+  gen.reset();
+  while (!impl_->to_reap.empty()) impl_->to_reap.pop_front();
+}
+
+std::shared_ptr<ProcessGroup> FaultTolerance::local_group() {
+  if (!impl_->local) {
+    World world;  // this process alone
+    world.master_addr = "127.0.0.1";
+    std::lock_guard<std::mutex> lock(detail::socket_tracking_mutex());
+    impl_->local = ProcessGroup::create(world, ProcessGroupOptions()
+                                                   .backend(BackendKind::kGloo)
+                                                   .init_method("env://")
+                                                   .install_stack_dump_handler(false)
+                                                   .install_terminate_handler(false));
+  }
+  return impl_->local;
+}
+
+namespace {
+class FaultTolerantHook : public CommHook {
+ public:
+  explicit FaultTolerantHook(std::function<c10::intrusive_ptr<c10::ivalue::Future>(GradBucket&)> run)
+      : run_(std::move(run)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& /*local*/, GradBucket& bucket) override {
+    DDP_CHECK(!bucket.scatters(), "ddp: the fault-tolerant hook all-reduces DDP buckets; FSDP is not supported");
+    return run_(bucket);
+  }
+
+ private:
+  std::function<c10::intrusive_ptr<c10::ivalue::Future>(GradBucket&)> run_;
+};
+}  // namespace
+
+std::shared_ptr<CommHook> FaultTolerance::comm_hook() {
+  Impl* impl = impl_.get();
+  return std::make_shared<FaultTolerantHook>([impl](GradBucket& b) { return impl->run_bucket(b); });
+}
+
+DDPOptions FaultTolerance::ddp_options(DDPOptions base) {
+  return base.comm_hook(comm_hook()).rebuild_buckets(false);
+}
+
+void FaultTolerance::manage(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer* optimizer,
+                            FaultTolerantSampler* sampler) {
+  impl_->module = std::move(module);
+  impl_->optimizer = optimizer;
+  impl_->sampler = sampler;
+}
+
+void FaultTolerance::manage_state(std::function<void(torch::serialize::OutputArchive&)> save,
+                                  std::function<void(torch::serialize::InputArchive&)> load) {
+  impl_->extra_state.emplace_back(std::move(save), std::move(load));
+}
+
+void FaultTolerance::start_step() {
+  auto& d = *impl_;
+  DDP_CHECK(!d.left, "ddp: this replica left the job; make a new FaultTolerance to rejoin");
+  if (!d.joined) {
+    d.join();
+  }
+  while (true) {
+    bool aborted;
+    {
+      std::lock_guard<std::mutex> lock(d.mutex);
+      aborted = !d.current || d.current->aborted;
+    }
+    if (d.reconfigure == Reconfigure::kNone && !aborted) break;
+    d.reconfigure_now(d.reconfigure == Reconfigure::kJoin ? "joiners let in" : "the last step failed");
+  }
+  d.rng_before_step = cpu_generator().get_state();
+  d.step_started = Clock::now();
+  d.current_step = d.step;
+}
+
+bool FaultTolerance::should_commit() {
+  auto& d = *impl_;
+  std::shared_ptr<Generation> gen;
+  bool ok;
+  std::string cause;
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    gen = d.current;
+    ok = gen && !gen->aborted && !d.step_failed;
+    cause = d.failure_cause;
+  }
+  DDP_CHECK(gen, "ddp: should_commit() before start_step()");
+  const std::string verdict_key = k_verdict(gen->g, d.step);
+  std::string verdict;
+  int64_t ops = 0;
+  try {
+    if (ok) {
+      const int64_t finished = d.store->add(k_ok(gen->g, d.step), 1);
+      ++ops;
+      if (finished == gen->size()) {
+        const bool let_in = !d.hold && d.join_seq_seen.load() > d.joined_upto.load();
+        verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of(let_in ? "CJ" : "C")));
+        ++ops;
+      } else {
+        try {
+          d.store->wait({verdict_key}, d.options.deadline());
+          verdict = text_of(d.store->get(verdict_key));
+          ops += 2;
+        } catch (const std::exception&) {
+          // A member neither voted nor failed within the deadline: hung.
+          verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of("S")));
+          ++ops;
+        }
+      }
+    } else {
+      verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of("S")));
+      ++ops;
+    }
+  } catch (const FencedOut&) {
+    throw;
+  } catch (const std::exception& e) {
+    DDP_PEER_CHECK(false, "ddp: the fault-tolerance store stopped answering during the vote of step ", d.step, ": ",
+                   e.what());
+  }
+  if (verdict == "C" || verdict == "CJ") {
+    if (d.sampler) d.sampler->advance(gen->size());
+    d.stats.committed_steps += 1;
+    if (gen->rank == 0 && d.step > 0) {
+      d.store->deleteKey(k_ok(gen->g, d.step - 1));
+      d.store->deleteKey(k_verdict(gen->g, d.step - 1));
+      ops += 2;
+    }
+    d.store_ops += ops;
+    d.store_ops_counted_steps += 1;
+    d.step += 1;
+    d.current_step = d.step;
+    if (verdict == "CJ") d.reconfigure = Reconfigure::kJoin;
+    // The keys of this attempt go with its generation.
+    d.keys_of_old_generations.push_back(k_ok(gen->g, d.step - 1));
+    d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step - 1));
+    return true;
+  }
+  // Skipped by every member: the generation is over; whoever has not yet
+  // dropped it does so now, so nobody waits on it.
+  d.keys_of_old_generations.push_back(k_ok(gen->g, d.step));
+  d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step));
+  d.abort_generation(*d.store, gen, cause.empty() ? "step skipped" : cause, {});
+  d.stats.skipped_steps += 1;
+  d.stats.seconds_lost += ms_since(d.step_started) / 1000.0;
+  cpu_generator().set_state(d.rng_before_step);
+  d.reconfigure = Reconfigure::kFailure;
+  return false;
+}
+
+void FaultTolerance::leave() {
+  auto& d = *impl_;
+  std::shared_ptr<Generation> gen;
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    gen = d.current;
+  }
+  if (gen) {
+    d.store->set(k_dead(gen->g + 1, d.id), bytes_of("left"));
+    d.store->set(k_abort(gen->g), bytes_of("1"));
+    d.store->compareSet(k_verdict(gen->g, d.step), {}, bytes_of("S"));
+    {
+      std::lock_guard<std::mutex> lock(d.mutex);
+      gen->aborted = true;
+      d.current = nullptr;
+    }
+    detail::shutdown_sockets(gen->sockets);
+    d.retire(gen);
+  }
+  d.left = true;
+}
+
+int FaultTolerance::rank() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current ? impl_->current->rank : -1;
+}
+
+int FaultTolerance::size() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current ? impl_->current->size() : 0;
+}
+
+int64_t FaultTolerance::step() const { return impl_->step; }
+int64_t FaultTolerance::generation() const { return impl_->current_gen.load(); }
+const std::string& FaultTolerance::replica_id() const { return impl_->id; }
+
+std::vector<std::string> FaultTolerance::members() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current ? impl_->current->membership.ids : std::vector<std::string>{};
+}
+
+bool FaultTolerance::join_pending() const { return impl_->join_seq_seen.load() > impl_->joined_upto.load(); }
+void FaultTolerance::hold_joiners(bool hold) { impl_->hold = hold; }
+
+FaultToleranceStats FaultTolerance::stats() const {
+  FaultToleranceStats s = impl_->stats;
+  if (impl_->store_ops_counted_steps > 0) {
+    s.store_ops_per_step = static_cast<double>(impl_->store_ops) / static_cast<double>(impl_->store_ops_counted_steps);
+  }
+  return s;
+}
+
+std::string FaultTolerance::stats_json() const {
+  const auto s = stats();
+  const double total = s.committed_steps + s.skipped_steps;
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "{\"ft_committed_steps\": %lld, \"ft_skipped_steps\": %lld, \"ft_seconds_lost\": %.3f, "
+                "\"ft_membership_changes\": %lld, \"ft_last_recovery_ms\": %.1f, \"ft_committed_fraction\": %.4f, "
+                "\"ft_heal_bytes_sent\": %lld, \"ft_heal_bytes_received\": %lld, \"ft_store_ops_per_step\": %.2f}",
+                static_cast<long long>(s.committed_steps), static_cast<long long>(s.skipped_steps), s.seconds_lost,
+                static_cast<long long>(s.membership_changes), s.last_recovery_ms,
+                total > 0 ? s.committed_steps / total : 1.0, static_cast<long long>(s.heal_bytes_sent),
+                static_cast<long long>(s.heal_bytes_received), s.store_ops_per_step);
+  return text;
+}
+
+}  // namespace ddp

@@ -1,0 +1,45 @@
+#pragma once
+
+// Gloo has no abort (torch 2.11: ProcessGroup::abort does nothing and
+// Work::abort throws), but shutting down a group's connected sockets fails
+// its pending operations within milliseconds. These helpers find a group's
+// sockets by diffing this process's open sockets around its creation, shut
+// them down, and watch them for a peer's hang-up (a crashed peer's kernel
+// closes its end at once). The listening socket is never touched: a
+// shutdown of it aborts the process through a Gloo assertion.
+
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ddp::detail {
+
+/// A connected socket, identified by its descriptor and both ends'
+/// addresses, so that a descriptor number reused by another socket after
+/// Gloo closed its own is never mistaken for it.
+struct TrackedSocket {
+  int fd = -1;
+  std::string local;  ///< "127.0.0.1:40312"
+  std::string peer;
+};
+
+/// This process's open sockets as (descriptor, inode) pairs.
+std::set<std::pair<int, unsigned long>> open_sockets();
+
+/// The connected sockets opened since `before` (listening ones excluded).
+std::vector<TrackedSocket> connected_sockets_since(const std::set<std::pair<int, unsigned long>>& before);
+
+/// Held around making a group whose sockets are to be tracked, so that two
+/// such creations never see each other's sockets.
+std::mutex& socket_tracking_mutex();
+
+/// shutdown(2) of each socket that is still the one tracked.
+void shutdown_sockets(const std::vector<TrackedSocket>& sockets);
+
+/// The peer addresses of those sockets whose peer hung up (or which Gloo
+/// already closed after an error), without reading anything.
+std::vector<std::string> hung_up_peers(const std::vector<TrackedSocket>& sockets);
+
+}  // namespace ddp::detail

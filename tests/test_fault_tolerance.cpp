@@ -1,0 +1,399 @@
+// Per-step fault tolerance (include/ddp/fault_tolerance.h) with real
+// processes: three tests/workers/ft_worker.cpp replicas over a c10d TCPStore
+// that the test process serves (as ddprun --fault-tolerance would), over real
+// sockets on localhost. Workers are killed, stopped, restarted; the tests
+// read their step lines (bit-exact weight hashes, sample windows, times).
+
+#include <ddp/distributed_sampler.h>
+#include <ddp/fault_tolerance.h>
+
+#include "fault/membership.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+std::string worker_path() {
+  return (fs::read_symlink("/proc/self/exe").parent_path() / "ft_worker").string();
+}
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+struct StepLine {
+  int64_t step = 0, gen = 0, t_us = 0;
+  int rank = 0, size = 0;
+  std::string hash;
+  std::vector<int64_t> window, mine;
+};
+
+std::vector<int64_t> numbers(const std::string& text) {
+  std::vector<int64_t> v;
+  std::stringstream in(text);
+  for (std::string x; std::getline(in, x, ',');) v.push_back(std::stoll(x));
+  return v;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+struct Worker {
+  pid_t pid = -1;
+  std::string id, out, err;
+  int status = -1;
+  bool exited = false;
+
+  std::vector<StepLine> steps() const {
+    std::vector<StepLine> lines;
+    static const std::regex re(
+        R"(step (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+) t (\d+) window ([0-9,]*) mine ([0-9,]*))");
+    std::stringstream in(read_file(out));
+    for (std::string line; std::getline(in, line);) {
+      std::smatch m;
+      if (!std::regex_match(line, m, re)) continue;
+      StepLine s;
+      s.step = std::stoll(m[1]);
+      s.gen = std::stoll(m[2]);
+      s.rank = std::stoi(m[3]);
+      s.size = std::stoi(m[4]);
+      s.hash = m[5];
+      s.t_us = std::stoll(m[6]);
+      s.window = numbers(m[7]);
+      s.mine = numbers(m[8]);
+      lines.push_back(s);
+    }
+    return lines;
+  }
+  std::string final_hash() const {
+    static const std::regex re(R"(final ([0-9a-f]+))");
+    std::smatch m;
+    std::string text = read_file(out);
+    return std::regex_search(text, m, re) ? m[1].str() : "";
+  }
+  std::vector<std::string> skipped() const {
+    std::vector<std::string> lines;
+    std::stringstream in(read_file(out));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("skipped", 0) == 0) lines.push_back(line);
+    }
+    return lines;
+  }
+  int64_t committed() const {
+    auto s = steps();
+    return s.empty() ? -1 : s.back().step;
+  }
+};
+
+class FaultToleranceJob : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(worker_path())) GTEST_SKIP() << "ft_worker was not built next to the test";
+    c10d::TCPStoreOptions o;
+    o.port = 0;
+    o.isServer = true;
+    o.waitWorkers = false;
+    o.timeout = std::chrono::seconds(30);
+    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    dir_ = fs::temp_directory_path() / ("ddp_ft_" + std::to_string(getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+
+  void TearDown() override {
+    for (auto& w : workers_) {
+      if (!w.exited && w.pid > 0) {
+        kill(-w.pid, SIGKILL);
+        waitpid(w.pid, nullptr, 0);
+      }
+    }
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // Starts a replica with `id` and extra environment; returns its index.
+  size_t start(const std::string& id, std::map<std::string, std::string> env = {}) {
+    Worker w;
+    w.id = id;
+    std::string safe = id;
+    std::replace(safe.begin(), safe.end(), '/', '_');
+    w.out = (dir_ / (safe + ".out")).string();
+    w.err = (dir_ / (safe + ".err")).string();
+    env["DDP_FAULT_TOLERANCE"] = "1";
+    env["DDP_FT_STORE"] = "tcp://127.0.0.1:" + std::to_string(store_->getPort());
+    env["DDP_FT_REPLICA_ID"] = id;
+    env.emplace("DDP_FT_INITIAL_REPLICAS", "3");
+    env.emplace("DDP_FT_DEADLINE_MS", "3000");
+    env["MASTER_ADDR"] = "127.0.0.1";
+    env["OMP_NUM_THREADS"] = "1";
+    const std::string path = worker_path();
+    pid_t pid = fork();
+    if (pid == 0) {
+      setpgid(0, 0);
+      for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+      int out = open(w.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(out, 1);
+      dup2(err, 2);
+      execl(path.c_str(), path.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    setpgid(pid, pid);
+    w.pid = pid;
+    workers_.push_back(w);
+    return workers_.size() - 1;
+  }
+
+  // Waits until `pred` holds, up to `seconds`.
+  template <typename Pred>
+  bool wait_until(Pred pred, double seconds) {
+    const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    while (Clock::now() < end) {
+      if (pred()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return pred();
+  }
+
+  bool reap(Worker& w) {
+    if (w.exited) return true;
+    int status = 0;
+    if (waitpid(w.pid, &status, WNOHANG) == w.pid) {
+      w.exited = true;
+      w.status = status;
+    }
+    return w.exited;
+  }
+
+  // Waits for workers `which` to exit; expects it within `seconds`.
+  void wait_exit(const std::vector<size_t>& which, double seconds) {
+    bool all = wait_until(
+        [&] {
+          bool done = true;
+          for (size_t i : which) done = reap(workers_[i]) && done;
+          return done;
+        },
+        seconds);
+    ASSERT_TRUE(all) << "workers did not finish in " << seconds << " s\n" << logs();
+  }
+
+  std::string logs() const {
+    std::string text;
+    for (const auto& w : workers_) {
+      text += "---- " + w.id + " stderr:\n" + read_file(w.err) + "---- " + w.id + " stdout (tail):\n";
+      std::string out = read_file(w.out);
+      text += out.size() > 3000 ? out.substr(out.size() - 3000) : out;
+    }
+    return text;
+  }
+
+  void kill_worker(size_t i, int sig) { kill(workers_[i].pid, sig); }
+
+  // Every member printed the same hash at every step they both committed.
+  void expect_same_weights(const std::vector<size_t>& which) {
+    std::map<int64_t, std::string> first;
+    for (size_t i : which) {
+      for (const auto& s : workers_[i].steps()) {
+        auto [it, fresh] = first.emplace(s.step, s.hash);
+        EXPECT_EQ(it->second, s.hash) << "step " << s.step << " differs on " << workers_[i].id;
+      }
+    }
+  }
+
+  // The first committed step after `t_us` at a generation newer than `gen`.
+  int64_t first_commit_after(const Worker& w, int64_t t_us) {
+    for (const auto& s : w.steps()) {
+      if (s.t_us > t_us) return s.t_us;
+    }
+    return -1;
+  }
+
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  fs::path dir_;
+  std::vector<Worker> workers_;
+};
+
+// The pure rules: the membership record and the sampler's windows.
+TEST(FaultTolerancePure, MembershipRoundTrips) {
+  ddp::detail::Membership m;
+  m.joined_upto = 5;
+  m.carried = 2;
+  m.ids = {"node0/0/inc0", "node1/0/inc0", "node2/0/inc3"};
+  auto back = ddp::detail::decode_membership(ddp::detail::encode_membership(m));
+  EXPECT_EQ(back.joined_upto, 5);
+  EXPECT_EQ(back.carried, 2);
+  EXPECT_EQ(back.ids, m.ids);
+  EXPECT_EQ(back.rank_of("node2/0/inc3"), 2);
+  EXPECT_EQ(back.rank_of("nobody"), -1);
+}
+
+TEST(FaultTolerancePure, SamplerCoversEveryIndexOnceWhateverTheMembership) {
+  ddp::FaultTolerantSampler sampler(100, 7, /*seed=*/5);
+  const std::vector<int64_t> order = sampler.order();
+  // DistributedSampler's permutation for the same seed and epoch.
+  EXPECT_EQ(order, ddp::distributed_sampler_indices(100, ddp::SamplerOptions(1, 0).seed(5), 0));
+  std::vector<int> sizes = {3, 3, 2, 2, 2, 4, 1, 3, 3, 3, 3, 3};
+  std::vector<int64_t> seen;
+  for (size_t i = 0; sampler.epoch() == 0; ++i) {
+    const int n = sizes[i % sizes.size()];
+    std::vector<int64_t> joined;
+    for (int r = 0; r < n; ++r) {
+      auto part = sampler.batch(r, n);
+      EXPECT_FALSE(part.empty());
+      joined.insert(joined.end(), part.begin(), part.end());
+    }
+    EXPECT_EQ(joined, sampler.window(n));
+    if (i % 4 == 3) continue;  // a skipped step: its window comes back
+    seen.insert(seen.end(), joined.begin(), joined.end());
+    sampler.advance(n);
+  }
+  std::sort(seen.begin(), seen.end());
+  std::vector<int64_t> all(100);
+  for (int i = 0; i < 100; ++i) all[i] = i;
+  EXPECT_EQ(seen, all);
+}
+
+// A SIGKILLed replica: the two survivors go on with a new group within half
+// a second, skip the step in flight identically, keep identical weights and
+// finish; the epoch's samples are each trained once among the survivors.
+TEST_F(FaultToleranceJob, CrashedReplicaSurvivorsContinueWithinHalfASecond) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "70"}, {"FT_STEP_MS", "15"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[2].committed() >= 15; }, 40)) << logs();
+  const int64_t gen_before = workers_[0].steps().back().gen;
+  const int64_t killed_at = now_us();
+  kill_worker(2, SIGKILL);
+  wait_exit({0, 1}, 40);
+  ASSERT_EQ(workers_[0].status, 0) << logs();
+  ASSERT_EQ(workers_[1].status, 0) << logs();
+
+  // Recovery: the first committed step after the kill.
+  for (size_t i : {0, 1}) {
+    int64_t first = -1;
+    for (const auto& s : workers_[i].steps()) {
+      if (s.t_us > killed_at && s.gen > gen_before) {
+        first = s.t_us;
+        break;
+      }
+    }
+    ASSERT_GT(first, 0) << logs();
+    const double ms = (first - killed_at) / 1000.0;
+    std::printf("[ measured ] %s: kill -> first committed step of 2 replicas: %.1f ms\n", workers_[i].id.c_str(), ms);
+    EXPECT_LT(ms, 500.0) << logs();
+  }
+  expect_same_weights({0, 1});
+  EXPECT_EQ(workers_[0].final_hash(), workers_[1].final_hash());
+  EXPECT_FALSE(workers_[0].final_hash().empty());
+  // Skipped identically.
+  EXPECT_EQ(workers_[0].skipped(), workers_[1].skipped());
+  // One line per change on every survivor, naming the lost replica and why.
+  for (size_t i : {0, 1}) {
+    const std::string err = read_file(workers_[i].err);
+    EXPECT_NE(err.find("ddp: membership: replica w2/inc0 left (crash"), std::string::npos) << err;
+    EXPECT_NE(err.find("3 -> 2 replicas"), std::string::npos) << err;
+  }
+
+  // Every sample of each full epoch, once, among the committed steps: the
+  // killed replica's in-flight samples were redone by the survivors.
+  std::map<int64_t, std::vector<int64_t>> by_step;
+  for (const auto& s : workers_[0].steps()) by_step[s.step] = s.window;
+  ASSERT_EQ(static_cast<int64_t>(by_step.size()), 70) << logs();
+  std::vector<int64_t> epoch;
+  int epochs = 0;
+  for (const auto& [step, window] : by_step) {
+    epoch.insert(epoch.end(), window.begin(), window.end());
+    if (static_cast<int64_t>(epoch.size()) >= 240) {
+      ASSERT_EQ(epoch.size(), 240u) << "an epoch's windows overlap its end";
+      std::vector<int64_t> sorted = epoch;
+      std::sort(sorted.begin(), sorted.end());
+      for (int64_t i = 0; i < 240; ++i) ASSERT_EQ(sorted[i], i) << "epoch " << epochs << " step " << step;
+      epoch.clear();
+      ++epochs;
+    }
+  }
+  EXPECT_GE(epochs, 2);
+  // Each committed step's window was split among its members.
+  std::map<int64_t, std::vector<int64_t>> mine;
+  for (size_t i : {0, 1}) {
+    for (const auto& s : workers_[i].steps()) {
+      if (s.size == 2) mine[s.step].insert(mine[s.step].end(), s.mine.begin(), s.mine.end());
+    }
+  }
+  for (auto& [step, got] : mine) {
+    std::sort(got.begin(), got.end());
+    std::vector<int64_t> want = by_step[step];
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(got, want) << "step " << step;
+  }
+}
+
+// A SIGSTOPped replica: fenced out after the deadline; the survivors commit
+// again within deadline + 1 s. Woken, it finds it was removed and exits
+// non-zero saying so; the survivors' group is untouched.
+TEST_F(FaultToleranceJob, HungReplicaIsFencedOutAndExitsWhenWoken) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "90"}, {"FT_STEP_MS", "15"}, {"DDP_FT_DEADLINE_MS", "2000"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[1].committed() >= 10; }, 40)) << logs();
+  const int64_t gen_before = workers_[0].steps().back().gen;
+  const int64_t stopped_at = now_us();
+  kill_worker(1, SIGSTOP);
+  int64_t first = -1;
+  ASSERT_TRUE(wait_until(
+      [&] {
+        for (const auto& s : workers_[0].steps()) {
+          if (s.t_us > stopped_at && s.gen > gen_before && s.size == 2) {
+            first = s.t_us;
+            return true;
+          }
+        }
+        return false;
+      },
+      20))
+      << logs();
+  const double ms = (first - stopped_at) / 1000.0;
+  std::printf("[ measured ] SIGSTOP -> first committed step of 2 replicas: %.1f ms (deadline 2000 ms)\n", ms);
+  EXPECT_LT(ms, 3000.0) << logs();
+  // Woken: it must find its generation stale and exit, not disturb the others.
+  kill_worker(1, SIGCONT);
+  wait_exit({1}, 20);
+  EXPECT_TRUE(WIFEXITED(workers_[1].status) && WEXITSTATUS(workers_[1].status) == 3) << logs();
+  const std::string err1 = read_file(workers_[1].err);
+  EXPECT_NE(err1.find("fenced out"), std::string::npos) << err1;
+  wait_exit({0, 2}, 40);
+  ASSERT_EQ(workers_[0].status, 0) << logs();
+  ASSERT_EQ(workers_[2].status, 0) << logs();
+  expect_same_weights({0, 2});
+  EXPECT_EQ(workers_[0].final_hash(), workers_[2].final_hash());
+  EXPECT_EQ(workers_[0].skipped(), workers_[2].skipped());
+  const std::string err0 = read_file(workers_[0].err);
+  EXPECT_NE(err0.find("replica w1/inc0 left (deadline"), std::string::npos) << err0;
+}
+
+}  // namespace

@@ -1,0 +1,132 @@
+// One replica of a fault-tolerant job for tests/test_fault_tolerance.cpp: a
+// small MLP trained by DDP over FaultTolerance on a synthetic dataset, with
+// FaultTolerantSampler. It prints one line per committed step:
+//   step <s> gen <g> rank <r>/<n> hash <weights' hash> window <i,i,...> mine <i,...>
+// and "final <hash>" at the end, so the test can compare members bit for bit
+// and check every sample. Environment: DDP_FT_* (as ddprun gives), and
+//   FT_STEPS        committed steps to train (default 60)
+//   FT_STEP_MS      sleep per step, so a test can act mid-training (default 20)
+//   FT_LEAVE_AT     leave cleanly once this many steps are committed
+//   FT_ADMIT_AT     hold joiners until this step, then wait there for one
+//   FT_QUIET_STEPS  print step lines only every this many steps (default 1)
+//   FT_SEED         the seed of the initial weights (default 7)
+
+#include <ddp/ddp.h>
+#include <ddp/fault_tolerance.h>
+
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/optim/adam.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoll(v) : fallback;
+}
+
+uint64_t hash_of(const torch::nn::Module& module) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const auto& p : module.parameters()) {
+    at::Tensor t = p.detach().contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+    for (size_t i = 0; i < static_cast<size_t>(t.nbytes()); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
+  }
+  return h;
+}
+
+std::string join(const std::vector<int64_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    const int64_t steps = env_int("FT_STEPS", 60);
+    const int64_t step_ms = env_int("FT_STEP_MS", 20);
+    const int64_t leave_at = env_int("FT_LEAVE_AT", -1);
+    const int64_t admit_at = env_int("FT_ADMIT_AT", -1);
+    const int64_t quiet = std::max<int64_t>(1, env_int("FT_QUIET_STEPS", 1));
+    const int64_t dataset_size = 240, batch = 8;
+
+    // The same data on every replica.
+    torch::manual_seed(1);
+    at::Tensor features = torch::randn({dataset_size, 16});
+    at::Tensor labels = features.sum(1).gt(0).to(at::kLong);
+
+    // Replicas may start from different weights (FT_SEED): the first quorum's
+    // rank 0 gives everyone its own, and a joiner receives the members'.
+    torch::manual_seed(env_int("FT_SEED", 7));
+    torch::nn::Sequential net(torch::nn::Linear(16, 64), torch::nn::ReLU(), torch::nn::Linear(64, 2));
+
+    ddp::FaultTolerance ft;
+    ddp::DistributedDataParallel<torch::nn::Sequential> model(net, ft.local_group(), ft.ddp_options());
+    torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
+    ddp::FaultTolerantSampler sampler(dataset_size, batch, /*seed=*/3);
+    ft.manage(net.ptr(), &optimizer, &sampler);
+    if (admit_at >= 0) ft.hold_joiners(true);
+
+    while (ft.step() < steps) {
+      if (leave_at >= 0 && ft.step() == leave_at && ft.size() > 0) {
+        std::printf("leaving at %lld\n", static_cast<long long>(ft.step()));
+        std::fflush(stdout);
+        ft.leave();
+        return 0;
+      }
+      if (admit_at >= 0 && ft.step() >= admit_at) ft.hold_joiners(false);
+      ft.start_step();
+      if (admit_at >= 0 && ft.step() == admit_at && ft.size() < 3) {
+        // The scripted sequence lets the joiner in at exactly this step.
+        while (!ft.join_pending()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+      const int rank = ft.rank(), size = ft.size();
+      const std::vector<int64_t> window = sampler.window(size);
+      const std::vector<int64_t> mine = sampler.batch(rank, size);
+      at::Tensor index = torch::tensor(mine, at::kLong);
+      optimizer.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model.forward(features.index_select(0, index)),
+                                                       labels.index_select(0, index));
+      loss.backward();
+      const int64_t gen = ft.generation();
+      if (ft.should_commit()) {
+        optimizer.step();
+        const int64_t s = ft.step() - 1;
+        if (s % quiet == 0 || ft.step() == steps) {
+          const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch()).count();
+          std::printf("step %lld gen %lld rank %d/%d hash %016llx t %lld window %s mine %s\n",
+                      static_cast<long long>(s), static_cast<long long>(gen), rank, size,
+                      static_cast<unsigned long long>(hash_of(*net)), static_cast<long long>(now_us),
+                      join(window).c_str(), join(mine).c_str());
+          std::fflush(stdout);
+        }
+      } else {
+        std::printf("skipped step %lld gen %lld\n", static_cast<long long>(ft.step()), static_cast<long long>(gen));
+        std::fflush(stdout);
+      }
+    }
+    std::printf("final %016llx\n", static_cast<unsigned long long>(hash_of(*net)));
+    std::printf("stats %s\n", ft.stats_json().c_str());
+    std::fflush(stdout);
+    return 0;
+  } catch (const ddp::FencedOut& e) {
+    std::fprintf(stderr, "fenced: %s\n", e.what());
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
