@@ -174,3 +174,11 @@ ddp_reuse_precompiled_header(ddp_fault_tolerance_tests)
 add_dependencies(ddp_fault_tolerance_tests ft_worker)
 gtest_discover_tests(ddp_fault_tolerance_tests PROPERTIES LABELS "multiprocess" TIMEOUT 120
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# ddprun --rdzv-backend etcd-v2 against a real 3-member etcd cluster: the round, a failure
+# across nodes, an etcd member's death, and a fault-tolerant job losing node 0 and a member.
+add_executable(test_etcd_rendezvous test_etcd_rendezvous.cpp)
+target_link_libraries(test_etcd_rendezvous PRIVATE ddp_test_support GTest::gtest_main)
+target_include_directories(test_etcd_rendezvous PRIVATE ${PROJECT_SOURCE_DIR}/src)
+add_dependencies(test_etcd_rendezvous ddprun ft_store_worker)
+gtest_discover_tests(test_etcd_rendezvous PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)

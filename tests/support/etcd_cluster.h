@@ -41,7 +41,7 @@ class EtcdCluster {
           {kEtcdProgram, "--name", name(i), "--data-dir", dir_ + "/" + name(i), "--listen-client-urls", client,
            "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", "ddp-test",
-           "--enable-v2=true", "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "error"},
+           "--enable-v2=true", "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap", "--log-level", "error"},
           options));
       alive_.push_back(true);
     }
