@@ -233,6 +233,11 @@ class Runner:
         for node, (p, (out, err)) in enumerate(zip(procs, outs)):
             if p.returncode != 0:
                 raise RuntimeError(f"{name} {model}: node {node} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
+        # ddp's fitted buckets, with the figures they were fitted to (DDP_LOG_BUCKETS=1 in the environment).
+        for _, err in outs:
+            for line in err.splitlines():
+                if "buckets fitted to the link" in line:
+                    print(f"  {name} {model}: {line.strip()}", flush=True)
         # Rank 0 prints it: the c10d rendezvous need not make node 0 rank 0.
         for out, _ in outs:
             match = re.search(r"(\{.*\"step_ms_median\".*\})", out)

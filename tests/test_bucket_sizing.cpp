@@ -146,6 +146,16 @@ TEST(BucketSizing, ModelUnderTheFirstBucketStaysOneBucket) {
   EXPECT_EQ(buckets_with(g, cap), 1u);
 }
 
+TEST(BucketSizing, OnlyModelsBeyondTheFirstBucketNeedTheLinkMeasured) {
+  auto small = layered(4, 10000, 20000);  // 240 KB: one bucket whatever the cap
+  EXPECT_FALSE(ddp::detail::bucket_cap_matters(small.params, small.visit, kMiB));
+  auto large = layered(40, static_cast<int64_t>(kMiB / 4), static_cast<int64_t>(kMiB));
+  EXPECT_TRUE(ddp::detail::bucket_cap_matters(large.params, large.visit, kMiB));
+  // Beyond 1 MiB but within one bucket after the first, whatever the cap: 2 buckets always.
+  auto two = layered(1, static_cast<int64_t>(kMiB / 4), 1000);
+  EXPECT_FALSE(ddp::detail::bucket_cap_matters(two.params, two.visit, kMiB / 2));
+}
+
 TEST(BucketSizing, UnusableMeasurementKeepsPyTorchsCap) {
   auto g = layered(4, 10000, 20000);
   EXPECT_EQ(ddp::detail::fit_bucket_cap_bytes(g.params, g.visit, kMiB, {0.001, 0.0, 0.1}), 25 * kMiB);

@@ -253,7 +253,9 @@ void BucketReducer::maybe_rebuild_buckets() {
   order = sent.cpu();
   std::vector<size_t> visit(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n);
   const auto infos = infos_of(params_);
-  if (caps_.fit_to_link && !params_.empty()) {
+  // A model that fits in the first bucket is one bucket whatever the cap:
+  // no probe, no collective more than before.
+  if (caps_.fit_to_link && bucket_cap_matters(infos, visit, caps_.first_bytes)) {
     size_t gradient_bytes = 0;
     for (const auto& p : params_) gradient_bytes += static_cast<size_t>(p.numel()) * p.element_size();
     // Without overlap every bucket waits for the end of backward: nothing hides.

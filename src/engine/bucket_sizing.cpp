@@ -17,6 +17,8 @@ namespace {
 constexpr size_t kMiB = 1024 * 1024;
 constexpr size_t kDefaultFirstBucketBytes = kMiB;   // PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
 constexpr size_t kDefaultBucketBytes = 25 * kMiB;  // PyTorch's bucket_cap_mb default
+constexpr size_t kSmallestCap = kMiB;
+constexpr size_t kLargestCap = 256 * kMiB;
 
 std::optional<LinkMeasurement>& injected_measurement() {
   static std::optional<LinkMeasurement> injected;
@@ -115,9 +117,9 @@ size_t fit_bucket_cap_bytes(const std::vector<BucketTensorInfo>& params, const s
   if (total == 0 || !usable) return kDefaultBucketBytes;
   // About 1.5x apart: 1, 1.5, 2, 3, 4, 6, ... 192, 256 MiB.
   std::vector<size_t> candidates;
-  for (size_t mib = 1; mib <= 256; mib *= 2) {
-    candidates.push_back(mib * kMiB);
-    if (mib < 256) candidates.push_back(mib * kMiB * 3 / 2);
+  for (size_t cap = kSmallestCap; cap <= kLargestCap; cap *= 2) {
+    candidates.push_back(cap);
+    if (cap < kLargestCap) candidates.push_back(cap * 3 / 2);
   }
   std::vector<double> exposed;
   for (size_t cap : candidates) {
@@ -131,6 +133,12 @@ size_t fit_bucket_cap_bytes(const std::vector<BucketTensorInfo>& params, const s
     if (exposed[i] <= good_enough) chosen = candidates[i];
   }
   return chosen;
+}
+
+bool bucket_cap_matters(const std::vector<BucketTensorInfo>& params, const std::vector<size_t>& visit_order,
+                        size_t first_bucket_cap_bytes) {
+  return compute_bucket_assignment(params, visit_order, first_bucket_cap_bytes, kSmallestCap) !=
+         compute_bucket_assignment(params, visit_order, first_bucket_cap_bytes, kLargestCap);
 }
 
 LinkMeasurement measure_link(ProcessGroup& group, const at::TensorOptions& options, size_t gradient_bytes,

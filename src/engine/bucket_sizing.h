@@ -85,6 +85,12 @@ double exposed_communication_s(const std::vector<BucketTensorInfo>& params, cons
 size_t fit_bucket_cap_bytes(const std::vector<BucketTensorInfo>& params, const std::vector<size_t>& visit_order,
                             size_t first_bucket_cap_bytes, const LinkMeasurement& link);
 
+/// Whether any cap the rule could choose changes the buckets: not when every
+/// gradient fits in the first bucket (each cap then gives one bucket), so
+/// the link need not be measured at all.
+bool bucket_cap_matters(const std::vector<BucketTensorInfo>& params, const std::vector<size_t>& visit_order,
+                        size_t first_bucket_cap_bytes);
+
 /// Measures `group`'s all-reduce with tensors of `options` (a small one for
 /// the latency, one of min(max(gradient_bytes, 64 KiB), 4 MiB) for the
 /// bandwidth), adds `backward_s`, and returns the figures every rank agrees
