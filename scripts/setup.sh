@@ -12,10 +12,14 @@ REQUIREMENTS="$(cd "$(dirname "$0")" && pwd)/requirements.txt"
 # single-host Slurm, network namespaces); libopenmpi-dev the mpi backend; binutils' nm and readelf the Gloo
 # header checks; nlohmann-json3-dev and libcli11-dev the JSON and command-line
 # libraries (header-only) of the library, ddprun, the examples and benchmarks;
-# libssl-dev the HMAC-SHA256 (OpenSSL's libcrypto) of ddprun's rendezvous secret.
+# libssl-dev the HMAC-SHA256 (OpenSSL's libcrypto) of ddprun's rendezvous secret;
+# libcurl4-openssl-dev the etcd v2 client (src/common/etcd_v2_client.cpp) of the
+# fault-tolerance store and ddprun's etcd-v2 rendezvous; etcd-server and
+# etcd-client the 3-member etcd clusters the etcd tests start (test_etcd_store,
+# test_etcd_rendezvous) and etcdctl for inspecting one.
 APT_PACKAGES=(build-essential cmake ninja-build ccache libgloo-dev libgtest-dev binutils
               python3 python3-venv iproute2 procps openmpi-bin libopenmpi-dev slurm-wlm valgrind
-              nlohmann-json3-dev libcli11-dev libssl-dev)
+              nlohmann-json3-dev libcli11-dev libssl-dev libcurl4-openssl-dev etcd-server etcd-client)
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 

@@ -8,6 +8,7 @@
 #include <regex>
 
 #include "support/ddprun_fixtures.h"
+#include "support/ft_jobs.h"
 
 namespace {
 
@@ -219,6 +220,44 @@ TEST(FaultTolerance, UnderC10dALostNodeLeavesTheOtherRunning) {
   EXPECT_NE(result.out.find("rank 0 replica node0-"), std::string::npos) << result.describe();
   EXPECT_NE(result.out.find("sees joined=2"), std::string::npos) << result.describe();
   ddp::testing::finish_agents(agents);
+}
+
+TEST(FaultTolerance, DdpWorkersRideOutACrashAndTheRestartedOneHealsBitForBit) {
+  // ddp's own fault-tolerant training (tests/workers/ft_worker.cpp, include/ddp/fault_tolerance.h)
+  // driven by ddprun alone: rank 1 is killed mid-training, ddprun starts it again as a new
+  // replica, it heals from a live peer, and all three end with the same weights.
+  if (!std::filesystem::exists(bin_path("ft_worker"))) GTEST_SKIP() << "ft_worker was not built";
+  RunOptions options = background_options({{"FT_STEPS", "100"}, {"FT_STEP_MS", "20"}, {"OMP_NUM_THREADS", "1"}});
+  options.timeout = 150s;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "1",
+                   bin_path("ft_worker")}),
+      options);
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (ddp::testing::last_step_in(ddp::testing::read_text_file(job.out_path)) < 10 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 1);
+  const int rank0 = ddp::testing::child_with_rank(job.pid, "ft_worker", 0);
+  const int rank2 = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
+  ASSERT_GT(victim, 0) << ddp::testing::read_text_file(job.err_path);
+  ASSERT_GT(rank0, 0);
+  ASSERT_GT(rank2, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ProcessResult result = ddp::testing::wait_background(job, 150s);
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_NE(result.err.find("fault tolerance: rank 1 (local rank 1, pid " + std::to_string(victim)),
+            std::string::npos)
+      << result.describe();
+  EXPECT_NE(result.err.find("restarting it alone as replica"), std::string::npos) << result.describe();
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank"), 1u) << "only rank 1 failed: " << result.describe();
+  const auto finals = ddp::testing::finals_by_rank(result.out);
+  ASSERT_EQ(finals.size(), 3u) << result.describe();
+  for (const auto& [rank, hashes] : finals) {
+    ASSERT_EQ(hashes.size(), 1u) << "rank " << rank;
+    EXPECT_EQ(hashes[0], finals.at(0)[0]) << "rank " << rank << " ended with other weights: " << result.describe();
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "common/etcd_v2_client.h"
 #include "support/ddprun_fixtures.h"
 #include "support/etcd_cluster.h"
+#include "support/ft_jobs.h"
 
 namespace {
 
@@ -162,6 +163,50 @@ TEST_F(EtcdRendezvousTest, FaultTolerantJobSurvivesLosingNodeZeroAndAnEtcdMember
   std::smatch match;
   ASSERT_TRUE(std::regex_search(result.out, match, kStore)) << everything();
   EXPECT_EQ(match[1], cluster_->endpoint_list());
+}
+
+TEST_F(EtcdRendezvousTest, DdpWorkersTrainOnAfterLosingNodeZeroAndAnEtcdMember) {
+  // The store-host loss of issue 36: three nodes of ddp's fault-tolerant training
+  // (tests/workers/ft_worker.cpp) under --fault-tolerance --rdzv-backend etcd-v2; node 0 (whose
+  // rank 0 would host a c10d store) dies whole, and so does an etcd member; the others finish.
+  SKIP_WITHOUT_ETCD();
+  if (!std::filesystem::exists(bin_path("ft_worker"))) GTEST_SKIP() << "ft_worker was not built";
+  for (int i = 0; i < 3; ++i) {
+    agents_.emplace_back();
+    RunOptions options = run_options({{"OMP_NUM_THREADS", "1"}, {"FT_STEPS", "120"}, {"FT_STEP_MS", "20"}});
+    options.timeout = 150s;
+    agents_.back().process = ddp::testing::start_background(
+        ddprun_argv({"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", cluster_->endpoint_list(), "--rdzv-id", run_id_,
+                     "--nnodes", "3", "--nproc-per-node", "1", "--fault-tolerance", bin_path("ft_worker")}),
+        options);
+  }
+  auto steps_so_far = [&] {
+    long long least = 1LL << 40;
+    for (RdzvAgent& agent : agents_) {
+      least = std::min(least, ddp::testing::last_step_in(ddp::testing::read_text_file(agent.process.out_path)));
+    }
+    return least;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (steps_so_far() < 10 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  ASSERT_GE(steps_so_far(), 10) << everything();
+  size_t node0 = 0;
+  while (node0 < agents_.size() && agents_[node0].err_so_far().find("node rank 0 of 3") == std::string::npos) ++node0;
+  ASSERT_LT(node0, agents_.size()) << everything();
+  const int rank0 = ddp::testing::child_with_rank(agents_[node0].process.pid, "ft_worker", 0);
+  ASSERT_GT(rank0, 0) << everything();
+  ASSERT_EQ(::kill(agents_[node0].process.pid, SIGKILL), 0);
+  EXPECT_TRUE(wait_until_dead(rank0, 10s));
+  cluster_->kill(0);
+  std::vector<std::string> finals;
+  for (size_t i = 0; i < agents_.size(); ++i) {
+    if (i == node0) continue;
+    ProcessResult& result = agents_[i].finish(150s);
+    EXPECT_EQ(result.exit_code, 0) << everything();
+    for (const auto& [rank, hashes] : ddp::testing::finals_by_rank(result.out)) finals.insert(finals.end(), hashes.begin(), hashes.end());
+  }
+  ASSERT_EQ(finals.size(), 2u) << everything();
+  EXPECT_EQ(finals[0], finals[1]) << everything();
 }
 
 }  // namespace

@@ -175,10 +175,30 @@ add_dependencies(ddp_fault_tolerance_tests ft_worker)
 gtest_discover_tests(ddp_fault_tolerance_tests PROPERTIES LABELS "multiprocess" TIMEOUT 120
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
+# ddprun --fault-tolerance (issue 36, the launcher's side): workers restarted alone, the store
+# keeper ddp_ft_store, PET_FAULT_TOLERANCE, restart mode unchanged, a lost c10d node, and ddp's
+# own fault-tolerant workers (ft_worker) healing under ddprun. The worker ft_store_worker opens
+# DDP_FT_STORE through ddp's own open_ft_store.
+add_executable(ft_store_worker workers/ft_store_worker.cpp)
+target_link_libraries(ft_store_worker PRIVATE ddp_internal)
+ddp_reuse_precompiled_header(ft_store_worker)
+add_executable(test_ddprun_fault_tolerance test_ddprun_fault_tolerance.cpp)
+target_link_libraries(test_ddprun_fault_tolerance PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(test_ddprun_fault_tolerance ddprun ddp_ft_store ft_store_worker ft_worker)
+gtest_discover_tests(test_ddprun_fault_tolerance PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
+
+# The etcd v2 client and the c10d store over it against a real 3-member etcd cluster
+# (support/etcd_cluster.h; each test skips without /usr/bin/etcd).
+add_executable(test_etcd_store test_etcd_store.cpp)
+target_link_libraries(test_etcd_store PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(test_etcd_store)
+gtest_discover_tests(test_etcd_store PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST
+                     DISCOVERY_TIMEOUT 60)
+
 # ddprun --rdzv-backend etcd-v2 against a real 3-member etcd cluster: the round, a failure
 # across nodes, an etcd member's death, and a fault-tolerant job losing node 0 and a member.
 add_executable(test_etcd_rendezvous test_etcd_rendezvous.cpp)
 target_link_libraries(test_etcd_rendezvous PRIVATE ddp_test_support GTest::gtest_main)
 target_include_directories(test_etcd_rendezvous PRIVATE ${PROJECT_SOURCE_DIR}/src)
-add_dependencies(test_etcd_rendezvous ddprun ft_store_worker)
+add_dependencies(test_etcd_rendezvous ddprun ft_store_worker ft_worker)
 gtest_discover_tests(test_etcd_rendezvous PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)

@@ -5,6 +5,7 @@
 // the cluster goes; kill(i) takes one down mid-test.
 #pragma once
 
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -25,7 +26,9 @@ inline bool etcd_available() { return ::access(kEtcdProgram, X_OK) == 0; }
 
 class EtcdCluster {
  public:
-  explicit EtcdCluster(int members = 3) : dir_(make_temp_dir("ddp_etcd")) {
+  // Data on tmpfs where there is one: etcd fsyncs every write, which a disk shared with
+  // compiles makes slow enough to trip elections.
+  explicit EtcdCluster(int members = 3) : dir_(data_dir()) {
     std::string initial;
     for (int i = 0; i < members; ++i) {
       client_ports_.push_back(free_port());
@@ -106,6 +109,11 @@ class EtcdCluster {
 
  private:
   static std::string name(int i) { return "m" + std::to_string(i); }
+  static std::string data_dir() {
+    char pattern[] = "/dev/shm/ddp_etcd_XXXXXX";
+    if (::access("/dev/shm", W_OK) == 0 && ::mkdtemp(pattern) != nullptr) return pattern;
+    return make_temp_dir("ddp_etcd");
+  }
 
   std::string dir_;
   std::vector<int> client_ports_;
