@@ -24,6 +24,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -53,6 +54,7 @@ struct Args {
   std::string outer_dtype = "fp32";
   double outer_lr = 0.7;
   int64_t post_local_sgd = -1;  // K; -1: DiLoCo's outer Nesterov SGD
+  int64_t warmup = 0;           // DiLoCo's steps of gradient averaging first
   std::string backend = "auto";
   int64_t threads = 1;
 };
@@ -104,14 +106,19 @@ Args parse_args(int argc, char** argv) {
       ->type_name("K")
       ->default_str("off")
       ->transform(examples::non_negative_integer("--post-local-sgd"));
+  cli.add_option("--warmup", a.warmup,
+                 "DiLoCo: average gradients (as DDP) for the first K steps,\nthen sync every H (the paper starts from a trained model)")
+      ->type_name("K")
+      ->transform(examples::non_negative_integer("--warmup"));
   cli.add_option("--backend", a.backend, "auto, gloo or mpi")
       ->type_name("NAME")
       ->check(examples::one_of("--backend", {"auto", "gloo", "mpi"}));
   cli.add_option("--threads", a.threads, "intra-op threads per rank")->type_name("N")->transform(positive("--threads"));
   cli.read(argc, argv);
-  if (a.diloco == 0 && (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0)) {
-    throw examples::UsageError("--streaming, --overlap, --mixing and --post-local-sgd need --diloco H");
+  if (a.diloco == 0 && (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0 || a.warmup != 0)) {
+    throw examples::UsageError("--streaming, --overlap, --mixing, --warmup and --post-local-sgd need --diloco H");
   }
+  if (a.post_local_sgd >= 0 && a.warmup != 0) throw examples::UsageError("--post-local-sgd K is its own warm-up; drop --warmup");
   if (a.model.width % a.model.heads != 0) throw examples::UsageError("--width must be a multiple of --heads");
   return a;
 }
@@ -154,7 +161,8 @@ int main(int argc, char** argv) {
     std::unique_ptr<ddp::DiLoCo> diloco;
     if (args.diloco > 0) {
       auto options = args.post_local_sgd >= 0 ? ddp::DiLoCoOptions::post_local_sgd(args.post_local_sgd, args.diloco)
-                                              : ddp::DiLoCoOptions().sync_every(args.diloco).outer_lr(args.outer_lr);
+                                              : ddp::DiLoCoOptions().sync_every(args.diloco).outer_lr(args.outer_lr)
+                                                    .warmup_steps(args.warmup);
       options.fragments(args.streaming).overlap_steps(args.overlap).mixing(args.mixing)
           .outer_gradient_dtype(outer_dtype(args.outer_dtype));
       diloco = std::make_unique<ddp::DiLoCo>(model->parameters(), inner, group, options);
@@ -211,7 +219,11 @@ int main(int argc, char** argv) {
         const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         const double train_loss = train_loss_sum / static_cast<double>(train_loss_count);
         const long long samples = static_cast<long long>(step * args.batch_size * group->size());
-        const long long syncs = diloco ? static_cast<long long>(diloco->syncs_started()) : static_cast<long long>(step);
+        // Gradient syncs of training: one a step for DDP; for DiLoCo its
+        // warm-up gradient averages and its pseudo-gradient syncs.
+        const long long syncs =
+            diloco ? static_cast<long long>(diloco->syncs_started() + std::min(step, diloco->options().warmup_steps()))
+                   : static_cast<long long>(step);
         std::printf("step %lld  train %.4f  eval %.4f  %.1f s\n", static_cast<long long>(step), train_loss, eval_loss,
                     wall);
         if (metrics) {
