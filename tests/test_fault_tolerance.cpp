@@ -138,6 +138,16 @@ class FaultToleranceJob : public ::testing::Test {
     if (!HasFailure()) fs::remove_all(dir_);
   }
 
+  // A fresh store for a second job in the same test (a replay).
+  void new_store() {
+    c10d::TCPStoreOptions o;
+    o.port = 0;
+    o.isServer = true;
+    o.waitWorkers = false;
+    o.timeout = std::chrono::seconds(30);
+    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  }
+
   // Starts a replica with `id` and extra environment; returns its index.
   size_t start(const std::string& id, std::map<std::string, std::string> env = {}) {
     Worker w;
@@ -394,6 +404,163 @@ TEST_F(FaultToleranceJob, HungReplicaIsFencedOutAndExitsWhenWoken) {
   EXPECT_EQ(workers_[0].skipped(), workers_[2].skipped());
   const std::string err0 = read_file(workers_[0].err);
   EXPECT_NE(err0.find("replica w1/inc0 left (deadline"), std::string::npos) << err0;
+}
+
+// A replica killed and restarted under a new id: it joins at a step
+// boundary, receives the state from a live member (its own initial weights
+// differ: another seed), and from then on its weights equal the others' bit
+// for bit at every step. The whole run then equals, step by step and at the
+// end, a replay with the same membership sequence scripted without any
+// failure: the same replica leaves cleanly at the step where the crash
+// happened and the joiner is let in at the step where it was.
+TEST_F(FaultToleranceJob, RestartedReplicaHealsFromALivePeerBitForBit) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "60"}, {"FT_STEP_MS", "15"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[2].committed() >= 10; }, 40)) << logs();
+  kill_worker(2, SIGKILL);
+  const int64_t killed_step = workers_[0].committed();
+  ASSERT_TRUE(wait_until([&] { return workers_[0].committed() >= killed_step + 5; }, 20)) << logs();
+  auto joiner_env = env;
+  joiner_env["FT_SEED"] = "99";
+  const size_t joiner = start("w2/inc1", joiner_env);
+  wait_exit({0, 1, joiner}, 60);
+  for (size_t i : {size_t(0), size_t(1), joiner}) ASSERT_EQ(workers_[i].status, 0) << logs();
+  ASSERT_FALSE(workers_[joiner].steps().empty()) << logs();
+  expect_same_weights({0, 1, joiner});
+  EXPECT_EQ(workers_[joiner].final_hash(), workers_[0].final_hash());
+  const std::string joiner_err = read_file(workers_[joiner].err);
+  EXPECT_NE(joiner_err.find("healed from"), std::string::npos) << joiner_err;
+
+  // The membership sequence: 3 replicas up to `left`, 2 up to `back`, 3 after.
+  std::map<int64_t, StepLine> crash;
+  for (const auto& s : workers_[0].steps()) crash[s.step] = s;
+  int64_t left = -1, back = -1;
+  for (const auto& [step, s] : crash) {
+    if (left < 0 && s.size == 2) left = step;
+    if (left >= 0 && back < 0 && s.size == 3) back = step;
+  }
+  ASSERT_GT(left, 0);
+  ASSERT_GT(back, left);
+  std::printf("[ measured ] crash run: 3 replicas up to step %lld, 2 up to %lld, then 3\n",
+              static_cast<long long>(left), static_cast<long long>(back));
+
+  // The replay, on a fresh store.
+  new_store();
+  const size_t crashed_run = workers_.size();
+  auto replay_env = env;
+  replay_env["FT_ADMIT_AT"] = std::to_string(back - 1);  // the step whose vote lets the joiner in
+  const size_t r0 = start("r0/inc0", replay_env), r1 = start("r1/inc0", replay_env);
+  auto leaver_env = replay_env;
+  leaver_env["FT_LEAVE_AT"] = std::to_string(left);
+  const size_t r2 = start("r2/inc0", leaver_env);
+  wait_exit({r2}, 40);
+  auto replay_joiner_env = replay_env;
+  replay_joiner_env["FT_SEED"] = "99";
+  const size_t r3 = start("r2/inc1", replay_joiner_env);
+  wait_exit({r0, r1, r3}, 60);
+  for (size_t i : {r0, r1, r2, r3}) ASSERT_EQ(workers_[i].status, 0) << logs();
+  ASSERT_GT(crashed_run, 0u);
+  std::map<int64_t, StepLine> replay;
+  for (const auto& s : workers_[r0].steps()) replay[s.step] = s;
+  ASSERT_EQ(replay.size(), crash.size());
+  for (const auto& [step, s] : crash) {
+    EXPECT_EQ(replay[step].size, s.size) << "step " << step;
+    EXPECT_EQ(replay[step].hash, s.hash) << "step " << step;
+  }
+  EXPECT_EQ(workers_[r3].final_hash(), workers_[0].final_hash());
+  EXPECT_EQ(workers_[r0].final_hash(), workers_[0].final_hash());
+}
+
+// A replica that leaves cleanly mid-training: the attempt in flight is
+// skipped by both survivors, identically, and their weights stay equal.
+TEST_F(FaultToleranceJob, SkippedStepIsSkippedByEverySurvivor) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "30"}, {"FT_STEP_MS", "10"}};
+  start("w0/inc0", env);
+  start("w1/inc0", env);
+  auto leaver = env;
+  leaver["FT_LEAVE_AT"] = "12";
+  start("w2/inc0", leaver);
+  wait_exit({0, 1, 2}, 60);
+  for (size_t i : {0, 1, 2}) ASSERT_EQ(workers_[i].status, 0) << logs();
+  const auto skipped0 = workers_[0].skipped();
+  EXPECT_FALSE(skipped0.empty()) << logs();
+  EXPECT_EQ(skipped0, workers_[1].skipped());
+  expect_same_weights({0, 1});
+  EXPECT_EQ(workers_[0].final_hash(), workers_[1].final_hash());
+  // The skipped attempt left no trace: step 12 is trained once, by two.
+  for (const auto& s : workers_[0].steps()) {
+    if (s.step == 12) EXPECT_EQ(s.size, 2);
+    if (s.step == 11) EXPECT_EQ(s.size, 3);
+  }
+  const std::string err = read_file(workers_[0].err);
+  EXPECT_NE(err.find("replica w2/inc0 left (left cleanly)"), std::string::npos) << err;
+}
+
+int count_entries(const std::string& dir) {
+  int n = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+    closedir(d);
+  }
+  return n;
+}
+
+int64_t rss_kb(pid_t pid) {
+  std::stringstream in(read_file("/proc/" + std::to_string(pid) + "/status"));
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// 20 kills and rejoins: a survivor's descriptors, threads and memory, and the
+// store's keys, stay flat (abandoned groups are destroyed, old keys deleted).
+TEST_F(FaultToleranceJob, TwentyKillRejoinCyclesLeakNothing) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "1000000"}, {"FT_STEP_MS", "5"}, {"FT_QUIET_STEPS", "1"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[2].committed() >= 3; }, 40)) << logs();
+  const pid_t survivor = workers_[0].pid;
+  const std::string proc = "/proc/" + std::to_string(survivor);
+  struct Sample {
+    int fds, threads;
+    int64_t rss_kb, keys;
+  };
+  std::vector<Sample> samples;
+  size_t victim = 2;
+  const auto started = Clock::now();
+  for (int cycle = 1; cycle <= 20; ++cycle) {
+    kill_worker(victim, SIGKILL);
+    wait_exit({victim}, 10);
+    const int64_t before = workers_[0].committed();
+    victim = start("w2/inc" + std::to_string(cycle), env);
+    ASSERT_TRUE(wait_until([&] { return workers_[victim].committed() >= before + 2; }, 30))
+        << "cycle " << cycle << "\n" << logs();
+    // Let the retired group's destruction finish on its thread.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    samples.push_back({count_entries(proc + "/fd"), count_entries(proc + "/task"), rss_kb(survivor),
+                       store_->getNumKeys()});
+  }
+  std::printf("[ measured ] 20 kill/rejoin cycles in %.1f s\n",
+              std::chrono::duration<double>(Clock::now() - started).count());
+  for (size_t i = 0; i < samples.size(); ++i) {
+    std::printf("  cycle %2zu: fds %d threads %d rss %lld kB store keys %lld\n", i + 1, samples[i].fds,
+                samples[i].threads, static_cast<long long>(samples[i].rss_kb), static_cast<long long>(samples[i].keys));
+  }
+  // After a few cycles to warm up (allocator arenas, lazily made threads).
+  const Sample& base = samples[4];
+  for (size_t i = 5; i < samples.size(); ++i) {
+    EXPECT_LE(samples[i].fds, base.fds + 2) << "cycle " << i + 1;
+    EXPECT_LE(samples[i].threads, base.threads + 2) << "cycle " << i + 1;
+    EXPECT_LE(samples[i].rss_kb, base.rss_kb + 30 * 1024) << "cycle " << i + 1;
+    EXPECT_LE(samples[i].keys, base.keys + 20) << "cycle " << i + 1;
+  }
+  for (size_t i : {size_t(0), size_t(1)}) EXPECT_FALSE(reap(workers_[i])) << logs();
+  if (HasFailure()) {
+    try {
+      for (const auto& key : store_->listKeys()) std::printf("  key %s\n", key.c_str());
+    } catch (const std::exception&) {
+    }
+  }
 }
 
 }  // namespace

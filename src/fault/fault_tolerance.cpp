@@ -105,6 +105,7 @@ struct PendingBucket {
   c10::intrusive_ptr<c10::ivalue::Future> out = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
   at::Tensor result;
   at::Tensor fallback;
+  Clock::time_point issued = Clock::now();
   std::atomic<bool> done{false};
   void finish(bool ok) {
     if (done.exchange(true)) return;
@@ -262,8 +263,30 @@ struct FaultTolerance::Impl {
         }
         if (!aborted) {
           auto hung_up = detail::hung_up_peers(gen->sockets);
+          if (failed && hung_up.empty()) {
+            // A connection error seen by Gloo can come before the socket
+            // shows its hang-up here: look again briefly, so the crashed peer
+            // is named now rather than after its heartbeat times out.
+            std::string cause;
+            {
+              std::lock_guard<std::mutex> lock(mutex);
+              cause = failure_cause;
+            }
+            for (int i = 0; i < 10 && hung_up.empty() && cause.find("imed out") == std::string::npos; ++i) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(2));
+              hung_up = detail::hung_up_peers(gen->sockets);
+            }
+          }
+          if (!hung_up.empty() && !failed) {
+            // Gloo closes its pairs on its own timeout too: give the failing
+            // operation's error (which says "Timed out") time to arrive first.
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
           if (!hung_up.empty()) {
             abort_generation(*wstore, gen, "crash: connection closed", hung_up);
+          } else if (overdue()) {
+            abort_generation(*wstore, gen, "deadline: a collective did not finish in " +
+                                               std::to_string(options.deadline().count()) + " ms", {});
           } else if (failed) {
             abort_generation(*wstore, gen, "", {});
           } else if (wstore->check({k_abort(gen->g)})) {
@@ -276,6 +299,19 @@ struct FaultTolerance::Impl {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
     }
+  }
+
+  // The step deadline: a bucket's all-reduce outstanding for longer. It is
+  // enforced here, not by Gloo's timeout, because Gloo closes every pair of
+  // a group that timed out before this member could say it is alive (see
+  // abort_generation), and the others would take that for a crash.
+  bool overdue() {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto now = Clock::now();
+    for (const auto& p : pending) {
+      if (!p->done && now - p->issued > options.deadline()) return true;
+    }
+    return false;
   }
 
   // Which member a hung-up peer address belongs to: each member published
@@ -310,9 +346,17 @@ struct FaultTolerance::Impl {
       if (gen->aborted) return;
     }
     const int64_t next = gen->g + 1;
-    for (const auto& address : hung_up) {
+    bool timed_out = cause.find("imed out") != std::string::npos;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      timed_out = timed_out || failure_cause.find("imed out") != std::string::npos;
+    }
+    // After this member's own timeout Gloo closes the pairs itself: their
+    // closing says nothing about the peers, which the heartbeats judge.
+    for (const auto& address : timed_out ? std::vector<std::string>{} : hung_up) {
       std::string who = member_at(s, *gen, address);
-      if (!who.empty() && !s.check({k_arrived(next, who)})) s.set(k_dead(next, who), bytes_of("crash"));
+      // compareSet: a member that left cleanly said so first.
+      if (!who.empty() && !s.check({k_arrived(next, who)})) s.compareSet(k_dead(next, who), {}, bytes_of("crash"));
     }
     s.set(k_arrived(next, id), bytes_of("1"));
     s.set(k_abort(gen->g), bytes_of("1"));
@@ -484,7 +528,9 @@ struct FaultTolerance::Impl {
     {
       std::lock_guard<std::mutex> lock(detail::socket_tracking_mutex());
       auto before = detail::open_sockets();
-      gen->backend = detail::make_gloo_backend(prefixed, world, options.deadline());
+      // Gloo's own timeout only bounds what the deadline cannot abort (a
+      // send to a peer that died before receiving): see overdue().
+      gen->backend = detail::make_gloo_backend(prefixed, world, options.deadline() * 2 + std::chrono::seconds(5));
       gen->sockets = detail::connected_sockets_since(before);
     }
     std::string addresses;
@@ -620,6 +666,16 @@ struct FaultTolerance::Impl {
       }
       store->compareSet(k_gen(), next == 1 ? std::vector<uint8_t>{} : bytes_of(std::to_string(next - 1)),
                         bytes_of(std::to_string(next)));
+      // What this round wrote about the previous members and the joiners it
+      // consumed goes two generations later (delete_old_keys).
+      for (const auto& who : previous.ids) {
+        keys_of_old_generations.push_back(k_arrived(next, who));
+        keys_of_old_generations.push_back(k_dead(next, who));
+        if (m.rank_of(who) < 0) keys_of_old_generations.push_back(k_heartbeat(who) + "/" + std::to_string(next));
+      }
+      for (int64_t k = previous.joined_upto + 1; k <= m.joined_upto; ++k) {
+        keys_of_old_generations.push_back(k_join(k) + "/" + std::to_string(next));
+      }
       std::shared_ptr<Generation> gen;
       try {
         gen = make_generation(next, m);
@@ -706,12 +762,16 @@ struct FaultTolerance::Impl {
     std::vector<std::string> keep;
     const std::string newer1 = "/" + std::to_string(g) + "/", newer2 = "/" + std::to_string(g - 1) + "/";
     for (const auto& key : keys_of_old_generations) {
-      const bool recent = key.find(newer1) != std::string::npos || key.find(newer2) != std::string::npos ||
+      // Keys without a generation of their own (heartbeats, joiners) carry
+      // it after a last "/<g>" here, which the deletion drops.
+      const bool tagged = key.rfind("ft/hb/", 0) == 0 || key.rfind("ft/join/", 0) == 0;
+      const std::string probe = tagged ? key.substr(key.rfind('/')) + "/" : key;
+      const bool recent = probe.find(newer1) != std::string::npos || probe.find(newer2) != std::string::npos ||
                           key == k_abort(g) || key == k_abort(g - 1);
       if (recent) {
         keep.push_back(key);
       } else {
-        store->deleteKey(key);
+        store->deleteKey(tagged ? key.substr(0, key.rfind('/')) : key);
       }
     }
     keys_of_old_generations.swap(keep);
@@ -882,6 +942,11 @@ void FaultTolerance::start_step() {
     }
     if (d.reconfigure == Reconfigure::kNone && !aborted) break;
     d.reconfigure_now(d.reconfigure == Reconfigure::kJoin ? "joiners let in" : "the last step failed");
+  }
+  {
+    // The last step's buckets are all done: backward waited for them.
+    std::lock_guard<std::mutex> lock(d.mutex);
+    d.pending.clear();
   }
   d.rng_before_step = cpu_generator().get_state();
   d.step_started = Clock::now();
