@@ -150,9 +150,11 @@ target_sources(ddp_fsdp_rank_tests PRIVATE test_checkpoint_safety.cpp)
 # as ddprun asks for its workers.
 target_sources(ddp_trace_tests PRIVATE test_diagnostic_handlers.cpp)
 # DiLoCo, Streaming DiLoCo and post-local SGD (include/ddp/diloco.h) on 1 to 4 real ranks.
-add_executable(ddp_diloco_tests test_diloco.cpp)
+# examples/lm under ddprun: DDP and Streaming DiLoCo train and log a falling held-out loss.
+add_executable(ddp_diloco_tests test_diloco.cpp test_lm_example.cpp)
 target_link_libraries(ddp_diloco_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_diloco_tests)
+add_dependencies(ddp_diloco_tests lm_train ddprun)
 gtest_discover_tests(ddp_diloco_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # DDP's bucket sizes (issue 37 item 3): the caps' rules as pure functions, and
