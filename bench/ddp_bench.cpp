@@ -71,7 +71,8 @@ void add_flags(CLI::App& app, Config& c) {
   app.add_option("--warmup", c.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   app.add_option("--batch", c.batch, "samples per rank; 0: the model's default (wine 32, mlp2m 64, transformer 8)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--backend", c.backend, "gloo, nccl or mpi (ranks started by mpirun)");
+  app.add_option("--backend", c.backend,
+                 "gloo, shm (shared memory, ranks on one host), nccl or mpi (ranks started by mpirun)");
   app.add_flag("--only-4kb", c.only_4kb, "collective mode: only the 4 KB all-reduce, 100000 times (for perf)");
   app.add_option("--bucket-cap-mb", c.bucket_cap_mb,
                  "DDP modes: the bucket size cap in MB; 0: ddp's default, fitted to the link after the first step")

@@ -213,11 +213,13 @@ def mpirun_command():
 
 
 def measure_collectives(results, ddprun, mpirun, bin_dir, env, rounds):
-    """Raw all-reduce by message size, rounds interleaved: gloo, ddp's mpi
-    backend (small calls on the caller's thread, the default), the same with
-    every call handed to its progress thread, and bare MPI_Allreduce."""
+    """Raw all-reduce by message size, rounds interleaved: gloo, ddp's
+    shared-memory backend (ddprun, no mpirun), ddp's mpi backend (small
+    calls on the caller's thread, the default), the same with every call
+    handed to its progress thread, and bare MPI_Allreduce."""
     cpp_bench = os.path.join(bin_dir, "ddp_bench")
     commands = {"gloo": ddprun + [cpp_bench, "--mode", "collective", "--backend", "gloo"],
+                "shm": ddprun + [cpp_bench, "--mode", "collective", "--backend", "shm"],
                 "mpi": mpirun + [cpp_bench, "--mode", "collective", "--backend", "mpi"],
                 "mpi_handoff": mpirun + ["-x", "DDP_MPI_INLINE_BYTES=0", cpp_bench, "--mode", "collective",
                                          "--backend", "mpi"]}
@@ -406,9 +408,10 @@ def render(r):
             f"Raw float32 all-reduce, 2 ranks, median of each size's iterations (slowest rank), medians of "
             f"{c['rounds']} interleaved rounds:",
             "",
-            "| size | gloo ms | ddp-mpi ms | plain MPI_Allreduce ms | ddp-mpi − plain µs | ddp-mpi / plain | "
-            "ddp-mpi, every call handed to the progress thread, ms | mpi / gloo |",
-            "|---|---|---|---|---|---|---|---|",
+            "| size | gloo ms | ddp-shm ms | ddp-mpi ms | plain MPI_Allreduce ms | ddp-mpi − plain µs | "
+            "ddp-mpi / plain | ddp-mpi, every call handed to the progress thread, ms | mpi / gloo | "
+            "**shm / plain MPI** | **gloo / shm** |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for i, size in enumerate(c["bytes"]):
             med = c["median_ms"]
@@ -418,18 +421,25 @@ def render(r):
             label = f"{size // 1024} KB" if size < (1 << 20) else f"{size // (1 << 20)} MB"
             plain_cells = f"{p:.4f} | {1000 * (m - p):.1f} | **{m / p:.2f}**" if p else "– | – | –"
             handoff_cell = f"{h:.4f}" if h else "–"
-            lines.append(f"| {label} | {g:.4f} | {m:.4f} | {plain_cells} | {handoff_cell} | {m / g:.2f} |")
+            sh = med["shm"][i] if "shm" in med else None
+            shm_cell = f"{sh:.4f}" if sh else "–"
+            shm_ratios = (f"**{sh / p:.2f}** | **{g / sh:.1f}**" if sh and p else
+                          f"– | **{g / sh:.1f}**" if sh else "– | –")
+            lines.append(f"| {label} | {g:.4f} | {shm_cell} | {m:.4f} | {plain_cells} | {handoff_cell} | {m / g:.2f} | "
+                         f"{shm_ratios} |")
         b2b = c.get("back_to_back_4kb_ms", {})
+        shm_b2b = f"{1000 * b2b['shm']:.1f}" if "shm" in b2b else "–"
         if "plain_mpi" in b2b:
             lines += [
                 "",
                 "4 KB all-reduces back to back (1000 per batch, per call, median of 7 batches, then of the rounds), "
                 "no barrier between them:",
                 "",
-                "| gloo µs | ddp-mpi µs | plain MPI_Allreduce µs | ddp-mpi − plain µs | ddp-mpi, every call handed to "
-                "the progress thread, µs |",
-                "|---|---|---|---|---|",
-                f"| {1000 * b2b['gloo']:.1f} | {1000 * b2b['mpi']:.1f} | {1000 * b2b['plain_mpi']:.1f} | "
+                "| gloo µs | ddp-shm µs | ddp-mpi µs | plain MPI_Allreduce µs | ddp-mpi − plain µs | ddp-mpi, every "
+                "call handed to the progress thread, µs |",
+                "|---|---|---|---|---|---|",
+                f"| {1000 * b2b['gloo']:.1f} | {shm_b2b} | "
+                f"{1000 * b2b['mpi']:.1f} | {1000 * b2b['plain_mpi']:.1f} | "
                 f"**{1000 * (b2b['mpi'] - b2b['plain_mpi']):.1f}** | {1000 * b2b['mpi_handoff']:.1f} |",
             ]
         lines += [
@@ -437,7 +447,10 @@ def render(r):
             "Every all-reduce follows a barrier and is timed alone on each rank; plain MPI_Allreduce is "
             "`bench/plain_mpi_allreduce.c` under the same mpirun, with the same sizes, iterations and statistic. "
             "ddp-mpi runs a collective of at most 64 KB on the calling thread when its progress thread is idle "
-            "(`DDP_MPI_INLINE_BYTES`, 0 turns it off: the hand-off column)."
+            "(`DDP_MPI_INLINE_BYTES`, 0 turns it off: the hand-off column). ddp-shm is ddp's shared-memory "
+            "backend (`--backend shm`; what `auto` picks when every rank is on one host) started by ddprun like "
+            "gloo, no mpirun: collectives of at most 1 MiB run on the calling thread when its own is idle "
+            "(`DDP_SHM_INLINE_BYTES`)."
             + (f" Measured {c['measured']}"
                + (f" (load average {c['load_average_before']} before)" if "load_average_before" in c else "")
                + ", apart from the rest of "
@@ -480,6 +493,22 @@ def render(r):
                  1000 * (c["mpi"][four] - c["plain_mpi"][four]), 5.0),
                 ("raw 8 MB all-reduce, ddp-mpi / plain MPI_Allreduce", c["mpi"][eight] / c["plain_mpi"][eight], 1.1),
                 ("raw 40 MB all-reduce, ddp-mpi / plain MPI_Allreduce", c["mpi"][forty] / c["plain_mpi"][forty], 1.1),
+            ]
+        if "shm" in c:
+            sizes = r["collectives"]["bytes"]
+            four = sizes.index(4 << 10)
+            # Issue 37's goals for the shared-memory backend: against plain MPI
+            # and against Gloo (gloo / shm >= 10 at 4 KB and >= 3 at 8 MB).
+            if "plain_mpi" in c:
+                goals.append(("raw 4 KB all-reduce, ddp-shm / plain MPI_Allreduce",
+                              c["shm"][four] / c["plain_mpi"][four], 2.0))
+                for size, label in ((1 << 20, "1 MB"), (8 << 20, "8 MB"), (40 << 20, "40 MB")):
+                    i = sizes.index(size)
+                    goals.append((f"raw {label} all-reduce, ddp-shm / plain MPI_Allreduce",
+                                  c["shm"][i] / c["plain_mpi"][i], 1.1))
+            goals += [
+                ("raw 4 KB all-reduce, ddp-shm / gloo", c["shm"][four] / c["gloo"][four], 0.1),
+                ("raw 8 MB all-reduce, ddp-shm / gloo", c["shm"][eight] / c["gloo"][eight], 1 / 3),
             ]
     lines += [
         "",

@@ -225,6 +225,9 @@ TEST(CollectiveTraceRanks, DesyncCheckNamesBothSidesWithoutWaitingForTheTimeout)
 // 3. A SIGSTOPped rank cannot answer; the survivor's message names it.
 TEST(CollectiveTraceRanks, AStoppedRankIsNamedByTheSurvivor) {
   RanksOptions options;
+  // The stall report's own finding, over Gloo: shared memory names a stopped
+  // peer itself, sooner (tests/test_shm.cpp).
+  options.env = {{"DDP_SHM", "0"}};
   options.collective_timeout_seconds = 3;
   options.timeout = std::chrono::seconds(60);
   auto ranks = run_on_ranks(
@@ -254,6 +257,10 @@ TEST(CollectiveTraceRanks, AStoppedRankIsNamedByTheSurvivor) {
 // 5. SIGUSR1 dumps every thread's stack and the last collectives; the job
 // goes on.
 TEST(CollectiveTraceRanks, StackDumpOnDemandShowsTheBlockedFrameAndTheJobContinues) {
+  // Over Gloo a blocked rank waits in ProcessGroup::wait; shared memory runs
+  // a small all-reduce on the caller's thread, so it blocks inside the backend.
+  RanksOptions options;
+  options.env = {{"DDP_SHM", "0"}};
   auto ranks = run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     at::Tensor pid = at::full({1}, static_cast<int64_t>(::getpid()), at::kLong);
     auto pids = group->all_gather(pid);
@@ -267,7 +274,7 @@ TEST(CollectiveTraceRanks, StackDumpOnDemandShowsTheBlockedFrameAndTheJobContinu
     at::Tensor after = at::full({1}, 1.0);
     group->all_reduce(after);
     EXPECT_EQ(after.item<double>(), 2.0);  // it carried on
-  });
+  }, options);
   expect_all_succeeded(ranks);
   const std::string& err = ranks[1].err;
   EXPECT_NE(err.find("ddp: stack dump of pid"), std::string::npos) << describe_ranks(ranks);
@@ -348,7 +355,9 @@ TEST(CollectiveTraceRanks, ASaveOnOneRankOnlyFailsLongBeforeTheTimeout) {
   RanksOptions options;
   options.collective_timeout_seconds = 40;
   options.timeout = std::chrono::seconds(120);
-  options.env = {{"DDP_TRACE_DIR", dir}};
+  // The periodic desync check of a waiting collective, over Gloo: shared
+  // memory compares the ranks' collectives as each starts, and fails at once.
+  options.env = {{"DDP_TRACE_DIR", dir}, {"DDP_SHM", "0"}};
   auto ranks = run_on_ranks(
       2,
       [dir](const std::shared_ptr<ddp::ProcessGroup>& group) {

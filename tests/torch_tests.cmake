@@ -204,3 +204,11 @@ target_link_libraries(test_etcd_rendezvous PRIVATE ddp_test_support GTest::gtest
 target_include_directories(test_etcd_rendezvous PRIVATE ${PROJECT_SOURCE_DIR}/src)
 add_dependencies(test_etcd_rendezvous ddprun ft_store_worker ft_worker)
 gtest_discover_tests(test_etcd_rendezvous PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
+
+# The shared-memory backend (src/comm/backend_shm.cpp) on real ranks: against
+# Gloo, a killed or stopped peer, the automatic choice and its overrides.
+add_executable(ddp_shm_tests test_shm.cpp)
+target_link_libraries(ddp_shm_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_shm_tests)
+gtest_discover_tests(ddp_shm_tests PROPERTIES LABELS "multiprocess;shm" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

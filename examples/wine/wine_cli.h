@@ -30,8 +30,9 @@ struct Args : examples::TrainingFlags {
 // Declares every flag of the Wine programs on `app`, bound to `args`.
 inline void add_flags(CLI::App& app, Args& args) {
   examples::add_training_flags(
-      app, args, {"auto", "gloo", "nccl", "mpi"},
-      "auto (nccl for --device cuda, else gloo), gloo, nccl, or\n"
+      app, args, {"auto", "gloo", "shm", "nccl", "mpi"},
+      "auto (nccl for --device cuda, else shared memory when every\n"
+      "rank is on one host, else gloo), gloo, shm, nccl, or\n"
       "mpi (ranks started by mpirun); wine_ddp and wine_sharded");
   // The spelling of the first releases.
   app.add_option("--batch_size", args.batch_size, "the same as --batch-size")

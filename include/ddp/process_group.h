@@ -28,23 +28,31 @@ class Backend;
 namespace ddp {
 
 enum class BackendKind {
-  kAuto,  ///< NCCL when the device is CUDA, Gloo otherwise
+  /// NCCL when the device is CUDA; on the CPU, shared memory when every rank
+  /// of the group is on one host (and DDP_SHM is not 0), Gloo otherwise
+  kAuto,
   kGloo,
   kNccl,
   kMpi,  ///< MPI (Open MPI): ranks started by mpirun or srun --mpi=pmix; CPU tensors
+  /// Shared memory between ranks of one host (CPU tensors): all-reduce,
+  /// reduce, broadcast, all-gather, reduce-scatter and barrier through one
+  /// memory segment; the other collectives over Gloo between the same ranks
+  kShm,
 };
 
 /// Whether this build of ddp has the mpi backend (MPI was found when it was
 /// configured).
 DDP_API bool mpi_available();
 
-/// "auto", "gloo", "nccl" or "mpi"; throws on anything else.
+/// "auto", "gloo", "nccl", "mpi" or "shm"; throws on anything else.
 DDP_API BackendKind parse_backend(const std::string& name);
 /// The name parse_backend accepts for `backend`.
 DDP_API std::string to_string(BackendKind backend);
 /// What `backend` means for tensors on `device`: kAuto is the DDP_BACKEND
-/// environment variable's backend when it is set (gloo, nccl or mpi), else
-/// NCCL for a CUDA device and Gloo otherwise; the others stay as they are.
+/// environment variable's backend when it is set (gloo, nccl, mpi or shm),
+/// else NCCL for a CUDA device and Gloo otherwise; the others stay as they
+/// are. ProcessGroup::create then turns an automatic Gloo into shared memory
+/// (kShm) when every rank is on one host, unless DDP_SHM=0.
 DDP_API BackendKind resolve_backend(BackendKind backend, const c10::Device& device);
 
 /// The timeout applied when none is given: DDP_TIMEOUT_SECONDS from the
@@ -154,7 +162,7 @@ class DDP_API ProcessGroup {
   /// group's (as rank() and size()); local rank, node and master stay the
   /// process's.
   const World& world() const;
-  BackendKind backend() const;  ///< gloo, nccl or mpi, never kAuto
+  BackendKind backend() const;  ///< gloo, nccl, mpi or shm, never kAuto
   std::chrono::milliseconds timeout() const;  ///< of every collective
   /// Where small bookkeeping tensors (flags, sizes, hashes) must live for
   /// this backend's collectives: the CPU for Gloo, this rank's GPU for NCCL.

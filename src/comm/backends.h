@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace ddp::detail {
@@ -23,6 +24,21 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const World& world, const c10::Device& device,
                                                     std::chrono::milliseconds timeout);
+
+/// The shared-memory backend (backend_shm.cpp) over ranks of one host:
+/// all-reduce, reduce, broadcast, all-gather, reduce-scatter and barrier
+/// through one memfd segment; everything else goes to `fallback` (a Gloo
+/// backend of the same ranks). `global_ranks` name the ranks in errors.
+c10::intrusive_ptr<c10d::Backend> make_shm_backend(const c10::intrusive_ptr<c10d::Store>& store, const World& world,
+                                                   std::vector<int> global_ranks, std::chrono::milliseconds timeout,
+                                                   c10::intrusive_ptr<c10d::Backend> fallback);
+
+/// What ranks on one host share, for the shared-memory choice: host name,
+/// boot id, pid and network namespace (DDP_SHM_HOST_ID overrides it).
+std::string shm_host_identity();
+
+/// DDP_SHM: unset or "1" lets kAuto pick shared memory, "0" never.
+bool shm_enabled_by_env();
 
 /// Whether this build of ddp can create NCCL process groups.
 bool nccl_available();

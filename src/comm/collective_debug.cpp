@@ -489,6 +489,9 @@ std::string ProcessGroup::explain_stall(const std::string& cause) const {
     const std::string what = record ? describe(*record) : "#" + std::to_string(failed);
     // A peer whose connection closed is gone: waiting for its answer would
     // only delay this message (and the launcher may stop this rank first).
+    if (cause.find("shared-memory peer") != std::string::npos) {  // backend_shm.cpp's word for it
+      return "This rank is in collective " + what + "; a peer on this host died or stopped." + wrote;
+    }
     for (const char* gone : {"onnection reset", "onnection closed", "roken pipe", "EOF"}) {
       if (cause.find(gone) != std::string::npos) {
         return "This rank is in collective " + what + "; a peer closed its connection (it died or left)." + wrote;

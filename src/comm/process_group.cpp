@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -81,6 +82,40 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return text;
 }
 
+// Every rank's host identity, by rank, through the store: the shared-memory
+// choice must be the same on every rank.
+std::vector<std::string> exchange_hosts(c10d::Store& store, const World& world) {
+  const std::string mine = detail::shm_host_identity();
+  store.set("ddp/host/" + std::to_string(world.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> hosts(world.world_size);
+  for (int r = 0; r < world.world_size; ++r) {
+    const std::vector<uint8_t> bytes = store.get("ddp/host/" + std::to_string(r));
+    hosts[r] = std::string(bytes.begin(), bytes.end());
+  }
+  return hosts;
+}
+
+size_t distinct(std::vector<std::string> values) {
+  std::sort(values.begin(), values.end());
+  return static_cast<size_t>(std::unique(values.begin(), values.end()) - values.begin());
+}
+
+// Gloo for what shared memory leaves to it, then the shared-memory backend.
+c10::intrusive_ptr<c10d::Backend> make_shm(const c10::intrusive_ptr<c10d::Store>& group_store, const World& world,
+                                           const std::vector<int>& global_ranks, std::chrono::milliseconds timeout) {
+  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group_store);
+  auto shm_store = c10::make_intrusive<c10d::PrefixStore>("ddp/shm", group_store);
+  auto gloo = detail::make_gloo_backend(gloo_store, world, timeout);
+  return detail::make_shm_backend(shm_store, world, global_ranks, timeout, std::move(gloo));
+}
+
+// Whether kAuto was left to ddp: not pinned by the caller or DDP_BACKEND.
+bool backend_left_to_ddp(const ProcessGroupOptions& options) {
+  if (options.backend() != BackendKind::kAuto || options.device().is_cuda()) return false;
+  const char* chosen = std::getenv("DDP_BACKEND");
+  return !chosen || !*chosen || std::string(chosen) == "auto";
+}
+
 }  // namespace
 
 
@@ -111,7 +146,8 @@ BackendKind parse_backend(const std::string& name) {
   if (name == "gloo") return BackendKind::kGloo;
   if (name == "nccl") return BackendKind::kNccl;
   if (name == "mpi") return BackendKind::kMpi;
-  DDP_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo, nccl or mpi");
+  if (name == "shm") return BackendKind::kShm;
+  DDP_CHECK(false, "ddp: unknown backend '", name, "'; use auto, gloo, nccl, mpi or shm");
 }
 
 std::string to_string(BackendKind backend) {
@@ -120,6 +156,7 @@ std::string to_string(BackendKind backend) {
     case BackendKind::kGloo: return "gloo";
     case BackendKind::kNccl: return "nccl";
     case BackendKind::kMpi: return "mpi";
+    case BackendKind::kShm: return "shm";
   }
   return "?";
 }
@@ -190,10 +227,27 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const World& launched, Proces
       store_deadline.emplace(world.master_port);
       group->impl_->store_ = detail::rendezvous(world, options.run_id(), timeout, *store_deadline);
     }
+    if (kind == BackendKind::kGloo || kind == BackendKind::kShm) {
+      // Shared memory when every rank is on this host and ddp may choose.
+      group->impl_->hosts_ = world.world_size == 1 ? std::vector<std::string>{detail::shm_host_identity()}
+                                                   : exchange_hosts(*group->impl_->store_, world);
+      group->impl_->shm_allowed_ = backend_left_to_ddp(options) && detail::shm_enabled_by_env();
+      const size_t hosts = distinct(group->impl_->hosts_);
+      if (group->impl_->shm_allowed_ && hosts == 1 && world.world_size > 1) kind = BackendKind::kShm;
+      DDP_CHECK(kind != BackendKind::kShm || hosts == 1, "ddp: the shm backend needs every rank on one host, but ",
+                "the ranks are on ", hosts, " hosts; use gloo (or auto, which takes shared memory inside each ",
+                "host for subgroups such as a DeviceMesh's node dimension)");
+      group->impl_->backend_kind_ = kind;
+      if (world.rank == 0 && world.world_size > 1) {
+        std::fprintf(stderr, "ddp: transport %s (%d ranks on %s)\n", to_string(kind).c_str(), world.world_size,
+                     hosts == 1 ? "one host" : (std::to_string(hosts) + " hosts").c_str());
+      }
+    }
     auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->impl_->store_);
     group->impl_->backend_ = detail::make_checked_backend(
-        kind == BackendKind::kNccl ? detail::make_nccl_backend(backend_store, world, device, timeout)
-                                   : detail::make_gloo_backend(backend_store, world, timeout),
+        kind == BackendKind::kNccl  ? detail::make_nccl_backend(backend_store, world, device, timeout)
+        : kind == BackendKind::kShm ? make_shm(group->impl_->store_, world, group->impl_->global_ranks_, timeout)
+                                    : detail::make_gloo_backend(backend_store, world, timeout),
         world, timeout);
   } catch (const c10::Error& e) {
     if (!store_deadline || !store_deadline->expired() || dynamic_cast<const Error*>(&e) != nullptr) throw;
@@ -360,6 +414,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::make_subgroup(const char* op, const 
   group->impl_->world_ = impl_->world_;
   group->impl_->world_.rank = group->impl_->member_ ? static_cast<int>(mine - members.begin()) : -1;
   group->impl_->world_.world_size = static_cast<int>(members.size());
+  group->impl_->shm_allowed_ = impl_->shm_allowed_;
+  if (impl_->hosts_.size() == impl_->global_ranks_.size()) {
+    for (int m : members) group->impl_->hosts_.push_back(impl_->hosts_[m]);
+  }
+  // A subgroup whose ranks share a host talks through shared memory when
+  // ddp chose the transport (a multi-host job's node-local groups), or when
+  // its parent already does.
+  if (impl_->backend_kind_ == BackendKind::kGloo && group->impl_->shm_allowed_ && members.size() > 1 &&
+      group->impl_->hosts_.size() == members.size() && distinct(group->impl_->hosts_) == 1) {
+    group->impl_->backend_kind_ = BackendKind::kShm;
+  }
 
   const std::chrono::milliseconds timeout = impl_->options_.timeout();
   if (impl_->backend_kind_ == BackendKind::kMpi) {
@@ -380,9 +445,12 @@ std::shared_ptr<ProcessGroup> ProcessGroup::make_subgroup(const char* op, const 
     // reports never meet another group's.
     group->impl_->store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store_);
     auto backend_store = c10::make_intrusive<c10d::PrefixStore>("ddp/backend", group->impl_->store_);
+    const BackendKind kind = group->impl_->backend_kind_;
     group->impl_->backend_ = detail::make_checked_backend(
-        impl_->backend_kind_ == BackendKind::kNccl
+        kind == BackendKind::kNccl
             ? detail::make_nccl_backend(backend_store, group->impl_->world_, impl_->control_options_.device(), timeout)
+        : kind == BackendKind::kShm
+            ? make_shm(group->impl_->store_, group->impl_->world_, group->impl_->global_ranks_, timeout)
             : detail::make_gloo_backend(backend_store, group->impl_->world_, timeout),
         group->impl_->world_, timeout);
     if (group->size() > 1) group->start_progress_responder();

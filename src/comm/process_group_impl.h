@@ -40,6 +40,11 @@ struct ProcessGroup::Impl {
   World world_;
   ProcessGroupOptions options_;
   BackendKind backend_kind_ = BackendKind::kGloo;
+  // Each rank's host (shm_host_identity), by rank in this group, and whether
+  // a subgroup whose ranks share a host gets shared memory: the backend was
+  // left to ddp (kAuto on the CPU, DDP_SHM not 0).
+  std::vector<std::string> hosts_;
+  bool shm_allowed_ = false;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   int64_t store_prefixes_issued_ = 0;
