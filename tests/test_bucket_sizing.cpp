@@ -250,6 +250,27 @@ TEST(BucketSizingRanks, FittedBucketsAreTheSameOnEveryRankAndFollowTheLink) {
   ddp::testing::expect_all_succeeded(ranks);
 }
 
+TEST(BucketSizingRanks, WithoutOverlapNothingHidesSoBucketsStayFew) {
+  auto ranks = ddp::testing::run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
+    // The same slow link and long backward that split the buckets above.
+    ddp::detail::set_link_measurement_for_testing(injected_for(group->rank()));
+    ddp::DistributedDataParallel<torch::nn::Sequential> model(make_net(), group,
+                                                              ddp::DDPOptions().overlap_with_backward(false));
+    train_steps(model, 2, 8);
+    ASSERT_TRUE(model.buckets_rebuilt());
+    std::vector<size_t> visit;
+    for (const auto& b : model.bucket_assignment()) visit.insert(visit.end(), b.begin(), b.end());
+    LinkMeasurement no_overlap = agreed();
+    no_overlap.backward_s = 0;
+    const auto infos = infos_of(model.parameters());
+    EXPECT_DOUBLE_EQ(model.bucket_cap_mb(),
+                     static_cast<double>(ddp::detail::fit_bucket_cap_bytes(infos, visit, kMiB, no_overlap)) / kMiB);
+    EXPECT_EQ(model.bucket_assignment().size(), 2u) << "1 MiB, then the rest in one bucket";
+    ddp::detail::set_link_measurement_for_testing(std::nullopt);
+  });
+  ddp::testing::expect_all_succeeded(ranks);
+}
+
 TEST(BucketSizingRanks, MeasuredLinkGivesTheSameBucketsOnEveryRank) {
   auto ranks = ddp::testing::run_on_ranks(2, [](const std::shared_ptr<ddp::ProcessGroup>& group) {
     ddp::DistributedDataParallel<torch::nn::Sequential> model(make_net(), group);

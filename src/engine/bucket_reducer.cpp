@@ -258,13 +258,11 @@ void BucketReducer::maybe_rebuild_buckets() {
   if (caps_.fit_to_link && bucket_cap_matters(infos, visit, caps_.first_bytes)) {
     size_t gradient_bytes = 0;
     for (const auto& p : params_) gradient_bytes += static_cast<size_t>(p.numel()) * p.element_size();
-    // Without overlap every bucket waits for the end of backward: nothing hides.
-    const double backward_s =
-        options_.overlap_with_backward()
-            ? std::chrono::duration<double>(last_gradient_at_ - first_gradient_at_).count()
-            : 0.0;
+    const double backward_s = std::chrono::duration<double>(last_gradient_at_ - first_gradient_at_).count();
     // Every rank gets the same figures (the maxima), so the same cap.
     link_ = measure_link(*group_, params_.front().options(), gradient_bytes, backward_s);
+    // Without overlap every bucket waits for the end of backward: nothing hides.
+    if (!options_.overlap_with_backward()) link_->backward_s = 0;
     caps_.bytes = fit_bucket_cap_bytes(infos, visit, caps_.first_bytes, *link_);
     const char* log = std::getenv("DDP_LOG_BUCKETS");
     if (log && *log && std::string(log) != "0" && group_->rank() == 0) {
