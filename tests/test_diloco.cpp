@@ -445,3 +445,38 @@ TEST(DiLoCoRanks, BadConfigurationsNameTheCause) {
   });
   expect_all_succeeded(ranks);
 }
+
+// FSDP inside each row of a 2 x 2 mesh, DiLoCo across the rows over each
+// rank's shards: at H = 1 with an outer SGD of lr 1 (an average) and an inner
+// SGD (linear in the gradient), the whole is DDP over all four ranks.
+TEST(DiLoCoRanks, OverTheShardsOfFsdpInsideEachRowOfATwoByTwoMeshEqualsDdpOverAll) {
+  auto ranks = run_on_ranks(4, [](const Group& group) {
+    ddp::DistributedDataParallel<torch::nn::Sequential> reference(make_net(31), group);
+    torch::optim::SGD reference_opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+
+    ddp::DeviceMesh mesh(group, {2, 2}, {"replicate", "shard"});
+    ddp::FullyShardedDataParallel<torch::nn::Sequential> model(make_net(31), mesh.group("shard"));
+    torch::optim::SGD inner(model.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    ddp::DiLoCo diloco(model.parameters(), inner, mesh.group("replicate"),
+                       ddp::DiLoCoOptions().sync_every(1).outer_lr(1.0).outer_momentum(0.0).outer_nesterov(false));
+    for (int64_t step = 0; step < 6; ++step) {
+      auto [x, y] = batch(step, group->rank());
+      reference_opt.zero_grad();
+      torch::nn::functional::mse_loss(reference(x), y).backward();
+      reference_opt.step();
+
+      inner.zero_grad();
+      torch::nn::functional::mse_loss(model.forward(x), y).backward();
+      diloco.step();
+    }
+    auto full = model.full_state_dict(/*rank0_only=*/false);
+    auto expected = reference->named_parameters();
+    ASSERT_EQ(full.size(), expected.size());
+    for (const auto& [name, tensor] : full) {
+      const at::Tensor& want = expected[name];
+      EXPECT_TRUE(at::allclose(tensor, want, 1e-5, 1e-6))
+          << name << ": max difference " << (tensor - want).abs().max().item<float>();
+    }
+  });
+  expect_all_succeeded(ranks);
+}
