@@ -149,7 +149,9 @@ class FaultToleranceJob : public ::testing::Test {
   }
 
   // Starts a replica with `id` and extra environment; returns its index.
-  size_t start(const std::string& id, std::map<std::string, std::string> env = {}) {
+  // `argv` runs another program (its path first) instead of ft_worker.
+  size_t start(const std::string& id, std::map<std::string, std::string> env = {},
+               std::vector<std::string> argv = {}) {
     Worker w;
     w.id = id;
     std::string safe = id;
@@ -163,7 +165,10 @@ class FaultToleranceJob : public ::testing::Test {
     env.emplace("DDP_FT_DEADLINE_MS", "3000");
     env["MASTER_ADDR"] = "127.0.0.1";
     env["OMP_NUM_THREADS"] = "1";
-    const std::string path = worker_path();
+    if (argv.empty()) argv = {worker_path()};
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
     pid_t pid = fork();
     if (pid == 0) {
       setpgid(0, 0);
@@ -172,7 +177,7 @@ class FaultToleranceJob : public ::testing::Test {
       int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(out, 1);
       dup2(err, 2);
-      execl(path.c_str(), path.c_str(), static_cast<char*>(nullptr));
+      execv(args[0], args.data());
       _exit(127);
     }
     setpgid(pid, pid);
@@ -560,6 +565,56 @@ TEST_F(FaultToleranceJob, TwentyKillRejoinCyclesLeakNothing) {
       for (const auto& key : store_->listKeys()) std::printf("  key %s\n", key.c_str());
     } catch (const std::exception&) {
     }
+  }
+}
+
+// wine_ddp under DDP_FAULT_TOLERANCE=1 (what ddprun --fault-tolerance
+// sets): three replicas, one SIGKILLed mid-training; the two others finish
+// the 100 epochs and print the test accuracy, and the fault-tolerance
+// counters count the skipped step.
+TEST_F(FaultToleranceJob, WineTrainsThroughALostReplica) {
+  const std::string wine = (fs::path(worker_path()).parent_path() / "wine_ddp").string();
+  if (!fs::exists(wine)) GTEST_SKIP() << "wine_ddp is not built";
+  const std::string metrics = (dir_ / "metrics.jsonl").string();
+  std::vector<std::string> argv{wine, "100", "50", "--checkpoint-dir", dir_.string(), "--metrics", metrics};
+  for (int i = 0; i < 3; ++i) start("wine" + std::to_string(i) + "/inc0", {}, argv);
+  ASSERT_TRUE(wait_until(
+      [&] {
+        for (size_t i : {0, 1, 2}) {
+          if (read_file(workers_[i].out).find("Epoch 20,") != std::string::npos) return true;
+        }
+        return false;
+      },
+      60))
+      << logs();
+  // Kill a replica that is not printing (so the log stays in one place).
+  size_t victim = 2;
+  for (size_t i : {0, 1, 2}) {
+    if (read_file(workers_[i].out).find("Epoch") == std::string::npos) victim = i;
+  }
+  kill_worker(victim, SIGKILL);
+  std::vector<size_t> survivors;
+  for (size_t i : {0, 1, 2}) {
+    if (i != victim) survivors.push_back(i);
+  }
+  wait_exit(survivors, 90);
+  std::string printed;
+  for (size_t i : survivors) {
+    ASSERT_EQ(workers_[i].status, 0) << logs();
+    printed += read_file(workers_[i].out);
+  }
+  EXPECT_NE(printed.find("Epoch 99, Loss"), std::string::npos) << logs();
+  const auto accuracy = printed.find("Test accuracy: ");
+  ASSERT_NE(accuracy, std::string::npos) << logs();
+  std::printf("[ measured ] wine_ddp, 3 replicas, one killed after epoch 20: %s\n",
+              printed.substr(accuracy, printed.find('\n', accuracy) - accuracy).c_str());
+  EXPECT_NE(printed.find("\"ft_skipped_steps\": "), std::string::npos) << logs();
+  EXPECT_TRUE(fs::exists(dir_ / "model_final.pt"));
+  const std::string m = read_file(metrics);
+  EXPECT_NE(m.find("\"epoch\": 99"), std::string::npos) << m;
+  EXPECT_NE(m.find("ft_committed_steps"), std::string::npos) << m;
+  for (size_t i : survivors) {
+    EXPECT_NE(read_file(workers_[i].err).find("left (crash"), std::string::npos) << logs();
   }
 }
 

@@ -173,7 +173,7 @@ ddp_reuse_precompiled_header(ft_worker)
 add_executable(ddp_fault_tolerance_tests test_fault_tolerance.cpp)
 target_link_libraries(ddp_fault_tolerance_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_fault_tolerance_tests)
-add_dependencies(ddp_fault_tolerance_tests ft_worker)
+add_dependencies(ddp_fault_tolerance_tests ft_worker wine_ddp)
 gtest_discover_tests(ddp_fault_tolerance_tests PROPERTIES LABELS "multiprocess" TIMEOUT 120
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 

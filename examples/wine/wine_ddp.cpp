@@ -13,6 +13,7 @@
 #include "wine_cli.h"
 #include "wine_data.h"
 #include "wine_dataset.h"
+#include "wine_fault_tolerant.h"
 
 #include <ddp/ddp.h>
 
@@ -40,6 +41,11 @@ int main(int argc, char** argv) {
     // Fail now rather than after the first epoch's training.
     DDP_CHECK(std::filesystem::is_directory(args.checkpoint_dir), "checkpoint directory '",
               args.checkpoint_dir, "' does not exist; create it or pass --checkpoint-dir");
+    // Under ddprun --fault-tolerance the workers are replicas that survive
+    // each other's loss: the loop of wine_fault_tolerant.h (docs/fault_tolerance.md).
+    if (ddp::fault_tolerance_requested()) {
+      return wine::train_fault_tolerant(args, wine::load_split(args.train_csv, args.test_csv));
+    }
     // This rank's device: the CPU, or with --device cuda the GPU of its local
     // rank (and then NCCL).
     const c10::Device device =
