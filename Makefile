@@ -63,3 +63,4 @@ bench: build
 bench-net: build
 	$$(cat $(VENV_FILE))/bin/python bench/run_net_bench.py --build-dir $(BUILD_DIR)
 	$$(cat $(VENV_FILE))/bin/python bench/run_net_bench.py --build-dir $(BUILD_DIR) --nodes 4 --models mlp2m
+	$$(cat $(VENV_FILE))/bin/python bench/slow_links.py --build-dir $(BUILD_DIR)

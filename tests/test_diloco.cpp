@@ -134,7 +134,8 @@ TEST(DiLoCoRanks, SyncEveryStepWithOuterSgdLr1EqualsDdp) {
     }
     at::Tensor mine = flat(net->parameters());
     at::Tensor theirs = flat(reference->parameters());
-    EXPECT_TRUE(at::allclose(mine, theirs, 1e-5, 1e-6)) << "max difference " << (mine - theirs).abs().max().item<float>();
+    EXPECT_TRUE(at::allclose(mine, theirs, 1e-5, 1e-6))
+        << "max difference " << (mine - theirs).abs().max().item<float>();
     // Not a coincidence of a model that did not move.
     EXPECT_GT((mine - flat(make_net(3)->parameters())).abs().max().item<float>(), 1e-2);
     EXPECT_TRUE(same_everywhere(*group, mine));

@@ -36,9 +36,8 @@ struct BlockImpl : torch::nn::Module {
   at::Tensor forward(at::Tensor x) {
     const int64_t batch = x.size(0), time = x.size(1), width = x.size(2);
     // [3, batch, heads, time, width / heads]
-    at::Tensor qkv_heads = qkv->forward(norm1->forward(x))
-                               .view({batch, time, 3, heads, width / heads})
-                               .permute({2, 0, 3, 1, 4});
+    at::Tensor qkv_heads =
+        qkv->forward(norm1->forward(x)).view({batch, time, 3, heads, width / heads}).permute({2, 0, 3, 1, 4});
     at::Tensor attended = at::scaled_dot_product_attention(qkv_heads[0], qkv_heads[1], qkv_heads[2], {}, 0.0,
                                                            /*is_causal=*/true);
     x = x + proj->forward(attended.transpose(1, 2).reshape({batch, time, width}));

@@ -27,7 +27,8 @@ struct Corpus {
 
 inline Corpus load_corpus(const std::string& root, int64_t max_bytes) {
   namespace fs = std::filesystem;
-  if (!fs::is_directory(root)) throw std::runtime_error("corpus directory '" + root + "' does not exist; pass --corpus DIR");
+  if (!fs::is_directory(root))
+    throw std::runtime_error("corpus directory '" + root + "' does not exist; pass --corpus DIR");
   const bool python_tree = fs::exists(fs::path(root) / "os.py");
   std::vector<std::string> paths;
   for (auto it = fs::recursive_directory_iterator(root, fs::directory_options::skip_permission_denied);
@@ -52,7 +53,9 @@ inline Corpus load_corpus(const std::string& root, int64_t max_bytes) {
     ++corpus.files;
   }
   if (static_cast<int64_t>(text.size()) > max_bytes) text.resize(static_cast<size_t>(max_bytes));
-  if (text.size() < 100000) throw std::runtime_error("corpus under '" + root + "' has only " + std::to_string(text.size()) + " bytes; it needs 100000 or more");
+  if (text.size() < 100000)
+    throw std::runtime_error("corpus under '" + root + "' has only " + std::to_string(text.size()) +
+                             " bytes; it needs 100000 or more");
   at::Tensor all = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
   std::copy(text.begin(), text.end(), reinterpret_cast<char*>(all.data_ptr<uint8_t>()));
   const int64_t cut = all.numel() * 9 / 10;

@@ -107,7 +107,8 @@ Args parse_args(int argc, char** argv) {
       ->default_str("off")
       ->transform(examples::non_negative_integer("--post-local-sgd"));
   cli.add_option("--warmup", a.warmup,
-                 "DiLoCo: average gradients (as DDP) for the first K steps,\nthen sync every H (the paper starts from a trained model)")
+                 "DiLoCo: average gradients (as DDP) for the first K steps,\nthen sync every H (the paper starts from "
+                 "a trained model)")
       ->type_name("K")
       ->transform(examples::non_negative_integer("--warmup"));
   cli.add_option("--backend", a.backend, "auto, gloo or mpi")
@@ -115,10 +116,12 @@ Args parse_args(int argc, char** argv) {
       ->check(examples::one_of("--backend", {"auto", "gloo", "mpi"}));
   cli.add_option("--threads", a.threads, "intra-op threads per rank")->type_name("N")->transform(positive("--threads"));
   cli.read(argc, argv);
-  if (a.diloco == 0 && (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0 || a.warmup != 0)) {
+  if (a.diloco == 0 &&
+      (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0 || a.warmup != 0)) {
     throw examples::UsageError("--streaming, --overlap, --mixing, --warmup and --post-local-sgd need --diloco H");
   }
-  if (a.post_local_sgd >= 0 && a.warmup != 0) throw examples::UsageError("--post-local-sgd K is its own warm-up; drop --warmup");
+  if (a.post_local_sgd >= 0 && a.warmup != 0)
+    throw examples::UsageError("--post-local-sgd K is its own warm-up; drop --warmup");
   if (a.model.width % a.model.heads != 0) throw examples::UsageError("--width must be a multiple of --heads");
   return a;
 }
@@ -160,19 +163,23 @@ int main(int argc, char** argv) {
     torch::optim::AdamW inner(model->parameters(), torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
     std::unique_ptr<ddp::DiLoCo> diloco;
     if (args.diloco > 0) {
-      auto options = args.post_local_sgd >= 0 ? ddp::DiLoCoOptions::post_local_sgd(args.post_local_sgd, args.diloco)
-                                              : ddp::DiLoCoOptions().sync_every(args.diloco).outer_lr(args.outer_lr)
-                                                    .warmup_steps(args.warmup);
-      options.fragments(args.streaming).overlap_steps(args.overlap).mixing(args.mixing)
+      auto options =
+          args.post_local_sgd >= 0
+              ? ddp::DiLoCoOptions::post_local_sgd(args.post_local_sgd, args.diloco)
+              : ddp::DiLoCoOptions().sync_every(args.diloco).outer_lr(args.outer_lr).warmup_steps(args.warmup);
+      options.fragments(args.streaming)
+          .overlap_steps(args.overlap)
+          .mixing(args.mixing)
           .outer_gradient_dtype(outer_dtype(args.outer_dtype));
       diloco = std::make_unique<ddp::DiLoCo>(model->parameters(), inner, group, options);
     }
     if (rank == 0) {
-      std::printf("lm_train: %lld parameters, %lld ranks, corpus %s (%lld files, %lld train + %lld held-out bytes), %s\n",
-                  static_cast<long long>(parameter_count), static_cast<long long>(group->size()), args.corpus.c_str(),
-                  static_cast<long long>(corpus.files), static_cast<long long>(corpus.train.numel()),
-                  static_cast<long long>(corpus.held_out.numel()),
-                  args.diloco == 0 ? "DDP" : (args.post_local_sgd >= 0 ? "post-local SGD" : "DiLoCo"));
+      std::printf(
+          "lm_train: %lld parameters, %lld ranks, corpus %s (%lld files, %lld train + %lld held-out bytes), %s\n",
+          static_cast<long long>(parameter_count), static_cast<long long>(group->size()), args.corpus.c_str(),
+          static_cast<long long>(corpus.files), static_cast<long long>(corpus.train.numel()),
+          static_cast<long long>(corpus.held_out.numel()),
+          args.diloco == 0 ? "DDP" : (args.post_local_sgd >= 0 ? "post-local SGD" : "DiLoCo"));
     }
 
     // The same held-out windows at every evaluation, spread over the split.
@@ -184,7 +191,8 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       double total = 0;
       for (int64_t b = 0; b < args.eval_batches; ++b) {
-        auto [x, y] = lm::windows(corpus.held_out, eval_starts.narrow(0, b * args.batch_size, args.batch_size), context);
+        auto [x, y] =
+            lm::windows(corpus.held_out, eval_starts.narrow(0, b * args.batch_size, args.batch_size), context);
         total += next_byte_loss(model->forward(x), y).item<double>();
       }
       return total / static_cast<double>(args.eval_batches);

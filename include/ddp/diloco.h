@@ -51,7 +51,10 @@
 // state, the inner step count and any fragment sync in flight; put it in
 // Snapshot::extra (<ddp/snapshot.h>) next to the model (the local weights)
 // and the inner optimizer, and load_state_dict() it back after restoring
-// those: the run then continues bit for bit at the same world size.
+// those: the run then continues bit for bit at the same world size. Between
+// syncs every replica's local weights and inner optimizer differ, so for an
+// exact resume each rank saves its own snapshot (a file per rank); a snapshot
+// of rank 0 alone resumes every replica from rank 0's local state.
 
 #include <ddp/export.h>
 #include <ddp/process_group.h>

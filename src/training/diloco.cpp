@@ -39,9 +39,12 @@ struct PendingSync {
 
 std::string dtype_name(OuterGradientDtype dtype) {
   switch (dtype) {
-    case OuterGradientDtype::kFloat32: return "fp32";
-    case OuterGradientDtype::kBFloat16: return "bf16";
-    case OuterGradientDtype::kInt8: return "int8";
+    case OuterGradientDtype::kFloat32:
+      return "fp32";
+    case OuterGradientDtype::kBFloat16:
+      return "bf16";
+    case OuterGradientDtype::kInt8:
+      return "int8";
   }
   return "?";
 }
@@ -129,9 +132,10 @@ struct DiLoCo::Impl {
               "; it must be at least 1 inner step between two syncs");
     DDP_CHECK(options.overlap_steps() >= 0 && options.overlap_steps() < options.sync_every(),
               "ddp: DiLoCo's overlap_steps (tau) is ", options.overlap_steps(), " with sync_every (H) ",
-              options.sync_every(), "; it must be in [0, H): a fragment's sync must complete before its next one starts");
-    DDP_CHECK(options.mixing() >= 0.0 && options.mixing() <= 1.0, "ddp: DiLoCo's mixing (alpha) is ",
-              options.mixing(), "; it must be in [0, 1] (0 takes the global weights, 1 keeps the local ones)");
+              options.sync_every(),
+              "; it must be in [0, H): a fragment's sync must complete before its next one starts");
+    DDP_CHECK(options.mixing() >= 0.0 && options.mixing() <= 1.0, "ddp: DiLoCo's mixing (alpha) is ", options.mixing(),
+              "; it must be in [0, 1] (0 takes the global weights, 1 keeps the local ones)");
     DDP_CHECK(options.warmup_steps() >= 0, "ddp: DiLoCo's warmup_steps is ", options.warmup_steps(),
               "; it must be 0 or more");
     DDP_CHECK(!options.global_dtype() || at::isFloatingType(*options.global_dtype()),
@@ -276,8 +280,12 @@ struct DiLoCo::Impl {
     group->wait(sync.work, "DiLoCo's pseudo-gradient sync");
     sync.work.reset();
     switch (options.outer_gradient_dtype()) {
-      case OuterGradientDtype::kFloat32: sync.sum = sync.buffer; break;
-      case OuterGradientDtype::kBFloat16: sync.sum = sync.buffer.to(at::kFloat); break;
+      case OuterGradientDtype::kFloat32:
+        sync.sum = sync.buffer;
+        break;
+      case OuterGradientDtype::kBFloat16:
+        sync.sum = sync.buffer.to(at::kFloat);
+        break;
       case OuterGradientDtype::kInt8: {
         const int64_t width = sync.buffer.numel();
         sync.sum = at::zeros({sync.numel}, sync.buffer.options().dtype(at::kFloat));
@@ -348,8 +356,8 @@ std::vector<std::vector<at::Tensor>> default_fragments(const std::vector<at::Ten
 }
 }  // namespace
 
-DiLoCo::DiLoCo(std::vector<at::Tensor> parameters, torch::optim::Optimizer& inner,
-               std::shared_ptr<ProcessGroup> group, DiLoCoOptions options)
+DiLoCo::DiLoCo(std::vector<at::Tensor> parameters, torch::optim::Optimizer& inner, std::shared_ptr<ProcessGroup> group,
+               DiLoCoOptions options)
     : DiLoCo(parameters, default_fragments(parameters, options), inner, std::move(group), options) {}
 
 DiLoCo::DiLoCo(std::vector<at::Tensor> parameters, std::vector<std::vector<at::Tensor>> fragments,
@@ -364,8 +372,8 @@ DiLoCo::DiLoCo(std::vector<at::Tensor> parameters, std::vector<std::vector<at::T
   s.options = std::move(options);
   s.validate_options();
   s.set_fragments(fragments);
-  DDP_CHECK(static_cast<int64_t>(s.fragments.size()) <= s.options.sync_every(), "ddp: DiLoCo has ",
-            s.fragments.size(), " fragments but sync_every (H) is ", s.options.sync_every(),
+  DDP_CHECK(static_cast<int64_t>(s.fragments.size()) <= s.options.sync_every(), "ddp: DiLoCo has ", s.fragments.size(),
+            " fragments but sync_every (H) is ", s.options.sync_every(),
             "; the fragments' syncs are staggered over H steps, so use at most H fragments");
   s.make_global_copy();
   s.make_outer_optimizer();
