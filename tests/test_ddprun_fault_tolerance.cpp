@@ -244,8 +244,20 @@ TEST(FaultTolerance, DdpWorkersRideOutACrashAndTheRestartedOneHealsBitForBit) {
   ASSERT_GT(victim, 0) << ddp::testing::read_text_file(job.err_path);
   ASSERT_GT(rank0, 0);
   ASSERT_GT(rank2, 0);
+  const long long killed_at_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count();
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   ProcessResult result = ddp::testing::wait_background(job, 150s);
+  // How long the survivors went without a committed step, and when the restarted one trained again.
+  const long long recovered = ddp::testing::first_step_after(result.out, 0, killed_at_us);
+  const long long rejoined = ddp::testing::first_step_after(result.out, 1, killed_at_us);
+  if (recovered > 0 && rejoined > 0) {
+    std::printf("[measure] under ddprun: rank 0's first commit %.0f ms after rank 1's SIGKILL; the restarted rank 1's "
+                "first commit %.0f ms after it\n",
+                (recovered - killed_at_us) / 1000.0, (rejoined - killed_at_us) / 1000.0);
+  }
+  EXPECT_GT(rejoined, 0) << "the restarted rank 1 never committed a step: " << result.describe();
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   EXPECT_NE(result.err.find("fault tolerance: rank 1 (local rank 1, pid " + std::to_string(victim)),
             std::string::npos)

@@ -14,9 +14,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Beyond this a member that accepted the connection but does not answer (partitioned, stopped)
-// is given up for the next one; a wait is re-issued rather than held longer.
-constexpr std::chrono::milliseconds kAttemptCap{2000};
+// Beyond this a member that accepted the connection but does not answer (partitioned, stopped,
+// or a follower holding a write for a leader that died) is given up for the next one; a wait is
+// re-issued rather than held longer. Shorter, and a write that is merely slow (a disk busy with
+// fsyncs) would be sent twice; longer, and every write during an election waits it out.
+constexpr std::chrono::milliseconds kAttemptCap{1000};
 constexpr std::chrono::milliseconds kConnectCap{1000};
 
 void init_curl_once() {

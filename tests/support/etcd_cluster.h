@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -76,6 +77,23 @@ class EtcdCluster {
       }
     }
     return "";
+  }
+
+  // The member that is the raft leader now (its v2 stats say StateLeader), or -1 if none says
+  // so (or curl is missing).
+  int leader() const {
+    for (size_t i = 0; i < client_ports_.size(); ++i) {
+      if (!alive_[i]) continue;
+      const std::string command = "curl -s --max-time 1 http://" + endpoint(static_cast<int>(i)) + "/v2/stats/self";
+      FILE* pipe = ::popen(command.c_str(), "r");
+      if (pipe == nullptr) continue;
+      std::string reply;
+      char buffer[512];
+      while (size_t got = std::fread(buffer, 1, sizeof buffer, pipe)) reply.append(buffer, got);
+      ::pclose(pipe);
+      if (reply.find("StateLeader") != std::string::npos) return static_cast<int>(i);
+    }
+    return -1;
   }
 
   // SIGKILL to member i (and its process group); it is reaped.

@@ -40,6 +40,18 @@ inline long long last_step_in(const std::string& out) {
   return last;
 }
 
+// The wall clock (microseconds, the "t" field) of the first step line of `rank` ("[rankR]: step
+// ...") stamped after `after_us`; -1 if none.
+inline long long first_step_after(const std::string& out, int rank, long long after_us) {
+  const std::regex kStep("\\[rank" + std::to_string(rank) + R"(\]: step \d+ gen \d+ rank \d+/\d+ hash [0-9a-f]+ t (\d+))");
+  long long first = -1;
+  for (std::sregex_iterator it(out.begin(), out.end(), kStep), end; it != end; ++it) {
+    const long long t = std::stoll((*it)[1]);
+    if (t > after_us && (first < 0 || t < first)) first = t;
+  }
+  return first;
+}
+
 // "final <hash>" of each rank prefix ("[rank1]: final 00ab..."): rank -> hashes in order.
 inline std::map<int, std::vector<std::string>> finals_by_rank(const std::string& out) {
   static const std::regex kFinal(R"(\[rank(\d+)\]: final ([0-9a-f]{16}))");
