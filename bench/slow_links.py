@@ -129,7 +129,9 @@ def summarize(results, rates):
                 target = base["curve"][-1]["eval_loss"]
                 reached = next((p for p in r["curve"] if p["eval_loss"] <= target), None)
                 row["wall_to_ddp_loss_s"] = reached["wall_s"] if reached else None
-                row["speedup_to_ddp_loss"] = (base["train_wall_s"] / reached["wall_s"]) if reached else None
+                # Against when DDP itself first got there (its curve is noisy).
+                ddp_reached = next(p for p in base["curve"] if p["eval_loss"] <= target)
+                row["speedup_to_ddp_loss"] = (ddp_reached["wall_s"] / reached["wall_s"]) if reached else None
             if local:
                 row["utilisation"] = local["train_wall_s"] / r["train_wall_s"]
             rows.append(row)
