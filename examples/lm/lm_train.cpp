@@ -75,7 +75,7 @@ Args parse_args(int argc, char** argv) {
   cli.add_option("--eval-batches", a.eval_batches, "held-out batches per evaluation")
       ->type_name("N")
       ->transform(positive("--eval-batches"));
-  cli.add_option("--metrics", a.metrics, "append one JSON line per evaluation to FILE (rank 0)")
+  cli.add_option("--metrics", a.metrics, "write one JSON line per evaluation to FILE (rank 0)")
       ->type_name("FILE")
       ->default_str("none");
   cli.add_option("--corpus", a.corpus, "text: *.py under DIR if it holds os.py, else every file")->type_name("DIR");
