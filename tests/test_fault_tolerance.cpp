@@ -326,6 +326,11 @@ TEST_F(FaultToleranceJob, CrashedReplicaSurvivorsContinueWithinHalfASecond) {
   expect_same_weights({0, 1});
   EXPECT_EQ(workers_[0].final_hash(), workers_[1].final_hash());
   EXPECT_FALSE(workers_[0].final_hash().empty());
+  const std::string out0 = read_file(workers_[0].out);
+  const auto stats = out0.find("stats ");
+  ASSERT_NE(stats, std::string::npos) << out0;
+  std::printf("[ measured ] %s\n", out0.substr(stats, out0.find('\n', stats) - stats).c_str());
+  EXPECT_NE(out0.find("\"ft_skipped_steps\": 1,"), std::string::npos) << out0;
   // Skipped identically.
   EXPECT_EQ(workers_[0].skipped(), workers_[1].skipped());
   // One line per change on every survivor, naming the lost replica and why.
