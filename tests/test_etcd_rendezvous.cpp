@@ -21,7 +21,7 @@ using ddp::testing::EtcdCluster;
 using ddp::testing::RdzvAgent;
 
 #define SKIP_WITHOUT_ETCD()                                                                            \
-  if (!ddp::testing::etcd_available()) GTEST_SKIP() << "no /usr/bin/etcd (apt-get install etcd-server)"
+  if (!ddp::testing::etcd_available()) GTEST_SKIP() << "no /usr/bin/etcd or /usr/bin/setpriv (apt-get install etcd-server util-linux)"
 
 const std::string kPrintPlace =
     "echo \"RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE GROUP_RANK=$GROUP_RANK "

@@ -22,7 +22,7 @@ using namespace std::chrono_literals;
 using ddp::testing::EtcdCluster;
 
 #define SKIP_WITHOUT_ETCD()                                                                            \
-  if (!ddp::testing::etcd_available()) GTEST_SKIP() << "no /usr/bin/etcd (apt-get install etcd-server)"
+  if (!ddp::testing::etcd_available()) GTEST_SKIP() << "no /usr/bin/etcd or /usr/bin/setpriv (apt-get install etcd-server util-linux)"
 
 std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 std::string text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }

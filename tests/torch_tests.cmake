@@ -212,3 +212,12 @@ target_link_libraries(ddp_shm_tests PRIVATE ddp_internal ddp_test_support GTest:
 ddp_reuse_precompiled_header(ddp_shm_tests)
 gtest_discover_tests(ddp_shm_tests PROPERTIES LABELS "multiprocess;shm" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# The store-host loss across network-namespace nodes: etcd members and ddprun agents on three
+# "nodes", the whole of node 0 lost (label cluster: needs root; skips without it or etcd).
+add_executable(test_etcd_cluster_nodes test_etcd_cluster_nodes.cpp)
+target_link_libraries(test_etcd_cluster_nodes PRIVATE ddp_test_support GTest::gtest_main)
+target_include_directories(test_etcd_cluster_nodes PRIVATE ${PROJECT_SOURCE_DIR}/src)
+add_dependencies(test_etcd_cluster_nodes ddprun ft_worker)
+gtest_discover_tests(test_etcd_cluster_nodes PROPERTIES LABELS "cluster" TIMEOUT 300 RUN_SERIAL TRUE
+                     DISCOVERY_TIMEOUT 30)

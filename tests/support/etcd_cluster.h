@@ -23,7 +23,11 @@ namespace ddp::testing {
 
 inline constexpr const char* kEtcdProgram = "/usr/bin/etcd";
 
-inline bool etcd_available() { return ::access(kEtcdProgram, X_OK) == 0; }
+inline bool etcd_available() { return ::access(kEtcdProgram, X_OK) == 0 && ::access("/usr/bin/setpriv", X_OK) == 0; }
+
+// A member must not outlive a test that crashed before its teardown: util-linux's setpriv gives
+// it a parent-death signal before it becomes etcd.
+inline const char* const kKeepTiedToTest[3] = {"/usr/bin/setpriv", "--pdeathsig", "KILL"};
 
 class EtcdCluster {
  public:
@@ -42,7 +46,7 @@ class EtcdCluster {
       RunOptions options;
       options.timeout = std::chrono::minutes(10);
       processes_.push_back(start_background(
-          {kEtcdProgram, "--name", name(i), "--data-dir", dir_ + "/" + name(i), "--listen-client-urls", client,
+          {kKeepTiedToTest[0], kKeepTiedToTest[1], kKeepTiedToTest[2], kEtcdProgram, "--name", name(i), "--data-dir", dir_ + "/" + name(i), "--listen-client-urls", client,
            "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", "ddp-test",
            "--enable-v2=true", "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap", "--log-level", "error"},
