@@ -44,6 +44,8 @@
 #include <sstream>
 #include <thread>
 
+#include <unistd.h>
+
 namespace ddp {
 namespace {
 
@@ -84,6 +86,15 @@ std::string k_verdict(int64_t g, int64_t s) { return "ft/s/" + std::to_string(g)
 std::string k_join_seq() { return "ft/join_seq"; }
 std::string k_join(int64_t k) { return "ft/join/" + std::to_string(k); }
 std::string k_heartbeat(const std::string& id) { return "ft/hb/" + id; }
+std::string k_live(const std::string& id) { return "ft/live/" + id; }
+
+// The host of the store's first endpoint: every replica reaches it, so the
+// local address towards it is one the others can reach.
+std::string store_host(const std::string& spec) {
+  std::string rest = spec.substr(spec.find("://") == std::string::npos ? 0 : spec.find("://") + 3);
+  rest = rest.substr(0, rest.find_first_of(",/"));
+  return rest.substr(0, rest.rfind(':'));
+}
 
 // One generation: its membership and its Gloo group.
 struct Generation {
@@ -155,6 +166,13 @@ struct FaultTolerance::Impl {
   std::map<std::string, std::pair<std::string, Clock::time_point>> heartbeats;
   std::set<std::string> watched;
 
+  // Liveness connections (socket_watch.h): the watcher's only.
+  int live_listener = -1;
+  std::map<std::string, int> live_out;
+  std::set<std::string> live_tried;
+  std::vector<int> live_in;
+  std::set<std::string> exited;  // peers whose liveness connection hung up; guarded by mutex
+
   std::atomic<int64_t> join_seq_seen{0};
   std::atomic<int64_t> joined_upto{0};
   std::atomic<int64_t> current_step{0};
@@ -216,6 +234,59 @@ struct FaultTolerance::Impl {
     wake_cv.notify_all();
   }
 
+  bool has_exited(const std::string& who) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return exited.count(who) > 0;
+  }
+
+  // Connects to the members not connected yet, accepts their connections,
+  // and notes those whose connection hung up: their process is gone.
+  void watch_liveness(const std::shared_ptr<Generation>& gen) {
+    {
+      std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
+      for (int fd : detail::accept_pending(live_listener)) live_in.push_back(fd);
+    }
+    if (gen) {
+      for (const auto& who : gen->membership.ids) {
+        if (who == id || live_tried.count(who) || !wstore->check({k_live(who)})) continue;
+        live_tried.insert(who);
+        const std::string address = text_of(wstore->get(k_live(who)));
+        std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
+        int fd = detail::connect_for_liveness(address);
+        if (fd >= 0) live_out[who] = fd;
+      }
+    }
+    for (auto it = live_out.begin(); it != live_out.end();) {
+      if (detail::peer_hung_up(it->second)) {
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          exited.insert(it->first);
+        }
+        ::close(it->second);
+        it = live_out.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = live_in.begin(); it != live_in.end();) {
+      if (detail::peer_hung_up(*it)) {
+        ::close(*it);
+        it = live_in.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void close_liveness() {
+    for (auto& [who, fd] : live_out) ::close(fd);
+    for (int fd : live_in) ::close(fd);
+    if (live_listener >= 0) ::close(live_listener);
+    live_out.clear();
+    live_in.clear();
+    live_listener = -1;
+  }
+
   bool heartbeat_stale(const std::string& who) {
     std::lock_guard<std::mutex> lock(mutex);
     watched.insert(who);
@@ -256,6 +327,7 @@ struct FaultTolerance::Impl {
             if (it == heartbeats.end() || it->second.first != value) heartbeats[who] = {value, Clock::now()};
           }
         }
+        watch_liveness(gen);
         bool aborted = false;
         {
           std::lock_guard<std::mutex> lock(mutex);
@@ -475,6 +547,10 @@ struct FaultTolerance::Impl {
       for (const auto& who : previous.ids) {
         if (who == id || store->check({k_arrived(next, who)})) {
           members.push_back(who);
+        } else if (has_exited(who)) {
+          // Its process is gone (its liveness connection closed), even if
+          // its group's sockets were already shut when they hung up.
+          store->compareSet(k_dead(next, who), {}, bytes_of("crash"));
         } else if (!(store->check({k_dead(next, who)}) || heartbeat_stale(who) || late)) {
           decided = false;
         }
@@ -671,7 +747,10 @@ struct FaultTolerance::Impl {
       for (const auto& who : previous.ids) {
         keys_of_old_generations.push_back(k_arrived(next, who));
         keys_of_old_generations.push_back(k_dead(next, who));
-        if (m.rank_of(who) < 0) keys_of_old_generations.push_back(k_heartbeat(who) + "/" + std::to_string(next));
+        if (m.rank_of(who) < 0) {
+          keys_of_old_generations.push_back(k_heartbeat(who) + "/" + std::to_string(next));
+          keys_of_old_generations.push_back(k_live(who) + "/" + std::to_string(next));
+        }
       }
       for (int64_t k = previous.joined_upto + 1; k <= m.joined_upto; ++k) {
         keys_of_old_generations.push_back(k_join(k) + "/" + std::to_string(next));
@@ -764,7 +843,8 @@ struct FaultTolerance::Impl {
     for (const auto& key : keys_of_old_generations) {
       // Keys without a generation of their own (heartbeats, joiners) carry
       // it after a last "/<g>" here, which the deletion drops.
-      const bool tagged = key.rfind("ft/hb/", 0) == 0 || key.rfind("ft/join/", 0) == 0;
+      const bool tagged =
+          key.rfind("ft/hb/", 0) == 0 || key.rfind("ft/join/", 0) == 0 || key.rfind("ft/live/", 0) == 0;
       const std::string probe = tagged ? key.substr(key.rfind('/')) + "/" : key;
       const bool recent = probe.find(newer1) != std::string::npos || probe.find(newer2) != std::string::npos ||
                           key == k_abort(g) || key == k_abort(g - 1);
@@ -793,7 +873,17 @@ struct FaultTolerance::Impl {
         Membership m = detail::decode_membership(text_of(store->get(k_members(g))));
         if (m.rank_of(id) >= 0) {
           // Let in: the members of g make its group now, and send the state.
-          adopt(g, m);
+          try {
+            adopt(g, m);
+          } catch (const std::exception& e) {
+            // Without the state this replica cannot be a member; the others
+            // drop generation g and go on without it.
+            store->compareSet(k_dead(g + 1, id), {}, bytes_of("left"));
+            store->set(k_abort(g), bytes_of("1"));
+            DDP_PEER_CHECK(false, "ddp: replica ", id, " was let into generation ", g,
+                           " but could not join its group or receive the state (", e.what(),
+                           "); a member died meanwhile. Restart this worker to try again");
+          }
           break;
         }
       }
@@ -864,6 +954,13 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
   impl_->id = o.replica_id();
   impl_->store = detail::open_ft_store(o.store(), o.deadline());
   impl_->wstore = detail::open_ft_store(o.store(), o.deadline());
+  {
+    std::string address;
+    std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
+    impl_->live_listener =
+        detail::listen_for_liveness(detail::local_address_towards(store_host(o.store())), address);
+    if (impl_->live_listener >= 0) impl_->store->set(k_live(impl_->id), bytes_of(address));
+  }
   impl_->start_threads();
 }
 
@@ -876,6 +973,7 @@ FaultTolerance::~FaultTolerance() {
   }
   gen.reset();
   while (!impl_->to_reap.empty()) impl_->to_reap.pop_front();
+  impl_->close_liveness();
 }
 
 std::shared_ptr<ProcessGroup> FaultTolerance::local_group() {

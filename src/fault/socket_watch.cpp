@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -105,6 +107,80 @@ std::vector<std::string> hung_up_peers(const std::vector<TrackedSocket>& sockets
     if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) peers.push_back(s.peer);
   }
   return peers;
+}
+
+std::string local_address_towards(const std::string& host) {
+  if (host.empty() || host == "localhost" || host.rfind("127.", 0) == 0) return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* result = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &result) != 0 || result == nullptr) return "127.0.0.1";
+  std::string local = "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  // A UDP connect() sends nothing; it only picks the route and source address.
+  if (fd >= 0 && connect(fd, result->ai_addr, result->ai_addrlen) == 0) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      std::string text = address_text(addr);
+      local = text.substr(0, text.rfind(':'));
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(result);
+  return local;
+}
+
+int listen_for_liveness(const std::string& host, std::string& address) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -1;
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_port = 0;
+  if (inet_pton(AF_INET, host.c_str(), &in.sin_addr) != 1 ||
+      bind(fd, reinterpret_cast<sockaddr*>(&in), sizeof(in)) != 0 || listen(fd, 64) != 0) {
+    close(fd);
+    return -1;
+  }
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  address = address_text(addr);
+  return fd;
+}
+
+int connect_for_liveness(const std::string& address) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) return -1;
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_port = htons(static_cast<uint16_t>(std::atoi(address.substr(colon + 1).c_str())));
+  if (inet_pton(AF_INET, address.substr(0, colon).c_str(), &in.sin_addr) != 1) return -1;
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&in), sizeof(in)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+std::vector<int> accept_pending(int listener) {
+  std::vector<int> accepted;
+  while (listener >= 0) {
+    int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) break;
+    accepted.push_back(fd);
+  }
+  return accepted;
+}
+
+bool peer_hung_up(int fd) {
+  pollfd p{};
+  p.fd = fd;
+  p.events = POLLRDHUP;
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
 }
 
 }  // namespace ddp::detail

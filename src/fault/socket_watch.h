@@ -42,4 +42,22 @@ void shutdown_sockets(const std::vector<TrackedSocket>& sockets);
 /// already closed after an error), without reading anything.
 std::vector<std::string> hung_up_peers(const std::vector<TrackedSocket>& sockets);
 
+// Liveness connections: one plain TCP connection between every two replicas,
+// never shut down on an abort, so only a process's exit closes it. Its
+// hang-up tells a crash from a member that merely aborted its group (which
+// shuts Gloo's sockets) or hangs (which closes nothing).
+
+/// The local address this host uses to reach `host` ("127.0.0.1" for a
+/// loopback host or when there is no route).
+std::string local_address_towards(const std::string& host);
+/// A non-blocking listening socket on `host`, any port; `address` gets
+/// "ip:port". -1 when it cannot be made.
+int listen_for_liveness(const std::string& host, std::string& address);
+/// A connection to "ip:port", or -1.
+int connect_for_liveness(const std::string& address);
+/// The connections waiting on `listener`, accepted.
+std::vector<int> accept_pending(int listener);
+/// Whether the peer of connected socket `fd` closed or reset it.
+bool peer_hung_up(int fd);
+
 }  // namespace ddp::detail
