@@ -126,6 +126,23 @@ TEST(FaultTolerance, MaxRestartsBoundsTheRestartsThenTheOthersFinish) {
   EXPECT_EQ(count_of(result.out, "sees joined=5"), 2u) << result.describe();
 }
 
+TEST(FaultTolerance, ARestartedWorkersOutputGoesOnInItsRanksLog) {
+  TempDir dir;
+  TempDir logs;
+  ProcessResult result = ddprun({"--standalone", "--fault-tolerance", "--nproc-per-node", "2", "--max-restarts", "1",
+                                 "--log-dir", logs.path(), worker(), "--dir", dir.path(), "--fail-rank", "1", "5",
+                                 "--finish-after", "3"},
+                                background_options());
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  // Both incarnations of rank 1 in one file, the first one's lines kept.
+  const std::string log = ddp::testing::read_text_file(logs.file("attempt_0/rank_1.log"));
+  EXPECT_EQ(count_of(log, "ft-env RANK=1"), 2u) << log;
+  EXPECT_NE(log.find("/1/inc0"), std::string::npos) << log;
+  EXPECT_NE(log.find("/1/inc1"), std::string::npos) << log;
+  EXPECT_EQ(count_of(log, "fails at step 7"), 2u) << log;
+  EXPECT_EQ(count_of(ddp::testing::read_text_file(logs.file("attempt_0/rank_0.log")), "ft-env RANK=0"), 1u);
+}
+
 TEST(FaultTolerance, JobFailsWhenEveryWorkerFailedForGood) {
   TempDir dir;
   ProcessResult result = ddprun({"--standalone", "--fault-tolerance", "--nproc-per-node", "1", "--max-restarts", "1",
