@@ -795,6 +795,7 @@ struct FaultTolerance::Impl {
       if (!before.empty() || !first_quorum) {
         stats.membership_changes += 1;
         stats.last_recovery_ms = recovered_ms;
+        stats.seconds_lost += recovered_ms / 1000.0;
         log_change(before, m, why, recovered_ms);
       }
       if (gen->rank == 0) delete_old_keys(next);
