@@ -255,6 +255,9 @@ TEST(FaultTolerance, DdpWorkersRideOutACrashAndTheRestartedOneHealsBitForBit) {
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(20ms);
   }
+  ASSERT_GE(ddp::testing::last_step_in(ddp::testing::read_text_file(job.out_path)), 10)
+      << "no step 10 within 60 s:\n"
+      << ddp::testing::read_text_file(job.out_path).substr(0, 4000) << ddp::testing::read_text_file(job.err_path);
   const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 1);
   const int rank0 = ddp::testing::child_with_rank(job.pid, "ft_worker", 0);
   const int rank2 = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
