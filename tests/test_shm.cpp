@@ -266,6 +266,13 @@ void peer_fails_mid_all_reduce(int world, int signal) {
             auto pid = group->store().get("test/pid");
             ::kill(std::stoi(std::string(pid.begin(), pid.end())), SIGKILL);
           }
+          // Rank 0 hosts the store: it stays until the others have read it.
+          group->store().add("test/read", 1);
+          const auto until = Clock::now() + std::chrono::seconds(10);
+          while (group->rank() == 0 && group->store().add("test/read", 0) < group->size() - 1 &&
+                 Clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
         }
         if (killer.joinable()) killer.join();
       },

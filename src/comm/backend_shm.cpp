@@ -467,8 +467,11 @@ class ShmBackend final : public c10d::Backend {
     // fewer cores than ranks, the rank waited for needs the core back.
     const unsigned cores = std::thread::hardware_concurrency();
     const bool crowded = cores > 0 && cores < static_cast<unsigned>(world.local_world_size);
-    spin_ = std::chrono::microseconds(
-        env_bytes("DDP_SHM_SPIN_US", crowded ? 5 : 50, 0, 1000000));
+    spin_ = std::chrono::microseconds(env_bytes("DDP_SHM_SPIN_US", crowded ? 5 : 50, 0, 1000000));
+    // Then yield the core while still runnable: a peer that is only
+    // descheduled (a busy host) comes back without a futex wake's latency,
+    // and whoever else wants the core gets it. Then sleep.
+    yield_ = std::chrono::microseconds(env_bytes("DDP_SHM_YIELD_US", 1000, 0, 10000000));
     inline_bytes_ = env_bytes("DDP_SHM_INLINE_BYTES", size_t{1} << 20, 0, size_t{1} << 40);
     watch_peers();
   }
@@ -796,6 +799,12 @@ class ShmBackend final : public c10d::Backend {
       if (dead_[r].load(std::memory_order_relaxed) || theirs->left.load(std::memory_order_relaxed)) break;
       if (++spins % 16 == 0 && spin_.count() < 20) std::this_thread::yield();
     }
+    const auto yield_until = Clock::now() + yield_;
+    while (Clock::now() < yield_until) {
+      if (reached(theirs->phase.load(std::memory_order_acquire), target)) return;
+      if (dead_[r].load(std::memory_order_relaxed) || theirs->left.load(std::memory_order_relaxed)) break;
+      std::this_thread::yield();
+    }
     // Asleep on its phase word, looking at the peer every 100 ms.
     auto next_check = Clock::now();
     while (true) {
@@ -981,6 +990,7 @@ class ShmBackend final : public c10d::Backend {
   size_t one_phase_bytes_;
   size_t inline_bytes_ = 0;
   std::chrono::microseconds spin_{50};
+  std::chrono::microseconds yield_{1000};
 
   // The protocol's state: touched only by the one job running at a time.
   uint32_t phase_ = 0;
