@@ -122,7 +122,8 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
   std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), curl_easy_cleanup);
   if (!curl) throw std::runtime_error("ddp: curl_easy_init failed (out of memory?)");
   const std::string path = "/v2/keys" + escape_path(curl.get(), key) + (query.empty() ? "" : "?" + query);
-  std::string failures;
+  // What each member said last, for the error if none answers.
+  std::vector<std::string> failures(endpoints_.size());
   const size_t first = preferred_.load();
   std::chrono::milliseconds backoff{20};
   for (size_t attempt = 0;; ++attempt) {
@@ -171,7 +172,7 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
           preferred_.store(index);
           return response;
         }
-        failures += "\n  " + endpoints_[index] + ": HTTP " + std::to_string(status) + " with a body that is not etcd's";
+        failures[index] = "HTTP " + std::to_string(status) + " with a body that is not etcd's";
       } else {
         preferred_.store(index);
         if (json.contains("errorCode")) {
@@ -188,9 +189,9 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
         return response;
       }
     } else if (code != CURLE_OK) {
-      failures += "\n  " + endpoints_[index] + ": " + curl_easy_strerror(code);
+      failures[index] = curl_easy_strerror(code);
     } else {
-      failures += "\n  " + endpoints_[index] + ": HTTP " + std::to_string(status) + " " + reply.body.substr(0, 200);
+      failures[index] = "HTTP " + std::to_string(status) + " " + reply.body.substr(0, 200);
     }
     // Once round the list: a leader election is likely under way; give it a moment.
     if ((attempt + 1) % endpoints_.size() == 0) {
@@ -200,9 +201,13 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
     }
     if (Clock::now() >= deadline) break;
   }
-  throw EtcdUnavailable("ddp: no etcd member answered " + method + " " + key + " within " + millis(timeout) +
-                        "; what each said:" + failures +
-                        "\ncheck that the cluster runs with --enable-v2 and that a majority of its members is up");
+  std::string said;
+  for (size_t i = 0; i < endpoints_.size(); ++i) {
+    said += (i ? "; " : "") + endpoints_[i] + ": " + (failures[i].empty() ? "not tried" : failures[i]);
+  }
+  throw EtcdUnavailable("ddp: no etcd member answered " + method + " " + key + " within " + millis(timeout) + " (" +
+                        said + "); check that the cluster runs with --enable-v2 and that a majority of its members "
+                        "is up");
 }
 
 EtcdResponse EtcdV2Client::get(const std::string& key, bool recursive) {
