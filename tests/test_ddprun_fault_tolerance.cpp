@@ -143,6 +143,22 @@ TEST(FaultTolerance, ARestartedWorkersOutputGoesOnInItsRanksLog) {
   EXPECT_EQ(count_of(ddp::testing::read_text_file(logs.file("attempt_0/rank_0.log")), "ft-env RANK=0"), 1u);
 }
 
+TEST(FaultTolerance, SigtermStopsEveryWorkerAndRestartsNone) {
+  TempDir dir;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "2", "--max-restarts", "5", worker(),
+                   "--dir", dir.path()}),
+      background_options());
+  ASSERT_GT(wait_for_pid_file(dir.file("pid.0.0"), 30s), 0);
+  ASSERT_GT(wait_for_pid_file(dir.file("pid.1.0"), 30s), 0);
+  ASSERT_EQ(::kill(job.pid, SIGTERM), 0);
+  ProcessResult result = ddp::testing::wait_background(job, 30s);
+  EXPECT_EQ(result.exit_code, 128 + SIGTERM) << result.describe();
+  EXPECT_EQ(result.err.find("restarting it alone"), std::string::npos) << result.describe();
+  EXPECT_FALSE(std::filesystem::exists(dir.file("pid.0.1")));
+  EXPECT_FALSE(std::filesystem::exists(dir.file("pid.1.1")));
+}
+
 TEST(FaultTolerance, JobFailsWhenEveryWorkerFailedForGood) {
   TempDir dir;
   ProcessResult result = ddprun({"--standalone", "--fault-tolerance", "--nproc-per-node", "1", "--max-restarts", "1",
