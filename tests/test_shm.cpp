@@ -10,6 +10,8 @@
 // get it, also of a job spread over two (named) hosts, where the
 // hierarchical hook and HSDP's node dimension then use it.
 
+#include <support/fsdp_nets.h>
+#include <support/fsdp_trainers.h>
 #include <support/ranks.h>
 
 #include <ddp/comm_hooks.h>
@@ -457,6 +459,30 @@ TEST(ShmChoice, TwoHostsGetGlooBetweenAndSharedMemoryInside) {
   expect_all_succeeded(results);
   EXPECT_NE(results[0].err.find("ddp: transport gloo (4 ranks on 2 hosts)\n"), std::string::npos)
       << describe_ranks(results);
+}
+
+// HSDP on the same two "hosts": each row of the 2 x 2 mesh (its shard
+// dimension) is one host's ranks, so FSDP's all-gathers and reduce-scatters
+// go through shared memory and the replicas' all-reduce through Gloo; the
+// weights match DDP's over the Gloo world.
+TEST(ShmChoice, TwoHostsHsdpShardsOverSharedMemoryAndMatchesDdp) {
+  expect_all_succeeded(run_on_ranks(4, [](const Group&) {
+    const int rank = std::stoi(std::getenv("RANK"));
+    ::setenv("DDP_SHM_HOST_ID", rank < 2 ? "node-a" : "node-b", 1);
+    auto world = ddp::init_process_group();
+    ASSERT_EQ(world->backend(), ddp::BackendKind::kGloo);
+    ddp::DeviceMesh mesh(world, {2, 2}, {"replicate", "shard"});
+    EXPECT_EQ(mesh.group(1)->backend(), ddp::BackendKind::kShm);
+    EXPECT_EQ(mesh.group(0)->backend(), ddp::BackendKind::kGloo);
+    TrainSpec reference;
+    const auto ddp_state = train(world, reference).state;
+    TrainSpec hybrid;
+    hybrid.strategy = "hybrid_shard";
+    hybrid.mesh_shape = {2, 2};
+    const auto hsdp_state = train(world, hybrid).state;
+    if (rank == 0) EXPECT_LE(max_difference(ddp_state, hsdp_state), 1e-5);
+    world->shutdown();
+  }, RanksOptions().no_group()));
 }
 
 }  // namespace
