@@ -32,6 +32,8 @@
 #include <thread>
 #include <vector>
 
+extern char** environ;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -169,17 +171,30 @@ class FaultToleranceJob : public ::testing::Test {
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
+    // Everything the child needs is made before fork(): this process runs
+    // the store's server thread, so the child may only make async-signal-safe
+    // calls (a setenv or malloc there can deadlock on a lock that thread held).
+    std::vector<std::string> environment;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      if (!env.count(entry.substr(0, entry.find('=')))) environment.push_back(entry);
+    }
+    for (const auto& [k, v] : env) environment.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& e : environment) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const int out = open(w.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     pid_t pid = fork();
     if (pid == 0) {
       setpgid(0, 0);
-      for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-      int out = open(w.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(out, 1);
       dup2(err, 2);
-      execv(args[0], args.data());
+      execve(args[0], args.data(), envp.data());
       _exit(127);
     }
+    close(out);
+    close(err);
     setpgid(pid, pid);
     w.pid = pid;
     workers_.push_back(w);

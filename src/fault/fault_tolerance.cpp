@@ -242,19 +242,21 @@ struct FaultTolerance::Impl {
   // Connects to the members not connected yet, accepts their connections,
   // and notes those whose connection hung up: their process is gone.
   void watch_liveness(const std::shared_ptr<Generation>& gen) {
-    {
-      std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
+    // New sockets only while no group is being made (its sockets are found
+    // by diffing); never wait for that, which can take a deadline, or the
+    // heartbeats would stop and the others take this replica for hung.
+    std::unique_lock<std::mutex> tracking(detail::socket_tracking_mutex(), std::try_to_lock);
+    if (tracking.owns_lock()) {
       for (int fd : detail::accept_pending(live_listener)) live_in.push_back(fd);
-    }
-    if (gen) {
-      for (const auto& who : gen->membership.ids) {
-        if (who == id || live_tried.count(who) || !wstore->check({k_live(who)})) continue;
-        live_tried.insert(who);
-        const std::string address = text_of(wstore->get(k_live(who)));
-        std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
-        int fd = detail::connect_for_liveness(address);
-        if (fd >= 0) live_out[who] = fd;
+      if (gen) {
+        for (const auto& who : gen->membership.ids) {
+          if (who == id || live_tried.count(who) || !wstore->check({k_live(who)})) continue;
+          live_tried.insert(who);
+          int fd = detail::connect_for_liveness(text_of(wstore->get(k_live(who))));
+          if (fd >= 0) live_out[who] = fd;
+        }
       }
+      tracking.unlock();
     }
     for (auto it = live_out.begin(); it != live_out.end();) {
       if (detail::peer_hung_up(it->second)) {
