@@ -201,6 +201,30 @@ TEST(FaultTolerance, StaticNodesOtherThanZeroReachTheStoreOnTheMastersNextPort) 
   EXPECT_EQ(result.err.find("ddp_ft_store"), std::string::npos) << "node 1 must not host the store";
 }
 
+TEST(FaultTolerance, EtcdV2AndFaultToleranceFlagsAreChecked) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1"}, "expected HOST:PORT[,HOST:PORT...]"},
+      {{"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "a:1,,b:2"}, "expected HOST:PORT[,HOST:PORT...]"},
+      {{"--rdzv-backend", "etcd-v2"}, "needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]"},
+      {{"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "a:1", "--max-restarts", "1"},
+       "--max-restarts with --rdzv-backend etcd-v2 needs --fault-tolerance"},
+      {{"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "a:1", "--standalone"}, "--standalone runs a single node"},
+      {{"--fault-tolerance", "--ft-deadline", "0"}, "expected a number of seconds > 0"},
+      {{"--fault-tolerance", "--ft-store-port", "70000"}, "expected a port in 1..65535"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.args;
+    args.push_back("/bin/true");
+    ProcessResult result = ddprun(args);
+    EXPECT_EQ(result.exit_code, 2) << result.describe();
+    EXPECT_NE(result.err.find(c.says), std::string::npos) << result.describe();
+  }
+}
+
 TEST(FaultTolerance, WithoutItRestartModeIsUnchanged) {
   // Rank 1 kills itself on the first attempt: every worker is stopped and started again, and
   // none sees a fault-tolerance variable.
