@@ -223,4 +223,45 @@ TEST_F(EtcdRendezvousTest, DdpWorkersTrainOnAfterLosingNodeZeroAndAnEtcdMember) 
   EXPECT_EQ(finals[0], finals[1]) << everything();
 }
 
+TEST_F(EtcdRendezvousTest, ALostNodeStartedAgainRejoinsAndHealsFromALivePeer) {
+  // Under --fault-tolerance a node that comes back after the round formed joins the running
+  // job: its worker becomes a replica again, healed from the survivor, and both end alike.
+  SKIP_WITHOUT_ETCD();
+  if (!std::filesystem::exists(bin_path("ft_worker"))) GTEST_SKIP() << "ft_worker was not built";
+  auto start = [&] {
+    agents_.emplace_back();
+    RunOptions options = run_options({{"OMP_NUM_THREADS", "1"}, {"FT_STEPS", "150"}, {"FT_STEP_MS", "20"}});
+    options.timeout = 150s;
+    agents_.back().process = ddp::testing::start_background(
+        ddprun_argv({"--rdzv-backend", "etcd-v2", "--rdzv-endpoint", cluster_->endpoint_list(), "--rdzv-id", run_id_,
+                     "--nnodes", "2", "--nproc-per-node", "1", "--fault-tolerance", bin_path("ft_worker")}),
+        options);
+  };
+  start();
+  start();
+  auto step_of = [&](size_t i) {
+    return ddp::testing::last_step_in(ddp::testing::read_text_file(agents_[i].process.out_path));
+  };
+  auto deadline = std::chrono::steady_clock::now() + 60s;
+  while ((step_of(0) < 10 || step_of(1) < 10) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_GE(std::min(step_of(0), step_of(1)), 10) << everything();
+  // Node 1 goes whole, and comes back as a fresh ddprun.
+  const size_t node1 = agents_[0].err_so_far().find("node rank 1 of 2") != std::string::npos ? 0 : 1;
+  ASSERT_EQ(::kill(agents_[node1].process.pid, SIGKILL), 0);
+  agents_[node1].finish(10s);
+  start();
+  ProcessResult& returned = agents_.back().finish(120s);
+  ProcessResult& survivor = agents_[1 - node1].finish(60s);
+  EXPECT_EQ(returned.exit_code, 0) << everything();
+  EXPECT_EQ(survivor.exit_code, 0) << everything();
+  EXPECT_NE(returned.err.find("joining the running job as node 2"), std::string::npos) << everything();
+  const auto returned_finals = ddp::testing::finals_by_rank(returned.out);
+  const auto survivor_finals = ddp::testing::finals_by_rank(survivor.out);
+  ASSERT_EQ(returned_finals.size(), 1u) << everything();
+  ASSERT_EQ(survivor_finals.size(), 1u) << everything();
+  EXPECT_EQ(returned_finals.begin()->second, survivor_finals.begin()->second) << everything();
+}
+
 }  // namespace

@@ -121,7 +121,9 @@ int EtcdRendezvous::join(SignalPipe& signals, EtcdRound* round) {
   try {
     // A round of this run id formed earlier and was not cleaned up: joining it would be wrong.
     const EtcdResponse closed = client_->get(key("closed"));
-    if (closed.ok()) {
+    // Under --fault-tolerance a node may come (back) to a running job: its workers join the
+    // replicas and heal from a live one. Otherwise the round is someone else's.
+    if (closed.ok() && !options_.fault_tolerance) {
       fail("run id '" + options_.run_id + "' already has a formed round in etcd (" + prefix_ +
            "); give a fresh --rdzv-id, or remove the old one: ETCDCTL_API=2 etcdctl --endpoints " + endpoints_ +
            " rm -r " + prefix_);
@@ -212,6 +214,18 @@ int EtcdRendezvous::join(SignalPipe& signals, EtcdRound* round) {
         const std::vector<std::string> words = words_of(formed.node.value);
         if (words.size() < 5) fail("the round's key holds '" + formed.node.value + "', not a round");
         nnodes_ = std::stoi(words[0]);
+        if (node_rank_ >= nnodes_ && options_.fault_tolerance) {
+          // A late node: ranks past the first round's, which fault-tolerant workers do not go
+          // by (their replica ids say who they are); the master is the first round's.
+          round->node_rank = node_rank_;
+          round->nnodes = nnodes_;
+          round->world_size = std::stoi(words[1]);
+          round->master_addr = words[2];
+          round->master_port = std::stoi(words[3]);
+          round->base_rank = round->world_size + (node_rank_ - nnodes_) * options_.nproc_per_node;
+          late_ = true;
+          return 0;
+        }
         if (node_rank_ >= nnodes_) {
           fail("the round formed with " + words[0] + " node(s) before this node (the " + std::to_string(node_rank_ + 1) +
                "th to join) got in; with --rdzv-backend etcd-v2 a job forms once");

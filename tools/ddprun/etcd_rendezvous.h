@@ -9,7 +9,8 @@
 //   nodes/<rank>   "<nproc> <address> <host>" of each agent
 //   closed         "<nnodes> <world size> <master address> <master port> <base rank,...>": the
 //                  round, written once by node 0 when MAX joined, or MIN joined and the last
-//                  call passed; an agent whose rank is not below nnodes came too late
+//                  call passed; an agent whose rank is not below nnodes came too late (under
+//                  --fault-tolerance it joins the running job: its workers heal from a live one)
 //   failed         the first failure any node reported ("rank R on node N (host): how")
 //   done/<rank>    each agent's end; node 0 removes the whole directory once every node's is in
 // One round per job: restarts of the whole job are the c10d backend's; under --fault-tolerance
@@ -64,6 +65,10 @@ class EtcdRendezvous {
   // Records this node's end; node 0 removes the job's keys once every node ended.
   void report_done(const std::string& kind);
 
+  // Under --fault-tolerance: this node came after the round formed (its ranks follow the
+  // round's world size; its workers join the running replicas).
+  bool late() const { return late_; }
+
   // "etcd://HOST:PORT,.../ddp-ft/<run id>": the workers' fault-tolerance store in the same cluster.
   std::string ft_store_spec() const;
   // The members as given, for messages.
@@ -79,6 +84,7 @@ class EtcdRendezvous {
   std::unique_ptr<ddp::detail::EtcdV2Client> client_;
   int node_rank_ = -1;
   int nnodes_ = 0;
+  bool late_ = false;
   std::mutex mutex_;
   std::condition_variable stop_cv_;
   bool stopping_ = false;

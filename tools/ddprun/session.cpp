@@ -304,6 +304,11 @@ class Session {
     place.master_port = round.master_port;
     Assignment assignment = assignment_for(place);
     if (options_.fault_tolerance) assignment.ft_node_id = ft_node_id(round.node_rank);
+    if (rendezvous.late()) {
+      say("etcd-v2 rendezvous: the round formed with " + std::to_string(round.nnodes) +
+          " node(s) before this one; joining the running job as node " + std::to_string(round.node_rank) +
+          " (--fault-tolerance): its workers join the replicas and heal from a live one");
+    }
     say("etcd-v2 rendezvous: node rank " + std::to_string(round.node_rank) + " of " + std::to_string(round.nnodes) +
         ", ranks " + std::to_string(round.base_rank) + ".." +
         std::to_string(round.base_rank + options_.nproc_per_node - 1) + " of world size " +
