@@ -137,7 +137,8 @@ class FaultToleranceJob : public ::testing::Test {
         waitpid(w.pid, nullptr, 0);
       }
     }
-    if (!HasFailure()) fs::remove_all(dir_);
+    // FT_KEEP_LOGS=1 keeps the workers' output of passing tests too.
+    if (!HasFailure() && !std::getenv("FT_KEEP_LOGS")) fs::remove_all(dir_);
   }
 
   // A fresh store for a second job in the same test (a replay).
