@@ -6,17 +6,28 @@
 //   ddprun --standalone --nproc-per-node 1 build/bin/gpt_bench --mode ddp
 //   build/bin/gpt_bench --mode local
 //   build/bin/gpt_bench --device cpu --layers 2 --d-model 64 --heads 2 --seq 32 --vocab 256 --steps 2
+//   ddprun --fault-tolerance ... build/bin/gpt_bench --device cpu ...   (bench/churn_bench.py)
 //
 // Prints one JSON line (rank 0): the median step time over --steps timed
 // steps after --warmup, tokens/s, and the model FLOPs utilisation against
 // --peak-tflops per GPU (an H200's dense bf16 peak by default), with
 // FLOPs per token = 6 * parameters + 12 * layers * d_model * seq.
+//
+// Under ddprun --fault-tolerance (DDP_FAULT_TOLERANCE=1) the same model and
+// optimizer train as replicas of ddp::FaultTolerance (run_fault_tolerant):
+// DDP on its local group, a lost replica costs a skipped step, a restarted one
+// heals from a live one. It trains until the job has committed --warmup +
+// --steps steps and prints a `step` line per commit with the committed
+// samples so far, so throughput can be judged over time (bench/CHURN.md).
+// --log-steps prints the same lines in the other modes (restart mode's
+// comparison: without snapshots a restarted job starts again at step 0).
 
 #include "bench_stats.h"
 
 #include <ddp/autocast.h>
 #include <ddp/device.h>
 #include <ddp/distributed_data_parallel.h>
+#include <ddp/fault_tolerance.h>
 #include <ddp/process_group.h>
 
 #include <CLI/CLI.hpp>
@@ -33,12 +44,15 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/adamw.h>
+#include <torch/serialize/archive.h>
 #include <torch/utils.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <dirent.h>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <stdexcept>
@@ -54,6 +68,7 @@ struct Config {
   std::string amp = "auto";      // auto (bf16 on CUDA, off on CPU) | bf16 | off
   bool share_devices = false;
   bool tied = true;
+  bool log_steps = false;
   int64_t layers = 12, d_model = 768, heads = 12, vocab = 50257, seq = 1024, batch = 8;
   int64_t steps = 20, warmup = 5, threads = 0;
   uint64_t seed = 1234;
@@ -83,6 +98,8 @@ void add_flags(CLI::App& app, Config& c) {
   app.add_option("--lr", c.lr, "AdamW learning rate");
   app.add_option("--seed", c.seed, "init and data seed");
   app.add_option("--threads", c.threads, "CPU intra-op threads; 0: torch's default")->check(CLI::NonNegativeNumber);
+  app.add_flag("--log-steps", c.log_steps,
+               "print a `step` line per step (always on under --fault-tolerance), with the wall time");
   app.add_option("--peak-tflops", c.peak_tflops, "per-GPU peak for MFU (an H200's dense bf16 by default)")
       ->check(CLI::PositiveNumber);
 }
@@ -187,6 +204,105 @@ void init_weights(Gpt& model, const Config& c) {
 
 using bench::median;
 
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// One line per step, parsed by bench/churn_bench.py: the job's committed
+// steps, the members that trained it, the samples committed so far and the
+// wall time (ddprun also reads `step N` as a failed worker's last step).
+void print_step(int64_t step, int members, int64_t samples) {
+  std::printf("gpt_bench: step %lld members %d samples %lld time %.3f\n", static_cast<long long>(step), members,
+              static_cast<long long>(samples), unix_seconds());
+  std::fflush(stdout);
+}
+
+// This process's open fds, threads and resident memory: a survivor of many
+// membership changes must not grow them.
+void print_process(const std::string& extra) {
+  int fds = 0;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (readdir(dir) != nullptr) ++fds;
+    closedir(dir);
+    fds -= 3;  // ".", ".." and the directory's own fd
+  }
+  long threads = 0, rss_kb = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Threads:", 0) == 0) threads = std::stol(line.substr(8));
+    if (line.rfind("VmRSS:", 0) == 0) rss_kb = std::stol(line.substr(6));
+  }
+  std::printf("gpt_bench: process fds %d threads %ld rss_kb %ld time %.3f %s\n", fds, threads, rss_kb, unix_seconds(),
+              extra.c_str());
+  std::fflush(stdout);
+}
+
+// The fault-tolerant twin of run()'s ddp mode (CPU, Gloo). Each step's batch
+// is drawn from (seed, committed step, rank), so a skipped step is redone on
+// the same data by whoever the members are then.
+int run_fault_tolerant(const Config& c) {
+  DDP_CHECK(c.mode == "ddp", "ddp: gpt_bench --mode ", c.mode,
+            " under --fault-tolerance: only ddp mode has replicas; drop --fault-tolerance or use --mode ddp");
+  DDP_CHECK(c.device == "cpu" || c.device == "auto", "ddp: gpt_bench --device ", c.device,
+            " under --fault-tolerance: fault tolerance runs on the CPU over Gloo; use --device cpu");
+  if (c.threads > 0) at::set_num_threads(static_cast<int>(c.threads));
+  ddp::FaultTolerance ft;
+  Gpt model(c);
+  init_weights(model, c);
+  ddp::DistributedDataParallel<Gpt> ddp_model(model, ft.local_group(), ft.ddp_options());
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(c.lr).betas({0.9, 0.95}).weight_decay(0.1));
+  int64_t samples = 0;  // committed sequences of the job, sent to joiners with the rest
+  ft.manage(model.ptr(), &optimizer);
+  ft.manage_state([&](torch::serialize::OutputArchive& a) { a.write("samples", at::tensor(samples)); },
+                  [&](torch::serialize::InputArchive& a) {
+                    at::Tensor t;
+                    a.read("samples", t);
+                    samples = t.item<int64_t>();
+                  });
+  std::vector<double> times;
+  at::Tensor loss;
+  using Clock = std::chrono::steady_clock;
+  bool first = true;
+  while (first || ft.step() < c.warmup + c.steps) {
+    auto start = Clock::now();
+    ft.start_step();
+    if (first) print_process("at_start");
+    first = false;
+    if (ft.step() >= c.warmup + c.steps) break;  // a joiner that came at the end
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(c.seed + 1 + 1000003 * ft.step() + ft.rank());
+    at::Tensor tokens = at::randint(0, c.vocab, {c.batch, c.seq + 1}, generator, at::kLong);
+    optimizer.zero_grad();
+    loss = torch::nn::functional::cross_entropy(
+        ddp_model.forward(tokens.narrow(1, 0, c.seq).contiguous()).view({-1, c.vocab}),
+        tokens.narrow(1, 1, c.seq).reshape({-1}));
+    loss.backward();  // averaged over this step's members by ft's hook
+    if (!ft.should_commit()) continue;  // every member drops it and redoes it
+    optimizer.step();
+    samples += ft.size() * c.batch;
+    times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    print_step(ft.step(), ft.size(), samples);
+    if (ft.step() % 50 == 0) print_process("stats " + ft.stats_json());
+  }
+  print_process("at_end stats " + ft.stats_json());
+  if (ft.rank() == 0) {
+    double step_ms = times.empty() ? 0.0 : median(times);
+    bench::print_json_line({{"impl", "cpp"},
+                            {"bench", "gpt"},
+                            {"mode", "ddp-fault-tolerant"},
+                            {"world", ft.size()},
+                            {"layers", c.layers},
+                            {"d_model", c.d_model},
+                            {"seq", c.seq},
+                            {"batch_per_rank", c.batch},
+                            {"steps", ft.step()},
+                            {"samples", samples},
+                            {"step_ms_median", bench::rounded(step_ms, 4)},
+                            {"loss_last", loss.defined() ? bench::rounded(loss.item<double>(), 6) : 0.0}});
+  }
+  return 0;
+}
+
 int run(const Config& c) {
   if (c.threads > 0) at::set_num_threads(static_cast<int>(c.threads));
   ddp::World world = ddp::world_from_env();
@@ -206,6 +322,7 @@ int run(const Config& c) {
   model->to(device);
   int64_t parameters = 0;
   for (auto& p : model->parameters()) parameters += p.numel();
+  int64_t logged_world = group ? group->size() : 1;
 
   // Synthetic tokens, fixed for the run and different per rank; inputs and
   // targets are the same rows shifted by one token.
@@ -238,6 +355,7 @@ int run(const Config& c) {
     double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
     if (step >= c.warmup) times.push_back(ms);
     losses.push_back(loss.detach());
+    if (c.log_steps) print_step(step + 1, static_cast<int>(logged_world), (step + 1) * logged_world * c.batch);
   }
 
   // In local mode under a launcher, every process trains alone: all of
@@ -293,7 +411,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     check(c);
-    return run(c);
+    // The one branch for ddprun --fault-tolerance (as wine_ddp's).
+    return ddp::fault_tolerance_requested() ? run_fault_tolerant(c) : run(c);
   } catch (const c10::Error& e) {
     std::cerr << "error: " << e.what_without_backtrace() << "\n";
     return 1;
