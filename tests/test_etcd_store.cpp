@@ -198,6 +198,50 @@ TEST(EtcdStore, EveryOperationSucceedsAfterTheMemberItTalkedToIsKilled) {
   EXPECT_LT(std::chrono::steady_clock::now() - before, 6s);
 }
 
+TEST(EtcdStore, AWriteWhoseAnswerWasLostCountsOnce) {
+  // A member applies the write and dies before answering; the client sends it again to the next
+  // member, where the compare-and-swap (or create) is refused because of its own first attempt.
+  SKIP_WITHOUT_ETCD();
+  EtcdCluster cluster;
+  ASSERT_EQ(cluster.wait_until_ready(), "");
+  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/lost", 10s);
+  auto lose_next_answer = [&] { ddp::detail::drop_etcd_write_replies_for_testing(*store, 1); };
+
+  lose_next_answer();
+  EXPECT_EQ(store->add("counter", 5), 5);  // the create
+  EXPECT_EQ(text(store->get("counter")), "5");
+  lose_next_answer();
+  EXPECT_EQ(store->add("counter", 1), 6);  // a compare-and-swap
+  EXPECT_EQ(text(store->get("counter")), "6");
+
+  lose_next_answer();
+  EXPECT_EQ(text(store->compareSet("cas", {}, bytes("first"))), "first");
+  EXPECT_EQ(text(store->get("cas")), "first");
+  lose_next_answer();
+  EXPECT_EQ(text(store->compareSet("cas", bytes("first"), bytes("second"))), "second");
+  EXPECT_EQ(text(store->get("cas")), "second");
+
+  // Another client's write between the lost answer and the resend does not hide ours (the
+  // key's history says whose write came first): without that, the resend's refusal reads as a
+  // mismatch, or the increment is made again on top of the other's.
+  auto other = ddp::detail::make_etcd_store(cluster.endpoints(), "/lost", 10s);
+  ddp::detail::drop_etcd_write_replies_for_testing(*store, 1, [&] { other->add("counter", 10); });
+  EXPECT_EQ(store->add("counter", 1), 7);
+  EXPECT_EQ(text(other->get("counter")), "17");
+  ddp::detail::drop_etcd_write_replies_for_testing(
+      *store, 1, [&] { EXPECT_EQ(text(other->compareSet("cas", bytes("third"), bytes("fourth"))), "fourth"); });
+  EXPECT_EQ(text(store->compareSet("cas", bytes("second"), bytes("third"))), "third");
+  EXPECT_EQ(text(other->get("cas")), "fourth");
+  ddp::detail::drop_etcd_write_replies_for_testing(*store, 1, [&] { other->add("created", 2); });
+  EXPECT_EQ(store->add("created", 1), 1);
+  EXPECT_EQ(text(other->get("created")), "3");
+
+  // An unconditional write sent twice is the same write.
+  lose_next_answer();
+  store->set("plain", bytes("v"));
+  EXPECT_EQ(text(other->get("plain")), "v");
+}
+
 TEST(EtcdStore, AWriteAfterTheLeadersDeathSucceedsWithinThreeSeconds) {
   // The worst single loss: the member the client talks to is the raft leader, so the write
   // waits for an election among the other two. Measured, and printed as a median of 3.

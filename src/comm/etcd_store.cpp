@@ -7,7 +7,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <memory>
+#include <random>
 
 namespace ddp::detail {
 namespace {
@@ -29,11 +32,23 @@ std::string join_keys(const std::vector<std::string>& keys) {
   return text;
 }
 
+// A key's etcd value: the bytes as base64, then '.' and the write's nonce (never in base64), so
+// that a writer whose answer was lost recognises its own write in the key's history.
+std::string decode_value(const std::string& stored) { return base64_decode(stored.substr(0, stored.find('.'))); }
+
 class EtcdStore : public c10d::Store {
  public:
   EtcdStore(std::vector<std::string> endpoints, std::string prefix, std::chrono::milliseconds timeout)
       : endpoints_(std::move(endpoints)), prefix_(normalise(std::move(prefix))), client_(endpoints_, timeout) {
     timeout_ = timeout;
+    std::random_device random;
+    char text[17];
+    std::snprintf(text, sizeof text, "%08x%08x", random(), random());
+    writer_ = text;
+  }
+
+  void drop_write_replies_for_testing(int count, std::function<void()> in_the_gap) {
+    client_.drop_write_replies_for_testing(count, std::move(in_the_gap));
   }
 
   c10::intrusive_ptr<c10d::Store> clone() override {
@@ -41,7 +56,7 @@ class EtcdStore : public c10d::Store {
   }
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    const EtcdResponse response = call([&] { return client_.set(node(key), base64_encode(bytes_to_string(value))); });
+    const EtcdResponse response = call([&] { return client_.set(node(key), encode(bytes_to_string(value))); });
     check(response, "set", key);
   }
 
@@ -49,22 +64,25 @@ class EtcdStore : public c10d::Store {
                                   const std::vector<uint8_t>& desired) override {
     // c10d's rule (TCPStore's): a missing key takes `desired` only when `expected` is empty;
     // the answer is the value the key holds afterwards, or `expected` for a missing key.
-    const std::string desired_text = base64_encode(bytes_to_string(desired));
     while (true) {
+      const std::string desired_text = encode(bytes_to_string(desired));
       const EtcdResponse current = call([&] { return client_.get(node(key)); });
       if (current.error_code == kEtcdKeyNotFound) {
         if (!expected.empty()) return expected;
         const EtcdResponse created = call([&] { return client_.create(node(key), desired_text); });
-        if (created.error_code == kEtcdNodeExist) continue;
-        check(created, "compareSet", key);
+        if (created.error_code == kEtcdNodeExist && !landed(created, key, current.etcd_index, desired_text)) continue;
+        if (created.error_code != kEtcdNodeExist) check(created, "compareSet", key);
         return desired;
       }
       check(current, "compareSet", key);
-      const std::string value = base64_decode(current.node.value);
+      const std::string value = decode_value(current.node.value);
       if (value != bytes_to_string(expected)) return string_to_bytes(value);
       const EtcdResponse swapped =
           call([&] { return client_.compare_and_swap(node(key), desired_text, current.node.modified_index); });
-      if (swapped.error_code == kEtcdTestFailed) continue;
+      if (swapped.error_code == kEtcdTestFailed && !landed(swapped, key, current.node.modified_index, desired_text)) {
+        continue;
+      }
+      if (swapped.error_code == kEtcdTestFailed) return desired;
       check(swapped, "compareSet", key);
       return desired;
     }
@@ -74,7 +92,7 @@ class EtcdStore : public c10d::Store {
     wait({key}, timeout_);
     const EtcdResponse response = call([&] { return client_.get(node(key)); });
     check(response, "get", key);
-    return string_to_bytes(base64_decode(response.node.value));
+    return string_to_bytes(decode_value(response.node.value));
   }
 
   int64_t add(const std::string& key, int64_t delta) override {
@@ -82,13 +100,14 @@ class EtcdStore : public c10d::Store {
     while (true) {
       const EtcdResponse current = call([&] { return client_.get(node(key)); });
       if (current.error_code == kEtcdKeyNotFound) {
-        const EtcdResponse created = call([&] { return client_.create(node(key), base64_encode(std::to_string(delta))); });
-        if (created.error_code == kEtcdNodeExist) continue;
-        check(created, "add", key);
+        const std::string created_text = encode(std::to_string(delta));
+        const EtcdResponse created = call([&] { return client_.create(node(key), created_text); });
+        if (created.error_code == kEtcdNodeExist && !landed(created, key, current.etcd_index, created_text)) continue;
+        if (created.error_code != kEtcdNodeExist) check(created, "add", key);
         return delta;
       }
       check(current, "add", key);
-      const std::string text = base64_decode(current.node.value);
+      const std::string text = decode_value(current.node.value);
       int64_t value = 0;
       try {
         value = std::stoll(text);
@@ -96,11 +115,13 @@ class EtcdStore : public c10d::Store {
         DDP_CHECK(false, "ddp: etcd store key '", key, "' holds '", text, "', not a number, so add() cannot count on it");
       }
       const int64_t next = value + delta;
-      const EtcdResponse swapped = call([&] {
-        return client_.compare_and_swap(node(key), base64_encode(std::to_string(next)), current.node.modified_index);
-      });
-      if (swapped.error_code == kEtcdTestFailed) continue;
-      check(swapped, "add", key);
+      const std::string next_text = encode(std::to_string(next));
+      const EtcdResponse swapped =
+          call([&] { return client_.compare_and_swap(node(key), next_text, current.node.modified_index); });
+      if (swapped.error_code == kEtcdTestFailed && !landed(swapped, key, current.node.modified_index, next_text)) {
+        continue;
+      }
+      if (swapped.error_code != kEtcdTestFailed) check(swapped, "add", key);
       return next;
     }
   }
@@ -176,6 +197,25 @@ class EtcdStore : public c10d::Store {
   // never with a leading '_', which etcd hides).
   std::string node(const std::string& key) const { return prefix_ + "/kv/k" + base64_encode(key, /*url_safe=*/true); }
 
+  // `bytes` as the key's etcd value, with a nonce no other write of any store carries.
+  std::string encode(const std::string& bytes) {
+    return base64_encode(bytes) + "." + writer_ + std::to_string(writes_.fetch_add(1));
+  }
+
+  // Whether a conditional write that etcd refused (kEtcdTestFailed, kEtcdNodeExist) had in fact
+  // been applied by an earlier attempt whose answer was lost. A compare-and-swap on index N, or a
+  // create on a key absent at index N, succeeds only as the key's first change after N, so that
+  // change tells, whatever came after it.
+  bool landed(const EtcdResponse& refused, const std::string& key, std::uint64_t after, const std::string& mine) {
+    if (!refused.ambiguous) return false;
+    const EtcdResponse change = call([&] { return client_.wait(node(key), after + 1, kWaitSlice); });
+    if (change.ok()) return change.node.value == mine;
+    // Over etcd's 1000 remembered changes since (or no answer in time): the value now is all
+    // there is to go on.
+    const EtcdResponse current = call([&] { return client_.get(node(key)); });
+    return current.ok() && current.node.value == mine;
+  }
+
   // The client's exceptions as c10d's: a store nobody answers is a DistStoreError.
   template <typename Call>
   EtcdResponse call(Call&& operation) {
@@ -195,6 +235,8 @@ class EtcdStore : public c10d::Store {
   std::vector<std::string> endpoints_;
   std::string prefix_;
   EtcdV2Client client_;
+  std::string writer_;  // random, per store: the nonces' first half
+  std::atomic<std::uint64_t> writes_{0};
 };
 
 }  // namespace
@@ -246,6 +288,12 @@ std::string base64_decode(const std::string& text) {
     }
   }
   return bytes;
+}
+
+void drop_etcd_write_replies_for_testing(c10d::Store& store, int count, std::function<void()> in_the_gap) {
+  auto* etcd = dynamic_cast<EtcdStore*>(&store);
+  DDP_CHECK(etcd != nullptr, "ddp: drop_etcd_write_replies_for_testing needs a store from make_etcd_store");
+  etcd->drop_write_replies_for_testing(count, std::move(in_the_gap));
 }
 
 c10::intrusive_ptr<c10d::Store> make_etcd_store(const std::vector<std::string>& endpoints, const std::string& prefix,

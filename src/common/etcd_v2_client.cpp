@@ -126,6 +126,9 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
   std::vector<std::string> failures(endpoints_.size());
   const size_t first = preferred_.load();
   std::chrono::milliseconds backoff{20};
+  const bool is_write = method != "GET";
+  // Whether an earlier attempt of this write may have been applied by a member that never said so.
+  bool maybe_applied = false;
   for (size_t attempt = 0;; ++attempt) {
     const size_t index = (first + attempt) % endpoints_.size();
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -173,8 +176,14 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
           return response;
         }
         failures[index] = "HTTP " + std::to_string(status) + " with a body that is not etcd's";
+      } else if (is_write && !json.contains("errorCode") && drop_write_replies_.load() > 0 &&
+                 drop_write_replies_.fetch_sub(1) > 0) {
+        failures[index] = "answer dropped by the test seam after the write was applied";
+        maybe_applied = true;
+        if (in_the_gap_) in_the_gap_();
       } else {
         preferred_.store(index);
+        response.ambiguous = maybe_applied;
         if (json.contains("errorCode")) {
           response.error_code = json.value("errorCode", -1);
           response.error_message = json.value("message", "") + " (" + json.value("cause", "") + ")";
@@ -190,8 +199,11 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
       }
     } else if (code != CURLE_OK) {
       failures[index] = curl_easy_strerror(code);
+      // Refused or unresolved, the member never saw the write; anything later, it may have.
+      if (code != CURLE_COULDNT_CONNECT && code != CURLE_COULDNT_RESOLVE_HOST) maybe_applied = maybe_applied || is_write;
     } else {
       failures[index] = "HTTP " + std::to_string(status) + " " + reply.body.substr(0, 200);
+      maybe_applied = maybe_applied || is_write;  // etcd answers 5xx to a proposal it timed out on
     }
     // Once round the list: a leader election is likely under way; give it a moment.
     if ((attempt + 1) % endpoints_.size() == 0) {

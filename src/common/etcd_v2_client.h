@@ -9,12 +9,15 @@
 // member cut off from the others cannot answer with stale values.
 //
 // A write that was applied by a member that then died before answering is retried on the next
-// one; a compare-and-swap retried that way may then fail (its own write changed the value), and
-// an increment built from one may count twice. Callers that must know re-read.
+// one; a compare-and-swap retried that way then fails (its own write changed the index), and a
+// create finds the key it made. The answer says `ambiguous` then, and a caller that must know
+// whether its write landed recognises it in the key's history (comm/etcd_store.cpp does, by a
+// nonce in the value).
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -50,6 +53,9 @@ struct EtcdResponse {
   std::vector<EtcdNode> children;  // a directory's entries (recursive listings flattened)
   std::uint64_t etcd_index = 0;    // X-Etcd-Index: the store's index when it answered
   bool timed_out = false;          // a wait that saw no change before its deadline
+  // A write whose earlier attempt may have been applied without the answer arriving (a
+  // timeout, a dropped connection, a server error): an error now may be that attempt's doing.
+  bool ambiguous = false;
   bool ok() const { return error_code == 0 && !timed_out; }
 };
 
@@ -83,6 +89,14 @@ class EtcdV2Client {
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   std::chrono::milliseconds request_timeout() const { return request_timeout_; }
 
+  // Test seam: the next `count` write answers that succeed are treated as lost (as if the member
+  // died after applying the write), so the write is sent again to the next member; `in_the_gap`
+  // runs before each resend (another client's write, say). Set it while no request runs.
+  void drop_write_replies_for_testing(int count, std::function<void()> in_the_gap = {}) {
+    in_the_gap_ = std::move(in_the_gap);
+    drop_write_replies_.store(count);
+  }
+
  private:
   EtcdResponse request(const std::string& method, const std::string& key, const std::string& query,
                        const std::string& body, std::chrono::milliseconds timeout, bool is_wait);
@@ -90,6 +104,8 @@ class EtcdV2Client {
   std::vector<std::string> endpoints_;  // "http://HOST:PORT"
   std::chrono::milliseconds request_timeout_;
   std::atomic<size_t> preferred_{0};
+  std::atomic<int> drop_write_replies_{0};
+  std::function<void()> in_the_gap_;
 };
 
 }  // namespace ddp::detail
