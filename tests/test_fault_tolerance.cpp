@@ -271,6 +271,39 @@ class FaultToleranceJob : public ::testing::Test {
   std::vector<Worker> workers_;
 };
 
+// A DDP model keeps its hook, and may outlive the FaultTolerance that made it: the hook then
+// fails with ddp's error, not a use of freed memory. One process, over a store it serves.
+TEST(FaultToleranceHook, RunAfterItsFaultToleranceIsDestroyedThrowsClearly) {
+  c10d::TCPStoreOptions o;
+  o.port = 0;
+  o.isServer = true;
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(30);
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  auto ft = std::make_unique<ddp::FaultTolerance>(ddp::FaultToleranceOptions()
+                                                      .store("tcp://127.0.0.1:" + std::to_string(store->getPort()))
+                                                      .replica_id("alone")
+                                                      .log_membership(false));
+  std::shared_ptr<ddp::CommHook> hook = ft->comm_hook();
+  std::shared_ptr<ddp::ProcessGroup> local = ft->local_group();
+  ddp::GradBucket bucket(0, at::ones({4}), /*is_last=*/true);
+  // Alive and before its first step, the hook fails the step quietly.
+  auto before = hook->run(*local, bucket);
+  before->wait();
+  EXPECT_TRUE(before->completed());
+
+  ft.reset();
+  try {
+    hook->run(*local, bucket);
+    ADD_FAILURE() << "the hook ran after its FaultTolerance was destroyed";
+  } catch (const c10::Error& error) {
+    const std::string what = error.what();
+    EXPECT_NE(what.find("ddp: the fault-tolerant hook ran after its FaultTolerance (replica 'alone') was destroyed"),
+              std::string::npos)
+        << what;
+  }
+}
+
 // The pure rules: the membership record and the sampler's windows.
 TEST(FaultTolerancePure, MembershipRoundTrips) {
   ddp::detail::Membership m;

@@ -174,7 +174,9 @@ class DDP_API FaultTolerance {
   std::shared_ptr<ProcessGroup> local_group();
   /// The hook that all-reduces each bucket over the current members and
   /// averages it over them; a failure marks the step as failed instead of
-  /// throwing, so backward always completes.
+  /// throwing, so backward always completes. The hook shares this object's
+  /// state: run after the FaultTolerance is destroyed, it throws rather than
+  /// touching freed memory.
   std::shared_ptr<CommHook> comm_hook();
   /// `base` with comm_hook() and the settings every member must share:
   /// buckets never rebuilt (a joiner's first step must bucket as the
@@ -222,7 +224,7 @@ class DDP_API FaultTolerance {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with comm_hook()'s hooks, which may outlive this
 };
 
 }  // namespace ddp

@@ -179,6 +179,7 @@ struct FaultTolerance::Impl {
   std::atomic<int64_t> current_gen{0};
   std::atomic<bool> hold{false};
   std::atomic<bool> stop{false};
+  std::atomic<bool> destroyed{false};  // the FaultTolerance is gone; only hooks hold this
   std::thread watcher;
 
   // Groups to destroy off the training thread (one stuck in a send to a dead
@@ -942,7 +943,7 @@ struct FaultTolerance::Impl {
   }
 };
 
-FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {
   auto& o = impl_->options;
   DDP_CHECK(!o.store().empty(), "ddp: fault tolerance needs a store: set DDP_FT_STORE (ddprun --fault-tolerance does) ",
             "or FaultToleranceOptions::store");
@@ -977,6 +978,16 @@ FaultTolerance::~FaultTolerance() {
   gen.reset();
   while (!impl_->to_reap.empty()) impl_->to_reap.pop_front();
   impl_->close_liveness();
+  // A DDP model may keep a hook, and with it this Impl, alive: what the hook would need goes
+  // now, and the hook says so if it runs.
+  impl_->destroyed = true;
+  impl_->module.reset();
+  impl_->optimizer = nullptr;
+  impl_->sampler = nullptr;
+  impl_->extra_state.clear();
+  impl_->store.reset();
+  impl_->wstore.reset();
+  impl_->local.reset();
 }
 
 std::shared_ptr<ProcessGroup> FaultTolerance::local_group() {
@@ -1009,8 +1020,13 @@ class FaultTolerantHook : public CommHook {
 }  // namespace
 
 std::shared_ptr<CommHook> FaultTolerance::comm_hook() {
-  Impl* impl = impl_.get();
-  return std::make_shared<FaultTolerantHook>([impl](GradBucket& b) { return impl->run_bucket(b); });
+  std::shared_ptr<Impl> impl = impl_;
+  return std::make_shared<FaultTolerantHook>([impl](GradBucket& b) {
+    DDP_CHECK(!impl->destroyed, "ddp: the fault-tolerant hook ran after its FaultTolerance (replica '", impl->id,
+              "') was destroyed; keep the FaultTolerance alive as long as the DDP model built with its "
+              "comm_hook() or ddp_options()");
+    return impl->run_bucket(b);
+  });
 }
 
 DDPOptions FaultTolerance::ddp_options(DDPOptions base) {
