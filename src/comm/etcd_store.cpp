@@ -64,27 +64,16 @@ class EtcdStore : public c10d::Store {
                                   const std::vector<uint8_t>& desired) override {
     // c10d's rule (TCPStore's): a missing key takes `desired` only when `expected` is empty;
     // the answer is the value the key holds afterwards, or `expected` for a missing key.
+    const std::string desired_bytes = bytes_to_string(desired);
     while (true) {
-      const std::string desired_text = encode(bytes_to_string(desired));
       const EtcdResponse current = call([&] { return client_.get(node(key)); });
-      if (current.error_code == kEtcdKeyNotFound) {
-        if (!expected.empty()) return expected;
-        const EtcdResponse created = call([&] { return client_.create(node(key), desired_text); });
-        if (created.error_code == kEtcdNodeExist && !landed(created, key, current.etcd_index, desired_text)) continue;
-        if (created.error_code != kEtcdNodeExist) check(created, "compareSet", key);
-        return desired;
+      if (current.error_code == kEtcdKeyNotFound && !expected.empty()) return expected;
+      if (current.error_code != kEtcdKeyNotFound) {
+        check(current, "compareSet", key);
+        const std::string value = decode_value(current.node.value);
+        if (value != bytes_to_string(expected)) return string_to_bytes(value);
       }
-      check(current, "compareSet", key);
-      const std::string value = decode_value(current.node.value);
-      if (value != bytes_to_string(expected)) return string_to_bytes(value);
-      const EtcdResponse swapped =
-          call([&] { return client_.compare_and_swap(node(key), desired_text, current.node.modified_index); });
-      if (swapped.error_code == kEtcdTestFailed && !landed(swapped, key, current.node.modified_index, desired_text)) {
-        continue;
-      }
-      if (swapped.error_code == kEtcdTestFailed) return desired;
-      check(swapped, "compareSet", key);
-      return desired;
+      if (write_if_unchanged(key, current, desired_bytes, "compareSet")) return desired;
     }
   }
 
@@ -99,30 +88,18 @@ class EtcdStore : public c10d::Store {
     // As TCPStore: the counter is its decimal text, which get() returns.
     while (true) {
       const EtcdResponse current = call([&] { return client_.get(node(key)); });
-      if (current.error_code == kEtcdKeyNotFound) {
-        const std::string created_text = encode(std::to_string(delta));
-        const EtcdResponse created = call([&] { return client_.create(node(key), created_text); });
-        if (created.error_code == kEtcdNodeExist && !landed(created, key, current.etcd_index, created_text)) continue;
-        if (created.error_code != kEtcdNodeExist) check(created, "add", key);
-        return delta;
+      int64_t next = delta;
+      if (current.error_code != kEtcdKeyNotFound) {
+        check(current, "add", key);
+        const std::string text = decode_value(current.node.value);
+        try {
+          next += std::stoll(text);
+        } catch (const std::exception&) {
+          DDP_CHECK(false, "ddp: etcd store key '", key, "' holds '", text,
+                    "', not a number, so add() cannot count on it");
+        }
       }
-      check(current, "add", key);
-      const std::string text = decode_value(current.node.value);
-      int64_t value = 0;
-      try {
-        value = std::stoll(text);
-      } catch (const std::exception&) {
-        DDP_CHECK(false, "ddp: etcd store key '", key, "' holds '", text, "', not a number, so add() cannot count on it");
-      }
-      const int64_t next = value + delta;
-      const std::string next_text = encode(std::to_string(next));
-      const EtcdResponse swapped =
-          call([&] { return client_.compare_and_swap(node(key), next_text, current.node.modified_index); });
-      if (swapped.error_code == kEtcdTestFailed && !landed(swapped, key, current.node.modified_index, next_text)) {
-        continue;
-      }
-      if (swapped.error_code != kEtcdTestFailed) check(swapped, "add", key);
-      return next;
+      if (write_if_unchanged(key, current, std::to_string(next), "add")) return next;
     }
   }
 
@@ -200,6 +177,21 @@ class EtcdStore : public c10d::Store {
   // `bytes` as the key's etcd value, with a nonce no other write of any store carries.
   std::string encode(const std::string& bytes) {
     return base64_encode(bytes) + "." + writer_ + std::to_string(writes_.fetch_add(1));
+  }
+
+  // Writes `bytes` if the key is still as `read` saw it (absent, or at its modifiedIndex); false
+  // when another writer changed it first, and the caller reads again.
+  bool write_if_unchanged(const std::string& key, const EtcdResponse& read, const std::string& bytes,
+                          const char* what) {
+    const std::string text = encode(bytes);
+    const bool absent = read.error_code == kEtcdKeyNotFound;
+    const std::uint64_t seen = absent ? read.etcd_index : read.node.modified_index;
+    const EtcdResponse written = call([&] {
+      return absent ? client_.create(node(key), text) : client_.compare_and_swap(node(key), text, seen);
+    });
+    if (written.error_code == (absent ? kEtcdNodeExist : kEtcdTestFailed)) return landed(written, key, seen, text);
+    check(written, what, key);
+    return true;
   }
 
   // Whether a conditional write that etcd refused (kEtcdTestFailed, kEtcdNodeExist) had in fact
