@@ -51,10 +51,13 @@ def worker_pids(ddprun_pid):
     out = []
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() == "gpt_bench":
-                    out.append(pid)
-        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            # Skip zombies: ddprun --fault-tolerance has been seen to leave a
+            # killed worker unreaped while its next incarnation runs.
+            if stat.split(" (", 1)[1].startswith("gpt_bench)") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(pid)
+        except (OSError, IndexError):
             pass
     return out
 
@@ -198,7 +201,7 @@ def chart(results, path, a):
         axes[0].plot(t, held, color=colors[name], label=f"{name}: {r['label']}", linewidth=1.2)
         # Committed samples per second in bins of `bin` seconds.
         b = a.bin
-        bins = [0.0] * (int(a.duration // b) + 1)
+        bins = [0.0] * int(-(-a.duration // b))  # the last bin ends at the run's end
         prev = 0
         for s in r["node0_steps"]:
             gained = s[3] - prev if s[3] >= prev else s[3]
@@ -242,14 +245,21 @@ def main():
     p.add_argument("--logdir", default="/tmp/churn_logs")
     p.add_argument("--json", default=os.path.join(ROOT, "bench", "churn.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "bench", "CHURN.png"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the runs of the scenarios not run now from the existing --json")
     a = p.parse_args()
     os.makedirs(a.logdir, exist_ok=True)
     results = {}
+    if a.merge and os.path.exists(a.json):
+        with open(a.json) as f:
+            old = json.load(f)
+        results = {k: v for k, v in old["runs"].items() if k not in a.scenarios}
     for name in a.scenarios:
         print(f"scenario {name} ({SCENARIOS[name]}), {a.duration:.0f} s", flush=True)
         results[name] = run_scenario(name, a, a.logdir)
         r = results[name]
         print(f"  {r['committed_samples_per_s']} committed samples/s, recovery {r['recovery_s']}", flush=True)
+    results = {k: results[k] for k in sorted(results)}
     base = results.get("C", {}).get("committed_samples_per_s")
     summary = {}
     for name, r in results.items():

@@ -221,3 +221,10 @@ target_include_directories(test_etcd_cluster_nodes PRIVATE ${PROJECT_SOURCE_DIR}
 add_dependencies(test_etcd_cluster_nodes ddprun ft_worker)
 gtest_discover_tests(test_etcd_cluster_nodes PROPERTIES LABELS "cluster" TIMEOUT 300 RUN_SERIAL TRUE
                      DISCOVERY_TIMEOUT 30)
+
+# bench/gpt_bench under ddprun --fault-tolerance (bench/churn_bench.py's job): a worker killed,
+# the others train on, the restarted one heals from a live peer.
+add_executable(test_gpt_bench_fault_tolerance test_gpt_bench_fault_tolerance.cpp)
+target_link_libraries(test_gpt_bench_fault_tolerance PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(test_gpt_bench_fault_tolerance ddprun ddp_ft_store gpt_bench)
+gtest_discover_tests(test_gpt_bench_fault_tolerance PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
