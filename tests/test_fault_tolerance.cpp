@@ -48,6 +48,17 @@ int64_t now_us() {
       .count();
 }
 
+// A c10d TCPStore served by the test process on a free port, as ddprun --fault-tolerance's
+// keeper would serve it.
+c10::intrusive_ptr<c10d::TCPStore> serve_store() {
+  c10d::TCPStoreOptions o;
+  o.port = 0;
+  o.isServer = true;
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(30);
+  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+}
+
 struct StepLine {
   int64_t step = 0, gen = 0, t_us = 0;
   int rank = 0, size = 0;
@@ -118,12 +129,7 @@ class FaultToleranceJob : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!fs::exists(worker_path())) GTEST_SKIP() << "ft_worker was not built next to the test";
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.waitWorkers = false;
-    o.timeout = std::chrono::seconds(30);
-    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    store_ = serve_store();
     dir_ = fs::temp_directory_path() / ("ddp_ft_" + std::to_string(getpid()) + "_" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
@@ -143,12 +149,7 @@ class FaultToleranceJob : public ::testing::Test {
 
   // A fresh store for a second job in the same test (a replay).
   void new_store() {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.waitWorkers = false;
-    o.timeout = std::chrono::seconds(30);
-    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+    store_ = serve_store();
   }
 
   // Starts a replica with `id` and extra environment; returns its index.
@@ -274,12 +275,7 @@ class FaultToleranceJob : public ::testing::Test {
 // A DDP model keeps its hook, and may outlive the FaultTolerance that made it: the hook then
 // fails with ddp's error, not a use of freed memory. One process, over a store it serves.
 TEST(FaultToleranceHook, RunAfterItsFaultToleranceIsDestroyedThrowsClearly) {
-  c10d::TCPStoreOptions o;
-  o.port = 0;
-  o.isServer = true;
-  o.waitWorkers = false;
-  o.timeout = std::chrono::seconds(30);
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  auto store = serve_store();
   auto ft = std::make_unique<ddp::FaultTolerance>(ddp::FaultToleranceOptions()
                                                       .store("tcp://127.0.0.1:" + std::to_string(store->getPort()))
                                                       .replica_id("alone")

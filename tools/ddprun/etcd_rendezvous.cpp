@@ -104,7 +104,7 @@ std::string EtcdRendezvous::ft_store_spec() const {
   return "etcd://" + endpoints_ + "/ddp-ft/" + prefix_.substr(std::string("/ddprun/").size());
 }
 
-int EtcdRendezvous::join(SignalPipe& signals, EtcdRound* round) {
+int EtcdRendezvous::join(SignalPipe& signals, RoundAssignment* round) {
   const Clock::time_point join_deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.join_timeout_seconds));
   auto stop_signal = [&]() {

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "launcher.h"
+#include "rdzv.h"
 
 namespace ddp::detail {
 class EtcdV2Client;
@@ -33,15 +34,6 @@ class EtcdV2Client;
 namespace ddprun {
 
 class SignalPipe;
-
-struct EtcdRound {
-  int node_rank = 0;
-  int nnodes = 1;
-  int world_size = 1;
-  int base_rank = 0;
-  std::string master_addr;
-  int master_port = 0;
-};
 
 class EtcdRendezvous {
  public:
@@ -54,7 +46,7 @@ class EtcdRendezvous {
   // meanwhile (the round is then not joined), else 0 with *round set. Throws
   // std::runtime_error when the round cannot form (too few nodes in time, too late, etcd
   // unreachable).
-  int join(SignalPipe& signals, EtcdRound* round);
+  int join(SignalPipe& signals, RoundAssignment* round);
 
   // After join: polls the failure key every monitor interval in a thread of its own.
   void start_watching();

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -229,6 +230,27 @@ int free_loopback_port(const std::string& what) {
 
 void throw_errno(const std::string& what) {
   throw std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+pid_t fork_supervised_child(int stdout_fd, const std::function<void()>& in_child) {
+  const pid_t parent = ::getpid();
+  sigset_t all_signals;
+  sigset_t previous_mask;
+  sigfillset(&all_signals);
+  ::sigprocmask(SIG_BLOCK, &all_signals, &previous_mask);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    ::dup2(stdout_fd, STDOUT_FILENO);
+    in_child();
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
+  ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
+  errno = fork_errno;
+  return pid;
 }
 
 }  // namespace ddprun

@@ -1,6 +1,9 @@
 // Small POSIX helpers shared by ddprun's pieces.
 #pragma once
 
+#include <sys/types.h>
+
+#include <functional>
 #include <string>
 
 namespace ddprun {
@@ -40,6 +43,15 @@ void set_nonblocking(int fd);
 // Makes sure descriptors 0, 1 and 2 are open (on /dev/null if they were closed), so pipes
 // created later never land on them and get clobbered by dup2 in a child.
 void ensure_standard_fds_open();
+
+// fork() for a child that ddprun supervises. Every signal stays blocked across the fork, and in
+// the child until `in_child` unblocks it: one arriving before the child has reset its
+// dispositions would otherwise run ddprun's handler in the child and write into ddprun's signal
+// pipe. The child gets its own process group, dies with ddprun even when ddprun is SIGKILLed and
+// cannot clean up (PR_SET_PDEATHSIG), unless ddprun died before that took effect (then it exits
+// at once), and takes `stdout_fd` as its standard output; then it runs `in_child`, which must
+// exec or _exit. Returns the child's pid in the parent, or -1 with errno set.
+pid_t fork_supervised_child(int stdout_fd, const std::function<void()>& in_child);
 
 // Owns a file descriptor and closes it when destroyed; movable, not copyable.
 class FileDescriptor {

@@ -71,17 +71,21 @@ class RdzvServer {
   std::thread thread_;
 };
 
-// What an agent learnt from the store the last time it asked.
-struct RdzvView {
-  enum Kind { kNone, kWait, kRound, kStop, kDone, kFail, kLost };
-  Kind kind = kNone;
-  int round = -1;
+// A node's place in a round, whichever rendezvous formed it (this one, or etcd_rendezvous.h's).
+struct RoundAssignment {
   int node_rank = 0;
   int nnodes = 1;
   int world_size = 1;
   int base_rank = 0;
   std::string master_addr;
   int master_port = 0;
+};
+
+// What an agent learnt from the store the last time it asked.
+struct RdzvView : RoundAssignment {
+  enum Kind { kNone, kWait, kRound, kStop, kDone, kFail, kLost };
+  Kind kind = kNone;
+  int round = -1;
   int restart_count = 0;
   std::string text;  // kRound: why this round was formed; kStop/kFail/kLost/kWait: the reason
 };

@@ -286,7 +286,7 @@ class Session {
     say("joining the etcd-v2 rendezvous at " + rendezvous.endpoints() + " (run id '" + options_.run_id + "', " +
         std::to_string(options_.min_nodes) + ".." + std::to_string(options_.nnodes) + " nodes)");
     if (options_.node_rank_given) say("--node-rank is ignored with --rdzv-backend etcd-v2: the rendezvous assigns node ranks");
-    EtcdRound round;
+    RoundAssignment round;
     if (const int stop_signal = rendezvous.join(signals_, &round)) {
       say("received " + signal_name(stop_signal) + "; leaving the job");
       return finish(128 + stop_signal);
@@ -296,12 +296,7 @@ class Session {
     RdzvView place;
     place.round = 0;
     place.restart_count = 0;
-    place.node_rank = round.node_rank;
-    place.nnodes = round.nnodes;
-    place.world_size = round.world_size;
-    place.base_rank = round.base_rank;
-    place.master_addr = round.master_addr;
-    place.master_port = round.master_port;
+    static_cast<RoundAssignment&>(place) = round;
     Assignment assignment = assignment_for(place);
     if (options_.fault_tolerance) assignment.ft_node_id = ft_node_id(round.node_rank);
     if (rendezvous.late()) {

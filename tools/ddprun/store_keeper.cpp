@@ -4,7 +4,6 @@
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,27 +52,16 @@ std::unique_ptr<StoreKeeper> StoreKeeper::start(int port, const SignalPipe& sign
 
   int out[2];
   if (::pipe2(out, O_CLOEXEC) != 0) throw_errno("pipe2");
-  const pid_t parent = ::getpid();
-  sigset_t all_signals;
-  sigset_t previous_mask;
-  sigfillset(&all_signals);
-  ::sigprocmask(SIG_BLOCK, &all_signals, &previous_mask);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    // Its own group: a Ctrl-C at the terminal reaches ddprun, which decides when the store goes.
-    ::setpgid(0, 0);
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(1);
+  // Its own group (fork_supervised_child's): a Ctrl-C at the terminal reaches ddprun, which
+  // decides when the store goes.
+  const pid_t pid = fork_supervised_child(out[1], [&] {
     signals.reset_in_child();
-    ::dup2(out[1], STDOUT_FILENO);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
     ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
+  });
   const int fork_errno = errno;
-  ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
   ::close(out[1]);
   FileDescriptor reader(out[0]);
   if (pid < 0) {

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -391,25 +390,12 @@ void Job::spawn(Worker& worker, const Environment& environment) {
     throw_errno("pipe2");
   }
 
-  const pid_t launcher_pid = ::getpid();
-  // Blocked across fork: a signal arriving before the child has reset its dispositions would
-  // otherwise run our handler in the child and write into the launcher's signal pipe.
-  sigset_t all_signals;
-  sigset_t previous_mask;
-  sigfillset(&all_signals);
-  ::sigprocmask(SIG_BLOCK, &all_signals, &previous_mask);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    // Own process group, so that stopping a worker also reaches the processes it started.
-    ::setpgid(0, 0);
-    // Dies with the launcher even when the launcher is SIGKILLed and cannot clean up...
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    // ...unless the launcher died before prctl took effect.
-    if (::getppid() != launcher_pid) ::_exit(1);
+  // Own process group (fork_supervised_child's), so that stopping a worker also reaches the
+  // processes it started; it dies with the launcher. ensure_standard_fds_open() guarantees the
+  // pipe ends are not 1 or 2 themselves.
+  const pid_t pid = fork_supervised_child(out_pipe[1], [&] {
     signals_.reset_in_child();
     ::signal(SIGPIPE, SIG_DFL);
-    // ensure_standard_fds_open() guarantees the pipe ends are not 1 or 2 themselves.
-    ::dup2(out_pipe[1], STDOUT_FILENO);
     ::dup2(err_pipe[1], STDERR_FILENO);
     // Before exec, so that every thread the program starts inherits it.
     if (!cpus.empty() && ::sched_setaffinity(0, sizeof cpu_set, &cpu_set) != 0) {
@@ -428,9 +414,8 @@ void Job::spawn(Worker& worker, const Environment& environment) {
     write_all(STDERR_FILENO, reason, std::strlen(reason));
     write_all(STDERR_FILENO, "\n", 1);
     ::_exit(127);
-  }
+  });
   const int fork_errno = errno;
-  ::sigprocmask(SIG_SETMASK, &previous_mask, nullptr);
   ::close(out_pipe[1]);
   ::close(err_pipe[1]);
   if (pid < 0) {
