@@ -226,6 +226,16 @@ def chart(results, path, a):
     fig.savefig(path, dpi=90)
 
 
+def write_json(path, data):
+    """Readable at the top, one compact line per run (their step lines are long)."""
+    runs = data["runs"]
+    head = {k: v for k, v in data.items() if k != "runs"}
+    with open(path, "w") as f:
+        f.write(json.dumps(head, indent=1)[:-2] + ',\n "runs": {\n')
+        f.write(",\n".join(f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in runs.items()))
+        f.write("\n }\n}\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="CAB")
@@ -274,8 +284,7 @@ def main():
         }
     print(json.dumps(summary, indent=1))
     argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
-    with open(a.json, "w") as f:
-        json.dump({"command": " ".join(argv), "args": vars(a), "summary": summary, "runs": results}, f, indent=1)
+    write_json(a.json, {"command": " ".join(argv), "args": vars(a), "summary": summary, "runs": results})
     chart(results, a.plot, a)
 
 
