@@ -16,6 +16,7 @@
 #include <ddp/error.h>
 
 #include "comm/backends.h"
+#include "comm/threaded_work.h"
 
 #ifdef DDP_WITH_MPI
 #include "comm/mpi_runtime.h"
@@ -49,67 +50,19 @@ std::string mpi_error_text(int code) {
   return std::string(text, static_cast<size_t>(length));
 }
 
-// A collective's handle: wait() blocks until the progress thread ran it;
-// its future serves comm hooks, as Gloo's does.
-class MpiWork : public c10d::Work {
+// A collective's handle, finished by the progress thread.
+class MpiWork final : public ThreadedWork {
  public:
-  MpiWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type), outputs_(std::move(outputs)), future_(c10::make_intrusive<c10::ivalue::Future>(list_type())) {}
+  using ThreadedWork::ThreadedWork;
 
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_;
+ protected:
+  // The watchdog ends the job when a collective overruns; this bound only
+  // keeps a caller from waiting past it should the abort stall.
+  std::chrono::milliseconds grace_after_timeout() const override { return std::chrono::seconds(10); }
+  [[noreturn]] void throw_overrun(std::chrono::milliseconds timeout) const override {
+    DDP_CHECK(false, "ddp: an MPI collective did not finish within ", timeout.count(), " ms");
+    std::abort();  // not reached
   }
-  bool isSuccess() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_ && !error_;
-  }
-  std::exception_ptr exception() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return error_;
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (timeout == kNoTimeout) {
-      cv_.wait(lock, [&] { return completed_; });
-    } else {
-      // The watchdog ends the job when a collective overruns; this bound
-      // only keeps a caller from waiting past it should the abort stall.
-      bool done = cv_.wait_for(lock, timeout + std::chrono::seconds(10), [&] { return completed_; });
-      DDP_CHECK(done, "ddp: an MPI collective did not finish within ", timeout.count(), " ms");
-    }
-    if (error_) std::rethrow_exception(error_);
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
-  void finish(std::exception_ptr error) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      completed_ = true;
-      error_ = error;
-      cv_.notify_all();
-    }
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-
- private:
-  static const c10::TypePtr& list_type() {
-    static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
-    return type;
-  }
-
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  bool completed_ = false;
-  std::exception_ptr error_;
 };
 
 // How a dtype travels. Float16 and BFloat16 have no MPI type: reductions run

@@ -37,6 +37,7 @@
 #include <ddp/error.h>
 
 #include "comm/backends.h"
+#include "comm/threaded_work.h"
 #include "launch/env_impl.h"
 
 #include <ATen/Functions.h>
@@ -291,63 +292,18 @@ bool reducible(const c10d::ReduceOp& op) {
 
 // ---- Work ---------------------------------------------------------------------
 
-// A collective's handle: wait() blocks until it ran (here or on the
-// backend's thread); its future serves comm hooks, as Gloo's does.
-class ShmWork final : public c10d::Work {
+// A collective's handle, finished here or on the backend's thread.
+class ShmWork final : public ThreadedWork {
  public:
-  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+  using ThreadedWork::ThreadedWork;
 
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_;
+ protected:
+  [[noreturn]] void throw_overrun(std::chrono::milliseconds timeout) const override {
+    // ProcessGroup's wait reads "timed out" as "still running".
+    DDP_PEER_CHECK(false, "ddp: a shared-memory ", opTypeToString(opType_), " timed out after ", timeout.count(),
+                   " ms of waiting");
+    std::abort();  // not reached
   }
-  bool isSuccess() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return completed_ && !error_;
-  }
-  std::exception_ptr exception() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return error_;
-  }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (timeout == kNoTimeout) {
-      cv_.wait(lock, [&] { return completed_; });
-    } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
-      // ProcessGroup's wait reads "timed out" as "still running".
-      DDP_PEER_CHECK(false, "ddp: a shared-memory ", opTypeToString(opType_), " timed out after ", timeout.count(),
-                     " ms of waiting");
-    }
-    if (error_) std::rethrow_exception(error_);
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
-  void finish(std::exception_ptr error) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      completed_ = true;
-      error_ = error;
-      cv_.notify_all();
-    }
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  bool completed_ = false;
-  std::exception_ptr error_;
 };
 
 // ---- The segment ----------------------------------------------------------------
