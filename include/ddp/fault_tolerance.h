@@ -93,6 +93,11 @@ struct DDP_API FaultToleranceOptions {
   /// How long the first quorum waits for initial_replicas, and a joiner to
   /// be let in.
   TORCH_ARG(std::chrono::milliseconds, join_timeout) = std::chrono::seconds(120);
+  /// How many of the members that hold the state send it to a joiner, each
+  /// a share of the tensors balanced by bytes, concurrently; 0: all of them.
+  /// 1 is the single-sender path (rank 0 sends everything). Default:
+  /// DDP_FT_HEAL_SENDERS, else 0.
+  TORCH_ARG(int, heal_senders) = 0;
   /// Print one line per membership change on stderr.
   TORCH_ARG(bool, log_membership) = true;
 };
@@ -103,7 +108,7 @@ struct FaultToleranceStats {
   int64_t skipped_steps = 0;       ///< step attempts dropped by every member
   double seconds_lost = 0;         ///< in skipped attempts and in reconfiguring
   int64_t membership_changes = 0;  ///< generations this member went through after its first
-  int64_t heal_bytes_sent = 0;     ///< state sent to joiners (by rank 0)
+  int64_t heal_bytes_sent = 0;     ///< state sent to joiners by this member (its share, when several send)
   int64_t heal_bytes_received = 0; ///< state received when this member joined
   /// Store operations of this member's training thread per committed step
   /// (the vote and the deletion of old keys), measured.

@@ -19,6 +19,7 @@
 
 #include "comm/backends.h"
 #include "fault/ft_store.h"
+#include "fault/heal_state.h"
 #include "fault/membership.h"
 #include "fault/socket_watch.h"
 
@@ -137,6 +138,7 @@ FaultToleranceOptions::FaultToleranceOptions() {
   if (const char* d = std::getenv("DDP_FT_DEADLINE_MS"); d && *d) {
     deadline_ = std::chrono::milliseconds(std::atoll(d));
   }
+  if (const char* k = std::getenv("DDP_FT_HEAL_SENDERS"); k && *k) heal_senders_ = std::atoi(k);
 }
 
 struct FaultTolerance::Impl {
@@ -627,7 +629,10 @@ struct FaultTolerance::Impl {
 
   // ---- state for joiners -----------------------------------------------------
 
-  std::string save_state() {
+  // What one member sends besides the tensors: the step, the random
+  // generator, the sampler's position, the extra state, and the optimizer's
+  // archive with placeholders where its tensors go (`held` names them).
+  std::string save_meta(torch::serialize::OutputArchive& optimizer_skeleton, const detail::HealTensors& held) {
     torch::serialize::OutputArchive archive;
     archive.write("ft/step", at::scalar_tensor(step, at::kLong));
     archive.write("ft/rng", cpu_generator().get_state());
@@ -635,14 +640,16 @@ struct FaultTolerance::Impl {
       archive.write("ft/sampler/epoch", at::scalar_tensor(sampler->epoch(), at::kLong));
       archive.write("ft/sampler/cursor", at::scalar_tensor(sampler->cursor(), at::kLong));
     }
-    if (module) {
-      for (const auto& p : module->named_parameters()) archive.write("model/" + p.key(), p.value().detach());
-      for (const auto& b : module->named_buffers()) archive.write("model/" + b.key(), b.value().detach(), true);
-    }
     if (optimizer) {
-      torch::serialize::OutputArchive sub;
-      optimizer->save(sub);
-      archive.write("optimizer", sub);
+      c10::List<std::string> names, paths;
+      for (size_t i = 0; i < held.names.size(); ++i) {
+        if (held.raw_paths[i].empty()) continue;
+        names.push_back(held.names[i]);
+        paths.push_back(held.raw_paths[i]);
+      }
+      archive.write("heal/names", c10::IValue(names));
+      archive.write("heal/paths", c10::IValue(paths));
+      archive.write("optimizer", optimizer_skeleton);
     }
     for (size_t i = 0; i < extra_state.size(); ++i) {
       torch::serialize::OutputArchive sub;
@@ -654,9 +661,117 @@ struct FaultTolerance::Impl {
     return out.str();
   }
 
-  void load_state(const std::string& blob) {
-    torch::serialize::InputArchive archive;
-    archive.load_from(blob.data(), blob.size());
+  static std::vector<std::string> strings_of(const c10::IValue& list) {
+    std::vector<std::string> v;
+    for (const auto& e : list.toListRef()) v.push_back(e.toStringRef());
+    return v;
+  }
+
+  // Bytes received from each sender, for the joiner's log line.
+  std::vector<std::pair<std::string, int64_t>> healed_from;
+  double heal_transfer_ms = 0;
+  int64_t heal_bytes_sent_now = 0;  // by this member in the change being logged
+
+  // The members that held the state before this generation (its first
+  // `carried`; the first quorum's rank 0) send it to every joiner over the
+  // new group. Each tensor comes from one of `senders` of them, by a plan
+  // that balances the bytes (heal_state.h), all at once; rank 0 also sends
+  // the rest of the state. Every holder has the same bits, so the joiner's
+  // state is bit for bit what a single sender would have given it.
+  void heal(Generation& gen) {
+    heal_bytes_sent_now = 0;
+    const int holders = std::max(1, gen.membership.carried);
+    if (holders >= gen.size()) return;
+    const int senders =
+        options.heal_senders() > 0 ? std::min(holders, options.heal_senders()) : holders;
+    auto wait = [&](const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+      DDP_PEER_CHECK(work->wait(options.deadline()), "ddp: healing a joiner failed: ", what);
+    };
+    if (gen.rank < senders) {
+      torch::serialize::OutputArchive skeleton;
+      const detail::HealTensors held =
+          detail::list_heal_tensors(module.get(), optimizer, gen.rank == 0 ? &skeleton : nullptr);
+      const std::vector<int> plan = detail::assign_to_senders(held.bytes(), senders);
+      at::Tensor shard = detail::pack_shard(held, plan, gen.rank);
+      at::Tensor size, meta;
+      if (gen.rank == 0) {
+        const std::string blob = save_meta(skeleton, held);
+        size = at::scalar_tensor(static_cast<int64_t>(blob.size()), at::kLong).reshape({1});
+        meta = at::empty({static_cast<int64_t>(blob.size())}, at::kByte);
+        std::memcpy(meta.data_ptr(), blob.data(), blob.size());
+      }
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      std::vector<std::vector<at::Tensor>> buffers;  // alive until the sends finish
+      buffers.reserve(3 * static_cast<size_t>(gen.size()));
+      for (int r = holders; r < gen.size(); ++r) {
+        if (gen.rank == 0) {
+          buffers.push_back({size});
+          works.push_back(gen.backend->send(buffers.back(), r, 1));
+          buffers.push_back({meta});
+          works.push_back(gen.backend->send(buffers.back(), r, 2));
+          heal_bytes_sent_now += meta.numel();
+        }
+        buffers.push_back({shard});
+        works.push_back(gen.backend->send(buffers.back(), r, 3));
+        heal_bytes_sent_now += shard.numel();
+      }
+      for (const auto& w : works) wait(w, "sending the state to a joiner");
+      stats.heal_bytes_sent += heal_bytes_sent_now;
+    } else if (gen.rank >= holders) {
+      const auto started = Clock::now();
+      at::Tensor size = at::zeros({1}, at::kLong);
+      std::vector<at::Tensor> a{size};
+      wait(gen.backend->recv(a, 0, 1), "receiving the state's size from rank 0");
+      at::Tensor meta = at::empty({size.item<int64_t>()}, at::kByte);
+      std::vector<at::Tensor> b{meta};
+      wait(gen.backend->recv(b, 0, 2), "receiving the state from rank 0");
+      torch::serialize::InputArchive archive;
+      archive.load_from(static_cast<const char*>(meta.data_ptr()), static_cast<size_t>(meta.numel()));
+
+      torch::serialize::InputArchive optimizer_skeleton;
+      torch::serialize::OutputArchive optimizer_rebuilt;
+      std::vector<std::string> names, paths;
+      if (optimizer) {
+        archive.read("optimizer", optimizer_skeleton);
+        c10::IValue v;
+        archive.read("heal/names", v);
+        names = strings_of(v);
+        archive.read("heal/paths", v);
+        paths = strings_of(v);
+      }
+      detail::HealTensors into = detail::joiner_heal_tensors(
+          module.get(), optimizer ? &optimizer_skeleton : nullptr, names, paths, &optimizer_rebuilt);
+      const std::vector<int> plan = detail::assign_to_senders(into.bytes(), senders);
+      std::vector<std::vector<at::Tensor>> shards;
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      shards.reserve(static_cast<size_t>(senders));
+      for (int s = 0; s < senders; ++s) {
+        shards.push_back({at::empty({detail::shard_bytes(into, plan, s)}, at::kByte)});
+        works.push_back(gen.backend->recv(shards.back(), s, 3));
+      }
+      healed_from.clear();
+      for (int s = 0; s < senders; ++s) {
+        wait(works[static_cast<size_t>(s)], "receiving the state's tensors from a live member");
+        detail::unpack_shard(shards[static_cast<size_t>(s)][0], into, plan, s, gen.membership.ids[static_cast<size_t>(s)]);
+        healed_from.emplace_back(gen.membership.ids[static_cast<size_t>(s)],
+                                 shards[static_cast<size_t>(s)][0].numel() + (s == 0 ? meta.numel() : 0));
+        stats.heal_bytes_received += healed_from.back().second;
+      }
+      load_meta(archive);
+      if (optimizer) {
+        // The optimizer loads its own archive, now holding the received tensors.
+        std::ostringstream out;
+        optimizer_rebuilt.save_to(out);
+        const std::string blob = out.str();
+        torch::serialize::InputArchive in;
+        in.load_from(blob.data(), blob.size());
+        optimizer->load(in);
+      }
+      heal_transfer_ms = ms_since(started);
+    }
+  }
+
+  void load_meta(torch::serialize::InputArchive& archive) {
     // Each read into a fresh tensor: reading into a defined one resizes it in place.
     at::Tensor saved_step, rng;
     archive.read("ft/step", saved_step);
@@ -670,60 +785,10 @@ struct FaultTolerance::Impl {
       archive.read("ft/sampler/cursor", cursor);
       sampler->set_position(epoch.item<int64_t>(), cursor.item<int64_t>());
     }
-    if (module) {
-      torch::NoGradGuard no_grad;
-      // Copied into the tensors DDP already holds, never replacing them.
-      for (auto& p : module->named_parameters()) {
-        at::Tensor v;
-        archive.read("model/" + p.key(), v);
-        p.value().detach().copy_(v);
-      }
-      for (auto& b : module->named_buffers()) {
-        at::Tensor v;
-        archive.read("model/" + b.key(), v, true);
-        b.value().detach().copy_(v);
-      }
-    }
-    if (optimizer) {
-      torch::serialize::InputArchive sub;
-      archive.read("optimizer", sub);
-      optimizer->load(sub);
-    }
     for (size_t i = 0; i < extra_state.size(); ++i) {
       torch::serialize::InputArchive sub;
       archive.read("extra/" + std::to_string(i), sub);
       extra_state[i].second(sub);
-    }
-  }
-
-  // Rank 0 (a carried member, or the first quorum's first) sends the state
-  // to every joiner, point to point over the new group.
-  void heal(Generation& gen) {
-    const int first_joiner = std::max(1, gen.membership.carried);
-    if (first_joiner >= gen.size()) return;
-    auto wait = [&](const c10::intrusive_ptr<c10d::Work>& work) {
-      DDP_PEER_CHECK(work->wait(options.deadline()), "ddp: sending the state to a joiner failed");
-    };
-    if (gen.rank == 0) {
-      const std::string blob = save_state();
-      at::Tensor size = at::scalar_tensor(static_cast<int64_t>(blob.size()), at::kLong).reshape({1});
-      at::Tensor bytes = at::empty({static_cast<int64_t>(blob.size())}, at::kByte);
-      std::memcpy(bytes.data_ptr(), blob.data(), blob.size());
-      for (int r = first_joiner; r < gen.size(); ++r) {
-        std::vector<at::Tensor> a{size}, b{bytes};
-        wait(gen.backend->send(a, r, 1));
-        wait(gen.backend->send(b, r, 2));
-        stats.heal_bytes_sent += static_cast<int64_t>(blob.size());
-      }
-    } else if (gen.rank >= first_joiner) {
-      at::Tensor size = at::zeros({1}, at::kLong);
-      std::vector<at::Tensor> a{size};
-      wait(gen.backend->recv(a, 0, 1));
-      at::Tensor bytes = at::empty({size.item<int64_t>()}, at::kByte);
-      std::vector<at::Tensor> b{bytes};
-      wait(gen.backend->recv(b, 0, 2));
-      load_state(std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
-      stats.heal_bytes_received += bytes.numel();
     }
   }
 
@@ -811,6 +876,21 @@ struct FaultTolerance::Impl {
     return step_failed ? failure_time : Clock::now();
   }
 
+  // What member `rank` of `before` held in the step in flight: the cursor
+  // has not moved past it, so the survivors' next windows redo it. Named so
+  // that a run's log accounts for every sample.
+  std::string in_flight_samples(const std::vector<std::string>& before, int rank) {
+    if (!sampler) return "";
+    const int n = static_cast<int>(before.size());
+    const std::vector<int64_t> mine = fault_tolerant_slice(sampler->window(n), rank, n);
+    std::string list;
+    const size_t shown = std::min<size_t>(mine.size(), 64);
+    for (size_t i = 0; i < shown; ++i) list += (i ? "," : "") + std::to_string(mine[i]);
+    if (shown < mine.size()) list += ",... (" + std::to_string(mine.size()) + " in all)";
+    return "; in flight at step " + std::to_string(step) + " (epoch " + std::to_string(sampler->epoch()) + "), " +
+           before[static_cast<size_t>(rank)] + "'s samples " + list + " are redone by the survivors";
+  }
+
   void log_change(const std::vector<std::string>& before, const Membership& m, const std::string& why,
                   double recovered_ms) {
     if (!options.log_membership()) return;
@@ -834,8 +914,14 @@ struct FaultTolerance::Impl {
       }
     }
     if (what.empty()) what = why;
-    std::fprintf(stderr, "ddp: membership: %s at step %lld; recovered in %.0f ms; %zu -> %zu replicas\n",
-                 what.c_str(), static_cast<long long>(step), recovered_ms, before.size(), m.ids.size());
+    std::string tail;
+    for (size_t r = 0; r < before.size(); ++r) {
+      if (m.rank_of(before[r]) < 0) tail += in_flight_samples(before, static_cast<int>(r));
+    }
+    if (heal_bytes_sent_now > 0) tail += "; sent " + std::to_string(heal_bytes_sent_now) + " bytes of state";
+    std::fprintf(stderr, "ddp: membership: %s at step %lld; recovered in %.0f ms; %zu -> %zu replicas%s\n",
+                 what.c_str(), static_cast<long long>(step), recovered_ms, before.size(), m.ids.size(),
+                 tail.c_str());
     std::fflush(stderr);
   }
 
@@ -913,9 +999,14 @@ struct FaultTolerance::Impl {
     joined_upto = m.joined_upto;
     heal(*gen);
     if (options.log_membership()) {
-      std::fprintf(stderr, "ddp: membership: replica %s joined at step %lld, healed from %s (%lld bytes) in %.0f ms; %d replicas\n",
-                   id.c_str(), static_cast<long long>(step), m.ids[0].c_str(),
-                   static_cast<long long>(stats.heal_bytes_received), ms_since(started), gen->size());
+      std::string from;
+      for (const auto& [who, bytes] : healed_from) {
+        from += (from.empty() ? "" : ", ") + who + " (" + std::to_string(bytes) + " bytes)";
+      }
+      std::fprintf(stderr, "ddp: membership: replica %s joined at step %lld, healed from %s in %.0f ms "
+                   "(state received in %.1f ms); %d replicas\n",
+                   id.c_str(), static_cast<long long>(step), from.c_str(), ms_since(started), heal_transfer_ms,
+                   gen->size());
       std::fflush(stderr);
     }
   }
@@ -954,6 +1045,8 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
                 o.heartbeat_timeout() > o.heartbeat_interval(),
             "ddp: fault tolerance needs a positive deadline and a heartbeat timeout longer than its interval");
   DDP_CHECK(o.initial_replicas() >= 1 && o.min_replicas() >= 1, "ddp: initial_replicas and min_replicas must be >= 1");
+  DDP_CHECK(o.heal_senders() >= 0, "ddp: heal_senders must be >= 0 (0: every member that holds the state), got ",
+            o.heal_senders());
   std::signal(SIGPIPE, SIG_IGN);  // Gloo's writev does not suppress it: a dead peer must not kill a survivor
   impl_->id = o.replica_id();
   impl_->store = detail::open_ft_store(o.store(), o.deadline());
