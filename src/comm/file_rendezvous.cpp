@@ -27,7 +27,6 @@
 
 #include <ddp/error.h>
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <fcntl.h>
@@ -41,10 +40,12 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace ddp::detail {
@@ -223,6 +224,14 @@ class StoreFileWatch {
     if (!failure.empty()) fail(failure);
   }
 
+  // Whether `info` (an fstat of an open descriptor) is the file this job met in.
+  bool is_the_file(const struct stat& info) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return info.st_dev == identity_.device && info.st_ino == identity_.inode;
+  }
+
+  int rank() const { return rank_; }
+
   // Whether check() found the file unusable: nothing may read it then.
   bool failed() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -242,79 +251,258 @@ class StoreFileWatch {
   std::string failure_;  // once unusable, always: the first verdict is the one to repeat
 };
 
-// c10d's FileStore with the file checked (StoreFileWatch) before each of its
-// operations, for the rendezvous and for the rest of the job. A check and
-// c10d's read are two steps: bytes appended in between still reach c10d.
-class CheckedFileStore : public c10d::FileStore {
+// A store in a c10d FileStore's file, in its format, so that c10d's own
+// FileStore (a Python rank's, say) can share the file: records of (length,
+// key, length, value) with 32-bit lengths, appended under an exclusive
+// flock(2) and read under a shared one; "/" before a user's key, "-" before a
+// deleted one, "refcount/" and "cleanup/" counting the stores open on it.
+//
+// Why not c10d's FileStore itself: it trusts every byte. Checking the file
+// first (StoreFileWatch) and then letting c10d read is two steps, and bytes
+// appended in between reached c10d, which allocated the length they claimed
+// and spun reading past the end. Here the records are read only up to the
+// size seen under the lock, and a length that runs past it is refused before
+// anything is allocated.
+class CheckedFileStore : public c10d::Store {
  public:
-  CheckedFileStore(const std::string& path, int world_size, std::shared_ptr<StoreFileWatch> watch)
-      : c10d::FileStore(checked_first(path, *watch), world_size), watch_(std::move(watch)) {}
+  CheckedFileStore(std::string path, int world_size, std::shared_ptr<StoreFileWatch> watch)
+      : path_(std::move(path)), world_size_(world_size), watch_(std::move(watch)) {
+    add_record(kRefCountKey, 1);
+  }
 
   ~CheckedFileStore() override {
-    // c10d's destructor counts this rank out in the file, and removes it
-    // when no path is there: past a failed check, nothing of it is read.
-    if (watch_->failed()) path_ = path_ + ".unusable/ddp-never-created";
+    // As c10d's: the last store of the job to go removes the file. Past a
+    // failed check nothing of it is read, and a file that is no longer the
+    // one this job met in is never removed.
+    if (watch_->failed()) return;
+    try {
+      const int64_t finished = add_record(kCleanupKey, 1);
+      bool last = false;
+      with_file(LOCK_EX, [&](int fd, off_t size) {
+        refresh(fd, size);
+        const int64_t references = counter(kRefCountKey) - 1;
+        append(fd, kRefCountKey, std::to_string(references));
+        last = references == 0 && world_size_ >= 0 && finished >= world_size_;
+        if (last) ::unlink(path_.c_str());  // still under the lock, on the file checked to be ours
+      });
+    } catch (const std::exception&) {
+      // Best effort, as c10d's: a store that cannot be read is left as it is.
+    }
   }
 
   c10::intrusive_ptr<c10d::Store> clone() override {
-    return c10::make_intrusive<CheckedFileStore>(path_, numWorkers_, watch_);
+    auto copy = c10::make_intrusive<CheckedFileStore>(path_, world_size_, watch_);
+    copy->setTimeout(timeout_);
+    return copy;
   }
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    watch_->check();
-    c10d::FileStore::set(key, value);
+    with_file(LOCK_EX, [&](int fd, off_t) { append(fd, kUserPrefix + key, value); });
   }
+
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
                                   const std::vector<uint8_t>& desired) override {
-    watch_->check();
-    return c10d::FileStore::compareSet(key, expected, desired);
+    std::vector<uint8_t> result;
+    with_file(LOCK_EX, [&](int fd, off_t size) {
+      refresh(fd, size);
+      const auto found = cache_.find(kUserPrefix + key);
+      if (found == cache_.end() ? expected.empty() : found->second == expected) {
+        append(fd, kUserPrefix + key, desired);
+        result = desired;
+      } else {
+        result = found == cache_.end() ? expected : found->second;
+      }
+    });
+    return result;
   }
-  // c10d's get reads new records in a loop of its own: this loop checks the
-  // file before each read instead.
+
   std::vector<uint8_t> get(const std::string& key) override {
     const auto start = Clock::now();
-    while (!check({key})) {
+    while (true) {
+      std::optional<std::vector<uint8_t>> value;
+      with_file(LOCK_SH, [&](int fd, off_t size) {
+        refresh(fd, size);
+        const auto found = cache_.find(kUserPrefix + key);
+        if (found != cache_.end()) value = found->second;
+      });
+      if (value) return std::move(*value);
       TORCH_CHECK(timeout_ == kNoTimeout || Clock::now() - start <= timeout_, "Timeout waiting for key: ", key,
                   " after ", timeout_.count(), " ms");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    watch_->check();
-    return c10d::FileStore::get(key);
   }
-  int64_t add(const std::string& key, int64_t value) override {
-    watch_->check();
-    return c10d::FileStore::add(key, value);
-  }
-  int64_t getNumKeys() override {
-    watch_->check();
-    return c10d::FileStore::getNumKeys();
-  }
+
+  int64_t add(const std::string& key, int64_t value) override { return add_record(kUserPrefix + key, value); }
+
   bool deleteKey(const std::string& key) override {
-    watch_->check();
-    return c10d::FileStore::deleteKey(key);
+    with_file(LOCK_EX, [&](int fd, off_t) { append(fd, kDeletePrefix + kUserPrefix + key, std::string()); });
+    return true;  // as c10d's: the record is written whether or not the key was there
   }
+
   bool check(const std::vector<std::string>& keys) override {
-    watch_->check();
-    return c10d::FileStore::check(keys);
+    bool all = true;
+    with_file(LOCK_SH, [&](int fd, off_t size) {
+      refresh(fd, size);
+      for (const auto& key : keys) all = all && cache_.count(kUserPrefix + key) != 0;
+    });
+    return all;
   }
+
+  int64_t getNumKeys() override {
+    int64_t count = 0;
+    with_file(LOCK_SH, [&](int fd, off_t size) {
+      refresh(fd, size);
+      count = static_cast<int64_t>(cache_.size());  // c10d counts its own counters too
+    });
+    return count;
+  }
+
+  std::vector<std::string> listKeys() override {
+    std::vector<std::string> keys;
+    with_file(LOCK_SH, [&](int fd, off_t size) {
+      refresh(fd, size);
+      for (const auto& entry : cache_) {
+        if (entry.first.rfind(kUserPrefix, 0) == 0) keys.push_back(entry.first.substr(kUserPrefix.size()));
+      }
+    });
+    return keys;
+  }
+
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    watch_->check();
-    c10d::FileStore::wait(keys, timeout);  // polls through check() above
-  }
-  std::vector<std::string> listKeys() override {
-    watch_->check();
-    return c10d::FileStore::listKeys();
+    const auto start = Clock::now();
+    while (!check(keys)) {
+      TORCH_CHECK(timeout == kNoTimeout || Clock::now() - start <= timeout, "Timeout waiting for key: ",
+                  keys.empty() ? std::string() : keys.front(), " after ", timeout.count(), " ms");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   }
 
  private:
-  // c10d's constructor already reads the file (it counts a reference).
-  static const std::string& checked_first(const std::string& path, StoreFileWatch& watch) {
-    watch.check();
-    return path;
+  static inline const std::string kUserPrefix = "/";
+  static inline const std::string kDeletePrefix = "-";
+  static inline const std::string kRefCountKey = "refcount/";
+  static inline const std::string kCleanupKey = "cleanup/";
+
+  // Runs `use` on the file, locked (LOCK_SH or LOCK_EX) and checked: the
+  // same file this job met in, grown only by whole records.
+  template <typename Use>
+  void with_file(int lock_kind, Use&& use) {
+    watch_->check();
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int fd = ::open(path_.c_str(), (lock_kind == LOCK_EX ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) {
+      const int error = errno;
+      watch_->check();  // names a deleted file
+      throw std::system_error(error, std::system_category(), "open(" + path_ + ")");
+    }
+    struct FdCloser {
+      int fd;
+      ~FdCloser() { ::close(fd); }  // drops the flock too
+    } closer{fd};
+    int rc;
+    do {
+      rc = ::flock(fd, lock_kind);
+    } while (rc != 0 && errno == EINTR);
+    struct stat info {};
+    if (rc != 0 || ::fstat(fd, &info) != 0) throw std::system_error(errno, std::system_category(), "flock/fstat");
+    // Replaced or cut since the check above: the check now says how.
+    if (!watch_->is_the_file(info) || info.st_size < position_) {
+      watch_->check();
+      DDP_CHECK(false, "ddp: the rendezvous file ", path_, " changed under rank ", watch_->rank(),
+                " while it read it; delete it and start the job again.");
+    }
+    use(fd, info.st_size);
   }
 
+  // Reads the records appended since the last read, up to `size`, each
+  // length checked against what is left before anything is allocated.
+  void refresh(int fd, off_t size) {
+    off_t at = position_;
+    std::string key;
+    std::vector<uint8_t> value;
+    while (at < size) {
+      if (!read_field(fd, at, size, key) || !read_field(fd, at, size, value)) {
+        watch_->check();  // names the bytes that are not records
+        DDP_CHECK(false, "ddp: the rendezvous file ", path_, " holds bytes from byte ", position_,
+                  " on that are not a c10d store's records; delete it and start the job again.");
+      }
+      if (key.rfind(kDeletePrefix, 0) == 0) {
+        cache_.erase(key.substr(kDeletePrefix.size()));
+      } else {
+        cache_[key] = std::move(value);
+      }
+      position_ = at;
+    }
+  }
+
+  template <typename Bytes>
+  static bool read_field(int fd, off_t& at, off_t size, Bytes& into) {
+    uint32_t length = 0;
+    if (size - at < static_cast<off_t>(sizeof length) || !read_exactly(fd, &length, sizeof length, at)) return false;
+    if (static_cast<uint64_t>(size - at) - sizeof length < length) return false;
+    into.resize(length);
+    if (length > 0 && !read_exactly(fd, into.data(), length, at + static_cast<off_t>(sizeof length))) return false;
+    at += static_cast<off_t>(sizeof length + length);
+    return true;
+  }
+
+  static bool read_exactly(int fd, void* buffer, size_t count, off_t at) {
+    auto* bytes = static_cast<uint8_t*>(buffer);
+    while (count > 0) {
+      const ssize_t got = ::pread(fd, bytes, count, at);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;  // never spin on an end that moved
+      bytes += got;
+      count -= static_cast<size_t>(got);
+      at += got;
+    }
+    return true;
+  }
+
+  // One record, in one write at the end, under the exclusive lock.
+  template <typename Bytes>
+  static void append(int fd, const std::string& key, const Bytes& value) {
+    std::string record;
+    const auto put = [&record](const void* data, uint32_t length) {
+      record.append(reinterpret_cast<const char*>(&length), sizeof length);
+      record.append(static_cast<const char*>(data), length);
+    };
+    put(key.data(), static_cast<uint32_t>(key.size()));
+    put(value.data(), static_cast<uint32_t>(value.size()));
+    off_t at = ::lseek(fd, 0, SEEK_END);
+    if (at < 0) throw std::system_error(errno, std::system_category(), "lseek");
+    size_t done = 0;
+    while (done < record.size()) {
+      const ssize_t wrote = ::pwrite(fd, record.data() + done, record.size() - done, at + static_cast<off_t>(done));
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote < 0) throw std::system_error(errno, std::system_category(), "write");
+      done += static_cast<size_t>(wrote);
+    }
+  }
+
+  int64_t counter(const std::string& key) const {
+    const auto found = cache_.find(key);
+    if (found == cache_.end() || found->second.empty()) return 0;
+    return std::stoll(std::string(found->second.begin(), found->second.end()));
+  }
+
+  int64_t add_record(const std::string& key, int64_t value) {
+    int64_t total = 0;
+    with_file(LOCK_EX, [&](int fd, off_t size) {
+      refresh(fd, size);
+      total = counter(key) + value;
+      append(fd, key, std::to_string(total));
+    });
+    return total;
+  }
+
+  const std::string path_;
+  const int world_size_;
   std::shared_ptr<StoreFileWatch> watch_;
+  std::mutex mutex_;  // one operation at a time on this object's cache
+  off_t position_ = 0;
+  std::unordered_map<std::string, std::vector<uint8_t>> cache_;
 };
 
 // 64 random bits as hex: tells this meeting's records from any that an
@@ -501,7 +689,7 @@ c10::intrusive_ptr<c10d::Store> file_rendezvous(const World& world, const std::s
                                                 const std::string& run_id, std::chrono::milliseconds timeout) {
   const Clock::time_point deadline = Clock::now() + timeout;
   auto watch = std::make_shared<StoreFileWatch>(path, world.rank, check_usable(path, world.rank));
-  c10::intrusive_ptr<c10d::FileStore> file;
+  c10::intrusive_ptr<CheckedFileStore> file;
   try {
     try {
       // With the world size, c10d removes the file when the last FileStore
@@ -522,7 +710,7 @@ c10::intrusive_ptr<c10d::Store> file_rendezvous(const World& world, const std::s
       // of this job has yet to read why the meeting stopped (it would make a
       // fresh file and wait out its timeout). So this one object is never
       // destroyed; c10d holds no descriptor open between operations.
-      if (file) (void)c10::intrusive_ptr<c10d::FileStore>(file).release();
+      if (file) (void)c10::intrusive_ptr<CheckedFileStore>(file).release();
       throw;
     }
   } catch (const Error&) {

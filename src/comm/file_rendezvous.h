@@ -15,7 +15,8 @@
 
 namespace ddp::detail {
 
-// Opens a c10d FileStore at `path` for world.world_size ranks and meets the
+// Opens a store in a c10d FileStore's file (its format, read with every
+// length checked) at `path` for world.world_size ranks and meets the
 // other ranks there (FileMeeting in file_rendezvous.cpp): one process per
 // rank, one world size and run id, every rank arrived; all within `timeout`.
 // Returns the store for this job's keys.
@@ -25,7 +26,7 @@ namespace ddp::detail {
 // earlier run that crashed or did not shut its group down, or in use by
 // another job. Every rank of the job then fails with that message.
 //
-// The file is removed by c10d when the last FileStore of the job is
+// The file is removed, as c10d does, when the last store of the job is
 // destroyed (every rank shut its process group down). A rank that dies
 // leaves it, and so does a failed start (its FileStore is never destroyed:
 // see file_rendezvous.cpp); the next run that names it fails as above.
