@@ -449,8 +449,9 @@ def render(r):
             "ddp-mpi runs a collective of at most 64 KB on the calling thread when its progress thread is idle "
             "(`DDP_MPI_INLINE_BYTES`, 0 turns it off: the hand-off column). ddp-shm is ddp's shared-memory "
             "backend (`--backend shm`; what `auto` picks when every rank is on one host) started by ddprun like "
-            "gloo, no mpirun: collectives of at most 1 MiB run on the calling thread when its own is idle "
-            "(`DDP_SHM_INLINE_BYTES`)."
+            "gloo, no mpirun: a collective its caller waits for at once (ProcessGroup's all_reduce, c10d's "
+            "asyncOp false) runs on the calling thread when the backend's own is idle; asynchronous ones "
+            "(DDP's buckets) go to that thread whatever their size."
             + (f" Measured {c['measured']}"
                + (f" (load average {c['load_average_before']} before)" if "load_average_before" in c else "")
                + ", apart from the rest of "

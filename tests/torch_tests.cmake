@@ -228,3 +228,11 @@ add_executable(test_gpt_bench_fault_tolerance test_gpt_bench_fault_tolerance.cpp
 target_link_libraries(test_gpt_bench_fault_tolerance PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(test_gpt_bench_fault_tolerance ddprun ddp_ft_store gpt_bench)
 gtest_discover_tests(test_gpt_bench_fault_tolerance PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
+
+# When the shared-memory backend runs a collective (src/comm/backend_shm.cpp): asynchronous ones
+# of any size on its own thread (overlap), asyncOp false on the caller's, queued ones by a waiter.
+add_executable(ddp_shm_overlap_tests test_shm_overlap.cpp)
+target_link_libraries(ddp_shm_overlap_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_shm_overlap_tests)
+gtest_discover_tests(ddp_shm_overlap_tests PROPERTIES LABELS "multiprocess;shm" TIMEOUT 120
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

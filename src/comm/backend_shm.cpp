@@ -27,11 +27,14 @@
 // fraction of a second instead of at the collective timeout, which still
 // bounds everything else.
 //
-// Execution: collectives run in the order issued, on a thread of the
-// backend's own, so that DDP's buckets overlap backward as over Gloo. A
-// collective issued while that thread is idle runs on the caller's thread
-// instead (waking a thread and being woken back costs more than a small
-// all-reduce). What this backend does not implement (point-to-point, gather,
+// Execution: collectives run one at a time, in the order issued. An
+// asynchronous one (c10d's asyncOp, the default: DDP's buckets) goes to a
+// thread of the backend's own whatever its size, so that it overlaps
+// backward as over Gloo; one issued with asyncOp false runs on the caller's
+// thread when nothing is queued. A thread that waits for a collective its
+// worker has not yet taken runs it (and those queued before it) itself: a
+// synchronous all-reduce issued as async-then-wait costs a wake-up call, not
+// a hand-off and a wake-up back. What this backend does not implement (point-to-point, gather,
 // scatter, all-to-all, reductions other than sum/product/min/max, dtypes it
 // does not know) goes to a Gloo backend over the same ranks.
 #include <ddp/error.h>
@@ -290,20 +293,114 @@ bool reducible(const c10d::ReduceOp& op) {
   }
 }
 
+// ---- Execution ------------------------------------------------------------------
+
+// The backend's collectives, run one at a time in the order issued: by its
+// worker thread (serve), or by a thread that waits for one still queued
+// (run_through). Shared with the Work handles, which may outlive the backend.
+class JobQueue {
+ public:
+  using Job = std::function<void()>;
+
+  // Runs `job` on this thread if nothing is queued or running; false if it
+  // has to queue.
+  bool run_now_if_idle(const Job& job) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!queue_.empty() || busy_) return false;
+    busy_ = true;
+    lock.unlock();
+    job();
+    lock.lock();
+    busy_ = false;
+    if (!queue_.empty()) cv_.notify_all();
+    return true;
+  }
+
+  void push(const void* tag, Job job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.emplace_back(tag, std::move(job));
+    cv_.notify_all();
+  }
+
+  // Runs the queued jobs up to and including `tag`'s on this thread, in
+  // order, unless another thread is running one or `tag`'s is not queued
+  // (taken already): then the caller waits for its Work as usual.
+  void run_through(const void* tag) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (busy_ || std::none_of(queue_.begin(), queue_.end(), [&](const auto& q) { return q.first == tag; })) return;
+    busy_ = true;
+    bool last = false;
+    while (!last) {
+      auto [which, job] = std::move(queue_.front());
+      queue_.pop_front();
+      last = which == tag;
+      lock.unlock();
+      job();
+      lock.lock();
+    }
+    busy_ = false;
+    cv_.notify_all();
+  }
+
+  // The worker thread's loop, until stop() and nothing is left.
+  void serve() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });
+      if (queue_.empty()) return;
+      Job job = std::move(queue_.front().second);
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      job();
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  void stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+
+  // Until no thread runs a job and none is queued.
+  void wait_idle() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<const void*, Job>> queue_;
+  bool busy_ = false;  // a thread is running a job
+  bool stopping_ = false;
+};
+
 // ---- Work ---------------------------------------------------------------------
 
 // A collective's handle, finished here or on the backend's thread.
 class ShmWork final : public ThreadedWork {
  public:
-  using ThreadedWork::ThreadedWork;
+  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::weak_ptr<JobQueue> jobs)
+      : ThreadedWork(rank, type, std::move(outputs)), jobs_(std::move(jobs)) {}
 
  protected:
+  void run_if_queued() override {
+    if (auto jobs = jobs_.lock()) jobs->run_through(this);
+  }
+
   [[noreturn]] void throw_overrun(std::chrono::milliseconds timeout) const override {
     // ProcessGroup's wait reads "timed out" as "still running".
     DDP_PEER_CHECK(false, "ddp: a shared-memory ", opTypeToString(opType_), " timed out after ", timeout.count(),
                    " ms of waiting");
     std::abort();  // not reached
   }
+
+ private:
+  std::weak_ptr<JobQueue> jobs_;
 };
 
 // ---- The segment ----------------------------------------------------------------
@@ -431,7 +528,11 @@ class ShmBackend final : public c10d::Backend {
     // descheduled (a busy host) comes back without a futex wake's latency,
     // and whoever else wants the core gets it. Then sleep.
     yield_ = std::chrono::microseconds(env_bytes("DDP_SHM_YIELD_US", 1000, 0, 10000000));
-    inline_bytes_ = env_bytes("DDP_SHM_INLINE_BYTES", size_t{1} << 20, 0, size_t{1} << 40);
+    // Asynchronous collectives up to this size may run on the caller's
+    // thread when the worker is idle. 0 by default: such a collective would
+    // not overlap what the caller does next (DDP's backward); the knob is
+    // for measuring that (bench/PROFILE.md).
+    inline_bytes_ = env_bytes("DDP_SHM_INLINE_BYTES", 0, 0, size_t{1} << 40);
     watch_peers();
   }
 
@@ -442,13 +543,10 @@ class ShmBackend final : public c10d::Backend {
     Control* mine = segment_.control(getRank());
     mine->left.store(1, std::memory_order_seq_cst);
     futex(&mine->phase, FUTEX_WAKE, INT32_MAX, nullptr);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-      cv_.notify_all();
-    }
+    jobs_->stop();
     abort_.store(true);
     if (thread_.joinable()) thread_.join();
+    jobs_->wait_idle();  // a waiting thread may be running one
     if (watcher_.joinable()) {
       const uint64_t one = 1;
       (void)!::write(stop_fd_, &one, sizeof(one));
@@ -473,7 +571,7 @@ class ShmBackend final : public c10d::Backend {
     }
     at::Tensor t = tensors[0];
     const auto op = opts.reduceOp.op_;
-    return submit(c10d::OpType::ALLREDUCE, {t}, t.nbytes(), [this, t, op] { all_reduce(t, op, -1); });
+    return submit(c10d::OpType::ALLREDUCE, {t}, t.nbytes(), opts.asyncOp, [this, t, op] { all_reduce(t, op, -1); });
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
@@ -484,7 +582,7 @@ class ShmBackend final : public c10d::Backend {
     at::Tensor t = tensors[0];
     const auto op = opts.reduceOp.op_;
     const int root = static_cast<int>(opts.rootRank);
-    return submit(c10d::OpType::REDUCE, {t}, t.nbytes(), [this, t, op, root] { all_reduce(t, op, root); });
+    return submit(c10d::OpType::REDUCE, {t}, t.nbytes(), opts.asyncOp, [this, t, op, root] { all_reduce(t, op, root); });
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -492,7 +590,7 @@ class ShmBackend final : public c10d::Backend {
     if (tensors.size() != 1 || !movable(tensors[0])) return fallback_->broadcast(tensors, opts);
     at::Tensor t = tensors[0];
     const int root = static_cast<int>(opts.rootRank);
-    return submit(c10d::OpType::BROADCAST, {t}, t.nbytes(), [this, t, root] { broadcast_(t, root); });
+    return submit(c10d::OpType::BROADCAST, {t}, t.nbytes(), opts.asyncOp, [this, t, root] { broadcast_(t, root); });
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -502,7 +600,7 @@ class ShmBackend final : public c10d::Backend {
       return fallback_->_allgather_base(output, input, opts);
     }
     at::Tensor in = input, out = output;
-    return submit(c10d::OpType::_ALLGATHER_BASE, {out}, out.nbytes(), [this, in, out] {
+    return submit(c10d::OpType::_ALLGATHER_BASE, {out}, out.nbytes(), opts.asyncOp, [this, in, out] {
       const size_t part = in.nbytes();
       char* base = static_cast<char*>(out.data_ptr());
       all_gather(in, [base, part](int r) { return base + size_t(r) * part; });
@@ -521,7 +619,7 @@ class ShmBackend final : public c10d::Backend {
     if (!ours) return fallback_->allgather(outputs, inputs, opts);
     at::Tensor in = inputs[0];
     std::vector<at::Tensor> outs = outputs[0];
-    return submit(c10d::OpType::ALLGATHER, outs, in.nbytes() * outs.size(), [this, in, outs] {
+    return submit(c10d::OpType::ALLGATHER, outs, in.nbytes() * outs.size(), opts.asyncOp, [this, in, outs] {
       all_gather(in, [&outs](int r) { return static_cast<char*>(outs[r].data_ptr()); });
     });
   }
@@ -535,12 +633,12 @@ class ShmBackend final : public c10d::Backend {
     }
     at::Tensor in = input, out = output;
     const auto op = opts.reduceOp.op_;
-    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {out}, in.nbytes(),
+    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {out}, in.nbytes(), opts.asyncOp,
                   [this, in, out, op] { reduce_scatter(in, out, op); });
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& /*opts*/) override {
-    return submit(c10d::OpType::BARRIER, {}, 0, [this] {
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return submit(c10d::OpType::BARRIER, {}, 0, opts.asyncOp, [this] {
       begin(Desc{kBarrier, 0, 0, -1, 0});
       arrive_and_wait(kBarrier, true);
     });
@@ -610,10 +708,11 @@ class ShmBackend final : public c10d::Backend {
 
   // ---- Execution ----
 
+  // `async_op`: c10d's asyncOp, false when the caller waits at once.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs, size_t bytes,
-                                        std::function<void()> body) {
-    auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs));
-    auto job = [this, work, body = std::move(body)] {
+                                        bool async_op, std::function<void()> body) {
+    auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs), jobs_);
+    auto job = [work, body = std::move(body)] {
       std::exception_ptr error;
       try {
         body();
@@ -622,35 +721,10 @@ class ShmBackend final : public c10d::Backend {
       }
       work->finish(error);
     };
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (queue_.empty() && !busy_ && bytes <= inline_bytes_) {
-      busy_ = true;
-      lock.unlock();
-      job();
-      lock.lock();
-      busy_ = false;
-      if (!queue_.empty()) cv_.notify_all();
-      return work;
-    }
-    queue_.push_back(std::move(job));
-    if (!thread_.joinable()) thread_ = std::thread([this] { run_queue(); });
-    cv_.notify_all();
+    if ((!async_op || bytes <= inline_bytes_) && jobs_->run_now_if_idle(job)) return work;
+    jobs_->push(work.get(), std::move(job));
+    std::call_once(thread_started_, [this] { thread_ = std::thread([jobs = jobs_] { jobs->serve(); }); });
     return work;
-  }
-
-  void run_queue() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !busy_); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      std::function<void()> job = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-      lock.unlock();
-      job();
-      lock.lock();
-      busy_ = false;
-    }
   }
 
   // ---- Peers that die ----
@@ -970,11 +1044,8 @@ class ShmBackend final : public c10d::Backend {
   int stop_fd_ = -1;
   std::thread watcher_;
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false;
-  bool stopping_ = false;
+  std::shared_ptr<JobQueue> jobs_ = std::make_shared<JobQueue>();
+  std::once_flag thread_started_;
   std::thread thread_;  // last: it uses everything above
 };
 

@@ -543,7 +543,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::all_reduce_async(at::Tensor& tensor
 }
 
 void ProcessGroup::all_reduce(at::Tensor& tensor, c10d::ReduceOp op) {
-  wait(all_reduce_async(tensor, op), "all_reduce");
+  require_usable("all_reduce");
+  const uint64_t seq = enter("all_reduce", tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.timeout = impl_->options_.timeout();
+  opts.asyncOp = impl_->async_op_when_waited();
+  wait(track(seq, impl_->backend_->allreduce(tensors, opts)), "all_reduce");
 }
 
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
@@ -553,6 +560,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = impl_->options_.timeout();
+  opts.asyncOp = impl_->async_op_when_waited();
   wait(track(seq, impl_->backend_->broadcast(tensors, opts)), "broadcast");
 }
 
@@ -608,6 +616,7 @@ void ProcessGroup::barrier() {
   const uint64_t seq = enter("barrier", at::Tensor());
   c10d::BarrierOptions opts;
   opts.timeout = impl_->options_.timeout();
+  opts.asyncOp = impl_->async_op_when_waited();
   wait(track(seq, impl_->backend_->barrier(opts)), "barrier");
 }
 

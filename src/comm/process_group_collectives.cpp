@@ -119,7 +119,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::reduce_async(at::Tensor& tensor, in
 }
 
 void ProcessGroup::reduce(at::Tensor& tensor, int root, c10d::ReduceOp op) {
-  wait(reduce_async(tensor, root, op), "reduce");
+  require_usable("reduce");
+  check_group_rank(*this, "reduce", "root", root);
+  const uint64_t seq = enter("reduce", tensor);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::ReduceOptions opts;
+  opts.reduceOp = op;
+  opts.rootRank = root;
+  opts.timeout = impl_->options_.timeout();
+  opts.asyncOp = impl_->async_op_when_waited();
+  wait(track(seq, impl_->backend_->reduce(tensors, opts)), "reduce");
 }
 
 // The asynchronous form is in process_group.cpp with all_gather_into_async,

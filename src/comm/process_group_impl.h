@@ -40,6 +40,12 @@ struct ProcessGroup::Impl {
   World world_;
   ProcessGroupOptions options_;
   BackendKind backend_kind_ = BackendKind::kGloo;
+  // c10d's asyncOp for a collective whose caller waits for it at once
+  // (all_reduce, reduce, broadcast, barrier): false lets a backend that runs
+  // collectives itself (shared memory) run it on the caller's thread instead
+  // of handing it to its worker and being woken back. NCCL keeps asyncOp
+  // true, its stream handling as before.
+  bool async_op_when_waited() const { return backend_kind_ == BackendKind::kNccl; }
   // Each rank's host (shm_host_identity), by rank in this group, and whether
   // a subgroup whose ranks share a host gets shared memory: the backend was
   // left to ddp (kAuto on the CPU, DDP_SHM not 0).

@@ -3,7 +3,8 @@
 // The Work of a backend that runs its collectives itself (on the caller's
 // thread or its own), not through Gloo or NCCL: MPI and shared memory.
 // wait() blocks until finish() is called; its future serves comm hooks, as
-// Gloo's does. Backends differ only in what an overrun wait means.
+// Gloo's does. Backends differ in what an overrun wait means, and may run a
+// collective that is still queued on the waiting thread (run_if_queued).
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -36,6 +37,7 @@ class ThreadedWork : public c10d::Work {
   }
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout) override {
+    if (!isCompleted()) run_if_queued();
     std::unique_lock<std::mutex> lock(mutex_);
     if (timeout == kNoTimeout) {
       cv_.wait(lock, [&] { return completed_; });
@@ -65,6 +67,10 @@ class ThreadedWork : public c10d::Work {
  protected:
   /// How much longer than the collective's timeout wait() waits.
   virtual std::chrono::milliseconds grace_after_timeout() const { return std::chrono::milliseconds(0); }
+  /// Before wait() blocks: a backend whose thread has not yet taken this
+  /// collective may run it here instead (a thread that waits has nothing
+  /// better to do, and a sleeping worker would take a wake-up to start).
+  virtual void run_if_queued() {}
   /// Throws the backend's error for a wait that ran past its bound.
   [[noreturn]] virtual void throw_overrun(std::chrono::milliseconds timeout) const = 0;
 
