@@ -12,7 +12,9 @@
 // (no model: float32 all-reduces of 4 KB, 1 MB, 8 MB and 40 MB).
 //
 // DDP modes also take --bucket-cap-mb, --comm-hook allreduce|fp16|bf16|
-// powersgd (--powersgd-rank r; PowerSGD starts after 2 plain steps) and
+// powersgd|hierarchical (--powersgd-rank r; PowerSGD starts after 2 plain
+// steps; hierarchical: hierarchical_allreduce_hook over
+// DeviceMesh::from_launcher, the node stage on the node's own group) and
 // --step-in-backward (Adam steps each bucket in backward).
 //
 // Prints one JSON line (rank 0): per-step times in ms after warm-up.
@@ -23,6 +25,7 @@
 #include "engine/bucket_assignment.h"  // internal (ddp_internal): the bucket rule alone
 #include <ddp/collective_trace.h>
 #include <ddp/comm_hooks.h>
+#include <ddp/device_mesh.h>
 #include <ddp/distributed_data_parallel.h>
 #include <ddp/process_group.h>
 
@@ -79,14 +82,17 @@ void add_flags(CLI::App& app, Config& c) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--comm-hook", c.comm_hook,
                  "DDP modes: how each bucket is reduced (powersgd: warm-up of 2 steps, then compressed)")
-      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd"}));
+      ->check(CLI::IsMember({"allreduce", "fp16", "bf16", "powersgd", "hierarchical"}));
   app.add_option("--powersgd-rank", c.powersgd_rank, "--comm-hook powersgd: the matrix approximation rank")
       ->check(CLI::PositiveNumber);
   app.add_flag("--step-in-backward", c.step_in_backward,
                "DDP modes: Adam steps each bucket as its all-reduce completes (model.step_in_backward)");
 }
 
-std::shared_ptr<ddp::CommHook> make_comm_hook(const Config& c) {
+std::shared_ptr<ddp::CommHook> make_comm_hook(const Config& c, const std::shared_ptr<ddp::ProcessGroup>& group) {
+  // Nodes x local ranks, as the launcher placed them: the node groups get
+  // shared memory where ddp may choose it (--backend auto).
+  if (c.comm_hook == "hierarchical") return ddp::hierarchical_allreduce_hook(ddp::DeviceMesh::from_launcher(group));
   if (c.comm_hook == "fp16") return ddp::fp16_compress_hook();
   if (c.comm_hook == "bf16") return ddp::bf16_compress_hook();
   if (c.comm_hook == "powersgd")
@@ -226,7 +232,7 @@ int run(const Config& c, Model model, int64_t batch, MakeLoss make_loss) {
                          .overlap_with_backward(c.mode != "no-overlap")
                          .rebuild_buckets(c.mode != "no-rebuild")
                          .gradient_as_bucket_view(c.mode == "bucket-view")
-                         .comm_hook(make_comm_hook(c));
+                         .comm_hook(make_comm_hook(c, group));
       if (c.bucket_cap_mb > 0) options.bucket_cap_mb(c.bucket_cap_mb);
       ddp::DistributedDataParallel<Model> ddp_model(model, group, options);
       std::function<void(torch::optim::Optimizer&)> step_in_backward;

@@ -7,6 +7,8 @@ bench/network.json, bench/NETWORK.png.
     sudo python bench/run_net_bench.py --build-dir build      # needs root
     make bench-net                                            # the same
     sudo python bench/run_net_bench.py --nodes 4 --variants python,ddp,ddp-mpi --out-dir /tmp/net4
+    sudo python bench/run_net_bench.py --nproc-per-node 2 --rates 1gbit --models transformer \
+        --variants python,flat-gloo,hier-shm,hier-gloo,ddp-auto        # NETWORK_2X2.md
 
 ddp runs under ddprun's c10d rendezvous, Python DDP under torchrun's, both
 hosted on node 0; backend gloo, GLOO_SOCKET_IFNAME=eth0 and OMP_NUM_THREADS=1
@@ -65,7 +67,15 @@ VARIANTS = {
     "bucket-5-step-in-backward": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "5", "--step-in-backward"]),
     "python-bucket-5": ("py", ["--mode", "ddp", "--bucket-cap-mb", "5"]),
     "python-bucket-5-fused-optim": ("py", ["--mode", "ddp", "--bucket-cap-mb", "5", "--optimizer-in-backward"]),
+    # Several ranks per node (--nproc-per-node): which transport carries what.
+    # --backend auto leaves the choice to ddp (ddp_bench's own default pins gloo).
+    "flat-gloo": ("cpp", ["--mode", "ddp", "--backend", "auto"]),  # DDP_SHM=0 (VARIANT_ENV)
+    "hier-shm": ("cpp", ["--mode", "ddp", "--backend", "auto", "--comm-hook", "hierarchical"]),
+    "hier-gloo": ("cpp", ["--mode", "ddp", "--backend", "auto", "--comm-hook", "hierarchical"]),  # DDP_SHM=0
+    "ddp-auto": ("cpp", ["--mode", "ddp", "--backend", "auto"]),
 }
+# What a variant adds to the environment of every rank.
+VARIANT_ENV = {"flat-gloo": {"DDP_SHM": "0"}, "hier-gloo": {"DDP_SHM": "0"}}
 # Run in every round; the others only in the first `extra_rounds`.
 CORE = ["ddp", "python", "no-overlap", "ddp-mpi"]
 LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted buckets)",
@@ -78,8 +88,12 @@ LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted b
           "step-in-backward": "ddp, optimizer stepped in backward",
           "bucket-5-step-in-backward": "ddp, 5 MB buckets, optimizer stepped in backward",
           "python-bucket-5": "Python DDP, 5 MB buckets",
-          "python-bucket-5-fused-optim": "Python DDP, 5 MB buckets, _register_fused_optim"}
-ORDER = ["python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-5", "bucket-25", "bucket-100", "fp16", "bf16",
+          "python-bucket-5-fused-optim": "Python DDP, 5 MB buckets, _register_fused_optim",
+          "flat-gloo": "(a) ddp, flat Gloo over all ranks (DDP_SHM=0)",
+          "hier-shm": "(b) ddp, hierarchical_allreduce_hook: shared memory in the node, Gloo between leaders",
+          "hier-gloo": "ddp, hierarchical_allreduce_hook, Gloo in the node too (DDP_SHM=0)",
+          "ddp-auto": "(c) ddp's default (--backend auto, no hook)"}
+ORDER = ["flat-gloo", "hier-shm", "hier-gloo", "ddp-auto", "python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-5", "bucket-25", "bucket-100", "fp16", "bf16",
          "python-bf16", "powersgd-4", "python-powersgd-4", "step-in-backward", "python-bucket-5",
          "bucket-5-step-in-backward", "python-bucket-5-fused-optim"]
 MODELS = {"mlp2m": "2M MLP", "transformer": "10.5M transformer"}
@@ -160,13 +174,14 @@ class Runner:
     def argv(self, cluster, node, impl, model, extra, steps, warmup):
         endpoint = f"{cluster.addresses[0]}:{self.port}"
         nnodes = str(cluster.nodes)
+        nproc = str(self.args.nproc_per_node)
         bench = ["--model", model, "--steps", str(steps), "--warmup", str(warmup)] + extra
         if impl == "cpp":
-            return [os.path.join(self.bin, "ddprun"), "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend",
+            return [os.path.join(self.bin, "ddprun"), "--nnodes", nnodes, "--nproc-per-node", nproc, "--rdzv-backend",
                     "c10d", "--rdzv-endpoint", endpoint, os.path.join(self.bin, "ddp_bench")] + bench
         if impl == "mpi":
             return self.mpirun_argv(cluster, self.agent, os.path.join(self.bin, "ddp_bench"), bench)
-        argv = [self.args.python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+        argv = [self.args.python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--local-addr", cluster.addresses[node]]
         if node == 0:
             argv += ["--rdzv-conf", "is_host=true"]
@@ -192,12 +207,14 @@ class Runner:
                   "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "-x", "OMP_NUM_THREADS=1", "-x", "DDP_TIMEOUT_SECONDS=300", program] + bench
         return ["unshare", "--uts", "/bin/sh", "-c", "hostname node0; exec " + shlex.join(mpirun)]
 
-    def env(self, cluster):
-        return dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS="1", DDP_TIMEOUT_SECONDS="300")
+    def env(self, cluster, name=None):
+        return dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS="1", DDP_TIMEOUT_SECONDS="300",
+                    **VARIANT_ENV.get(name, {}))
 
     def _record(self, key, prefix, argv):
         def short(a):
             a = a.replace(self.agent, "AGENT") if self.agent else a
+            a = "VENV/bin/python" if a == self.args.python else a
             return re.sub(re.escape(ROOT) + "/", "", a)
 
         self.commands.setdefault(key, " ".join([prefix] + [shlex.quote(short(a)) for a in argv]))
@@ -214,9 +231,10 @@ class Runner:
             if impl == "mpi":
                 self._record(f"{name} {model}", "ip netns exec NODE0", argv)
             else:
+                added = "".join(f"{k}={v} " for k, v in VARIANT_ENV.get(name, {}).items())
                 self._record(f"{name} {model} node {node}",
-                             "GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ip netns exec NODE%d" % node, argv)
-            p = cluster.popen(node, argv, env=self.env(cluster), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             f"GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 {added}ip netns exec NODE{node}", argv)
+            p = cluster.popen(node, argv, env=self.env(cluster, name), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
             _children.append(p)
             procs.append(p)
@@ -233,16 +251,24 @@ class Runner:
         for node, (p, (out, err)) in enumerate(zip(procs, outs)):
             if p.returncode != 0:
                 raise RuntimeError(f"{name} {model}: node {node} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
-        # ddp's fitted buckets, with the figures they were fitted to (DDP_LOG_BUCKETS=1 in the environment).
+        # ddp's fitted buckets, with the figures they were fitted to (DDP_LOG_BUCKETS=1 in the environment),
+        # and the transport rank 0 announces for the whole group.
+        transport = None
         for _, err in outs:
             for line in err.splitlines():
                 if "buckets fitted to the link" in line:
                     print(f"  {name} {model}: {line.strip()}", flush=True)
+                found = re.search(r"ddp: transport (\S+ \(.*\))", line)
+                if found:
+                    transport = found.group(1)
         # Rank 0 prints it: the c10d rendezvous need not make node 0 rank 0.
         for out, _ in outs:
             match = re.search(r"(\{.*\"step_ms_median\".*\})", out)
             if match:
-                return json.loads(match.group(1)), [a - b for a, b in zip(after, before)]
+                result = json.loads(match.group(1))
+                if transport:
+                    result["transport"] = transport
+                return result, [a - b for a, b in zip(after, before)]
         raise RuntimeError(f"{name} {model}: no result on any node:\n" +
                            "\n".join(f"{out}\n{err[-3000:]}" for out, err in outs))
 
@@ -324,6 +350,8 @@ def measure(args, runner, selected):
                             for n in range(cluster.nodes):
                                 e[f"bytes_node{n}"].append((bl[n] - bs[n]) / s)
                             e["buckets"] = long_.get("buckets")
+                            if long_.get("transport"):
+                                e["transport"] = long_["transport"]
                             per_node = [(l - b) / s / 1e6 for l, b in zip(bl, bs)]
                             print(f"{rate} {model} {name}: {short['step_ms_median']:.1f} / {long_['step_ms_median']:.1f}"
                                   f" ms, {sum(per_node):.2f} MB/step, busiest node {max(per_node):.2f}"
@@ -352,7 +380,8 @@ def summarize(results, rates, nodes=2):
             for name, e in by.items():
                 per_node = [statistics.median(v) for k, v in e.items() if k.startswith("bytes_node")]
                 rows[name] = {"ms": statistics.median(e["ms"]), "mb_per_step": sum(per_node) / 1e6,
-                              "mb_per_node": max(per_node) / 1e6, "buckets": e["buckets"]}
+                              "mb_per_node": max(per_node) / 1e6, "buckets": e["buckets"],
+                              "runs": len(e["ms"]), "transport": e.get("transport")}
             # Every node sends its share of the ring on its own link, all at
             # once: the wire time is the busiest link's bytes / rate. ddp's
             # measured bytes (2 (N - 1) / N of the gradients plus TCP/IP
@@ -385,7 +414,7 @@ def summarize(results, rates, nodes=2):
     return summary
 
 
-def chart(summary, rates, path, nodes=2):
+def chart(summary, rates, path, nodes=2, nproc=1):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -412,7 +441,8 @@ def chart(summary, rates, path, nodes=2):
             ax.set_xticks(range(len(shown)), shown, rotation=30, fontsize=8)
             ax.set_ylabel("median ms per step (labels: MB on the wire per step)")
             ax.set_ylim(0, max(values + [serial]) * 1.3)
-            ax.set_title(f"{MODELS[model]}, {rate}/s links, {nodes} nodes x 1 rank, gloo"
+            ax.set_title(f"{MODELS[model]}, {rate}/s links, {nodes} nodes x {nproc} rank{'s' if nproc > 1 else ''}"
+                         + (", gloo" if nproc == 1 else "")
                          + (" (ddp-mpi: mpi)" if "ddp-mpi" in shown else ""), fontsize=10)
             ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
@@ -657,10 +687,108 @@ def render(args, results, summary, rates, facts, runner, elapsed):
     return "\n".join(lines)
 
 
-def output_paths(out_dir, nodes):
+def render_ranks(args, results, summary, rates, facts, runner, elapsed):
+    """The page for several ranks per node (--nproc-per-node > 1): which
+    transport carries the gradients inside a node and between nodes."""
+    n, k = args.nodes, args.nproc_per_node
+    ranks = n * k
+    lines = [
+        f"# ddp on an emulated cluster: {n} nodes × {k} ranks",
+        "",
+        f"Written by `bench/run_net_bench.py --nproc-per-node {k}` (as root); the figures below are one run's. "
+        "Issue 37: hierarchical shared memory + Gloo against flat Gloo.",
+        "",
+        "## Set-up",
+        "",
+        f"- {n} nodes of {k} ranks. Each node is a network namespace with address 10.213.90.N on `eth0`, a veth to a "
+        "bridge in a namespace of its own (the switch), limited in both directions with `tc qdisc ... tbf rate R burst "
+        "max(256 KB, 1 ms of R) latency 100ms` (bench/emulated_cluster.py). The ranks of one node share its namespace, "
+        "so what they send each other goes over the namespace's loopback (Gloo) or shared memory, and only what "
+        "crosses between nodes is counted and rate-limited on `eth0`. ddp treats each network namespace as a host "
+        "(`shm_host_identity`), so shared memory is used only inside a node.",
+        f"- ddp: one `ddprun --nnodes {n} --nproc-per-node {k} --rdzv-backend c10d` per node running "
+        "`build/bin/ddp_bench --model MODEL --mode ddp --backend auto ...` (ddp_bench pins `--backend gloo` unless "
+        "told otherwise; `auto` is what a program gets that does not choose). Python DDP: one torchrun per node, "
+        "`bench/python_ddp_bench.py`, backend gloo, PyTorch's defaults. Every rank: `GLOO_SOCKET_IFNAME=eth0 "
+        "OMP_NUM_THREADS=1`, one intra-op thread, the same model, data, seeds, batch (transformer 8 per rank) and Adam.",
+        "- Variants: **(a) flat-gloo**: DDP over all ranks with `DDP_SHM=0`, so every group is Gloo; "
+        "**(b) hier-shm**: DDP with `ddp::hierarchical_allreduce_hook(DeviceMesh::from_launcher(group))` "
+        "(`--comm-hook hierarchical`): each bucket is reduced to the node's first rank over the node's group, "
+        "all-reduced between the node leaders, broadcast back in the node; the node groups are shared memory "
+        "(ddp's automatic choice for a group on one host) and the leaders' group Gloo; **hier-gloo**: the same "
+        "hook with `DDP_SHM=0` (Gloo over loopback in the node), to tell the hook's gain from shared memory's; "
+        "**(c) ddp-auto**: ddp's default, no hook; **python**: PyTorch's DDP. Buckets are ddp's default "
+        "(fitted to the link after the first step) in every ddp variant; the transport column is the line "
+        "rank 0 prints for DDP's own group (`ddp: transport ...`).",
+        f"- Steps: transformer {args.transformer_warmup} warm-up + S = {args.transformer_steps} (and 2 S) timed, "
+        f"mlp2m {args.warmup} + {args.steps}; {args.rounds} rounds, the variants interleaved in each. "
+        "**ms per step**: the median over runs of each run's median step (rank 0's clock). **MB per node**: what "
+        "the busiest node sent on `eth0` per step (tx_bytes, the run of 2 S steps minus the run of S, divided by S), "
+        "i.e. only what crosses between nodes. **wire** = MB per node ÷ link rate. **compute only**: one rank alone "
+        "(`ddp_bench --mode local`) on the host.",
+        f"- Machine: {facts.get('cpus')} CPUs ({facts.get('cpu', '?')}), {facts.get('memory_gb', '?')} GB, "
+        f"Linux {facts.get('kernel')}, torch {facts.get('torch', '?')}. All {ranks} ranks share these "
+        f"{facts.get('cpus')} cores, so a step is at least about {ranks / max(1, facts.get('cpus') or 1):g}× "
+        f"the compute-only step. The whole run took {elapsed / 60:.1f} min.",
+        "",
+    ]
+    if results.get("retries"):
+        lines[-1:-1] = [f"- Runs retried once after a node failed: {'; '.join(results['retries'])}."]
+    for rate in rates:
+        for model in MODELS:
+            s = summary[rate][model]
+            rows = s["rows"]
+            rate_bytes = _rate_bits(rate) / 8
+            params = results["local"][model]["parameters"]
+            lines += [f"## {MODELS[model]}, {rate}/s links ({params / 1e6:.2f} M parameters, "
+                      f"{params * 4 / 1e6:.1f} MB of fp32 gradients)", "",
+                      f"compute only (one rank alone) {s['compute_ms']:.1f} ms.", "",
+                      "| variant | ms per step | / (a) flat Gloo | / Python DDP | MB per node per step (crossing) "
+                      "| wire ms | buckets | transport of DDP's group | runs (spread) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+
+            def over(name, base):
+                return f"{rows[name]['ms'] / rows[base]['ms']:.2f}" if base in rows else ""
+
+            for name in ORDER:
+                if name not in rows:
+                    continue
+                r = rows[name]
+                ms = results["rates"][rate][model][name]["ms"]
+                lines.append(f"| {LABELS[name]} | {r['ms']:.1f} | {over(name, 'flat-gloo')} | {over(name, 'python')} | "
+                             f"{r['mb_per_node']:.2f} | {r['mb_per_node'] * 1e6 / rate_bytes * 1000:.0f} | "
+                             f"{r['buckets'] or ''} | {r.get('transport') or ''} | {r['runs']} "
+                             f"({max(ms) / min(ms) - 1:.0%}) |")
+            ratios = []
+            for label, a, b in (("(b) hierarchical shm + Gloo / (a) flat Gloo", "hier-shm", "flat-gloo"),
+                                ("(c) ddp's default / (a) flat Gloo", "ddp-auto", "flat-gloo"),
+                                ("hierarchical, Gloo in the node / (a) flat Gloo", "hier-gloo", "flat-gloo"),
+                                ("hierarchical: shared memory / Gloo in the node", "hier-shm", "hier-gloo"),
+                                ("(b) / Python DDP", "hier-shm", "python"),
+                                ("(a) / Python DDP", "flat-gloo", "python")):
+                if a in rows and b in rows:
+                    ratios.append(f"{label} **{rows[a]['ms'] / rows[b]['ms']:.2f}**")
+            lines += ["", "; ".join(ratios) + ".", ""]
+    lines += ["## Commands", "",
+              f"`sudo python bench/run_net_bench.py --build-dir build --nproc-per-node {k} --nodes {n} --rates "
+              f"{args.rates} --models {args.models} --variants {args.variants} --steps {args.steps} --warmup "
+              f"{args.warmup} --transformer-steps {args.transformer_steps} --transformer-warmup "
+              f"{args.transformer_warmup} --rounds {args.rounds} --extra-rounds {args.extra_rounds} --out-dir bench` "
+              "(with the venv's python, under `flock /tmp/ddp-build.lock`). Each run, per node (NODEn: the node's "
+              "namespace; STEPS: S, then 2 S; PORT: a fresh one per run); the exact lines of this run:", "", "```"]
+    for key, command in sorted(runner.commands.items()):
+        if key.endswith("node 0") or key.startswith("local"):
+            lines.append(f"# {key}")
+            lines.append(command)
+    lines += ["```", "", f"The json: `bench/{os.path.basename(output_paths('.', n, k)[1])}`.", ""]
+    return "\n".join(lines)
+
+
+def output_paths(out_dir, nodes, nproc=1):
     """NETWORK.md, network.json and NETWORK.png for 2 nodes; other sizes get
-    files of their own (NETWORK_4NODES.md, ...), so both can stand."""
-    suffix = "" if nodes == 2 else f"_{nodes}nodes"
+    files of their own (NETWORK_4NODES.md, NETWORK_2X2.md for 2 nodes of 2
+    ranks, ...), so all can stand."""
+    suffix = "" if nodes == 2 and nproc == 1 else f"_{nodes}nodes" if nproc == 1 else f"_{nodes}x{nproc}"
     return (os.path.join(out_dir, f"NETWORK{suffix.upper()}.md"), os.path.join(out_dir, f"network{suffix}.json"),
             os.path.join(out_dir, f"NETWORK{suffix.upper()}.png"))
 
@@ -678,7 +806,9 @@ def main():
     parser.add_argument("--extra-rounds", type=int, default=1, help="rounds of the sweep and the hooks")
     parser.add_argument("--models", default=",".join(MODELS), help="a subset, for quick checks")
     parser.add_argument("--variants", default="all", help="a subset of " + ",".join(VARIANTS) + ", for quick checks")
-    parser.add_argument("--nodes", type=int, default=2, help="nodes of the emulated cluster, one rank each")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of the emulated cluster")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks per node (> 1: the page NETWORK_<nodes>X<n>.md, transports in and between nodes)")
     parser.add_argument("--out-dir", default=HERE)
     parser.add_argument("--from-json", help="re-render NETWORK.md and NETWORK.png from a network.json, no run")
     args = parser.parse_args()
@@ -694,11 +824,14 @@ def main():
                 del MODELS[name]
         runner = Runner(args)
         runner.commands = saved["commands"]
+        nproc = getattr(args, "nproc_per_node", 1)
+        args.nproc_per_node = nproc
         summary = summarize(saved["raw"], rates, args.nodes)
-        md_path, _, png_path = output_paths(args.out_dir, args.nodes)
-        chart(summary, rates, png_path, args.nodes)
+        md_path, _, png_path = output_paths(args.out_dir, args.nodes, nproc)
+        chart(summary, rates, png_path, args.nodes, nproc)
+        page = render_ranks if nproc > 1 else render
         with open(md_path, "w") as f:
-            f.write(render(args, saved["raw"], summary, rates, saved["machine"], runner, saved["elapsed_s"]))
+            f.write(page(args, saved["raw"], summary, rates, saved["machine"], runner, saved["elapsed_s"]))
         return
     if os.geteuid() != 0:
         sys.exit("run_net_bench.py creates network namespaces: run it as root (sudo make bench-net)")
@@ -732,12 +865,12 @@ def main():
         results["skipped"] = skipped
     summary = summarize(results, rates, args.nodes)
     facts = machine_facts()
-    md_path, json_path, png_path = output_paths(args.out_dir, args.nodes)
+    md_path, json_path, png_path = output_paths(args.out_dir, args.nodes, args.nproc_per_node)
     with open(json_path, "w") as f:
         json.dump({"args": vars(args), "machine": facts, "elapsed_s": round(elapsed, 1), "raw": results,
                    "summary": summary, "commands": runner.commands}, f, indent=1)
-    chart(summary, rates, png_path, args.nodes)
-    text = render(args, results, summary, rates, facts, runner, elapsed)
+    chart(summary, rates, png_path, args.nodes, args.nproc_per_node)
+    text = (render_ranks if args.nproc_per_node > 1 else render)(args, results, summary, rates, facts, runner, elapsed)
     with open(md_path, "w") as f:
         f.write(text)
     print(text)
