@@ -236,3 +236,13 @@ target_link_libraries(ddp_shm_overlap_tests PRIVATE ddp_internal ddp_test_suppor
 ddp_reuse_precompiled_header(ddp_shm_overlap_tests)
 gtest_discover_tests(ddp_shm_overlap_tests PROPERTIES LABELS "multiprocess;shm" TIMEOUT 120
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# ddprun --fault-tolerance over a long job's life (issue 36, helper A2): restarted workers leave
+# no zombies or descriptors behind, and a worker that fails at start-up twice alike ends the job
+# in one line. Shell-script workers; no torch in the jobs.
+add_executable(ddprun_ft_lifecycle_tests test_ddprun_ft_lifecycle.cpp)
+target_link_libraries(ddprun_ft_lifecycle_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddprun_ft_lifecycle_tests)
+add_dependencies(ddprun_ft_lifecycle_tests ddprun ddp_ft_store)
+gtest_discover_tests(ddprun_ft_lifecycle_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -311,6 +311,19 @@ std::string last_step_named(const Worker& worker) {
   return "";
 }
 
+// Whether a worker that ended had got past its start-up: ddp's fault-tolerance layer created
+// its progress file at its first committed step, or it printed a membership line (it was let
+// into a generation), or its last lines name a training step. Any sign counts: calling a worker
+// that trained a start-up failure would end the job, while the opposite mistake only costs a
+// restart.
+bool took_part_in_training(const Worker& worker) {
+  if (!worker.progress_file.empty() && ::access(worker.progress_file.c_str(), F_OK) == 0) return true;
+  for (const LineForwarder& stream : worker.streams) {
+    if (stream.marker_seen()) return true;
+  }
+  return !last_step_named(worker).empty();
+}
+
 }  // namespace
 
 // --fault-tolerance: a failed worker is started again alone, as a new replica, while the
@@ -319,8 +332,17 @@ void Job::handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed) 
   for (Worker* worker : newly_failed) {
     if (first_failed_ == nullptr) first_failed_ = worker;
     for (LineForwarder& stream : worker->streams) stream.read_available();
-    // Its children (the process group's leader is a zombie until the end) go with it.
+    // Its children go with it, and its zombie at once: a job that restarts workers for days
+    // must not collect one per restart. Nothing signals its group after this.
     ::killpg(worker->pid, SIGKILL);
+    reap(*worker);
+    // A usage error (a bad argument, a missing file) fails every incarnation the same way
+    // before it trains; a crash by a signal, or a failure once training began, may not recur.
+    const bool at_startup = worker->term_signal == 0 && !took_part_in_training(*worker);
+    if (at_startup && worker->previous_startup_exit_code == worker->exit_code) {
+      end_after_startup_failure(*worker);
+      return;
+    }
     const std::string step = last_step_named(*worker);
     int running = 0;
     for (const Worker& other : workers_) running += other.exited ? 0 : 1;
@@ -335,13 +357,37 @@ void Job::handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed) 
       say(line + "; restarting it alone as replica " + next_id + " (restart " + std::to_string(fault_restarts_used_) +
           " of " + std::to_string(options_.max_restarts) + "); " + std::to_string(running) +
           " other worker(s) of this node go on");
-      restart_alone(*worker);
+      restart_alone(*worker, at_startup ? worker->exit_code : -1);
     } else {
       worker->given_up = true;
       say(line + "; not restarting it (--max-restarts " + std::to_string(options_.max_restarts) + " used up); " +
           std::to_string(running) + " other worker(s) of this node go on");
     }
   }
+}
+
+// --fault-tolerance: `worker` failed at start-up as its previous incarnation did, with the
+// same exit code. Restarting it again would only fail again, so the job ends, in one line.
+void Job::end_after_startup_failure(Worker& worker) {
+  startup_failed_ = &worker;
+  worker.given_up = true;
+  std::string where;
+  if (!worker.log_path.empty()) {
+    where = "its log: " + worker.log_path;
+  } else if (!worker.stdout_path.empty() || !worker.stderr_path.empty()) {
+    where = "its output: " + (worker.stdout_path.empty() ? "" : worker.stdout_path) +
+            (!worker.stdout_path.empty() && !worker.stderr_path.empty() ? " and " : "") +
+            (worker.stderr_path.empty() ? "" : worker.stderr_path);
+  } else {
+    where = "its output is on the console above (--log-dir DIR keeps each rank's in a file)";
+  }
+  std::string exit_text = describe_exit(worker.exit_code, worker.term_signal);
+  if (worker.exit_code == 127) exit_text += " (the program could not be executed?)";
+  say("fault tolerance: " + worker.label() + " failed at start-up again with " + exit_text +
+      ", as its previous incarnation did, and never trained (no committed step): it would fail the same way "
+      "each time (a bad argument? a missing file?), so ddprun stops restarting it and ends the job; its last "
+      "line: " + worker.last_words() + "; " + where);
+  stop_workers(SIGTERM);
 }
 
 void Job::stop_workers(int signal_number) {
@@ -355,7 +401,9 @@ void Job::stop_workers(int signal_number) {
       Clock::now() + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(options_.grace_period_seconds));
   // Exited workers' groups too: their leaders are zombies, but their children may live on.
-  for (const Worker& worker : workers_) ::killpg(worker.pid, signal_number);
+  for (const Worker& worker : workers_) {
+    if (!worker.reaped) ::killpg(worker.pid, signal_number);
+  }
 }
 
 // early: because ddprun was asked to stop, before the grace period was over.
@@ -371,26 +419,30 @@ void Job::kill_workers(bool early) {
 
 void Job::kill_all_groups() {
   for (const Worker& worker : workers_) {
-    if (worker.pid > 0) ::killpg(worker.pid, SIGKILL);
+    if (worker.pid > 0 && !worker.reaped) ::killpg(worker.pid, SIGKILL);
   }
 }
 
 void Job::reap_all() {
-  for (Worker& worker : workers_) {
-    if (worker.pid <= 0) continue;
-    // Before the reap frees the id: the watchdog must never kill a group of that id again.
-    watchdog_.forget(worker.pid);
-    int status = 0;
-    while (::waitpid(worker.pid, &status, 0) < 0 && errno == EINTR) {
-    }
+  for (Worker& worker : workers_) reap(worker);
+}
+
+void Job::reap(Worker& worker) {
+  if (worker.pid <= 0 || worker.reaped) return;
+  // Before the reap frees the id: the watchdog must never kill a group of that id again.
+  watchdog_.forget(worker.pid);
+  int status = 0;
+  while (::waitpid(worker.pid, &status, 0) < 0 && errno == EINTR) {
   }
+  worker.reaped = true;
 }
 
 AttemptOutcome Job::report_outcome() const {
   AttemptOutcome outcome;
   outcome.received_signal = received_signal_;
   outcome.worker_failed = first_failed_ != nullptr;
-  if (options_.fault_tolerance && first_failed_ != nullptr && received_signal_ == 0) {
+  outcome.startup_failure = startup_failed_ != nullptr && received_signal_ == 0;
+  if (options_.fault_tolerance && first_failed_ != nullptr && received_signal_ == 0 && startup_failed_ == nullptr) {
     // The job goes on without those given up: it succeeds when the workers still running
     // finish, and fails only when none did.
     const bool some_finished = std::any_of(workers_.begin(), workers_.end(), [](const Worker& worker) {

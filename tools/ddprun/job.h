@@ -43,8 +43,12 @@ struct FailedWorker {
 
 struct AttemptOutcome {
   int received_signal = 0;  // ddprun was asked to stop: never restart
-  // Under --fault-tolerance: every worker failed for good (none of them finished).
+  // Under --fault-tolerance: every worker failed for good (none of them finished), or one failed
+  // at start-up twice alike (startup_failure).
   bool worker_failed = false;
+  // Under --fault-tolerance: a worker that never trained failed at start-up again with its
+  // predecessor's exit code, which ended the job; ddprun already said so in one line.
+  bool startup_failure = false;
   FailedWorker first_failure;  // when worker_failed
   // With the c10d rendezvous: the store asked us to stop (another node failed, a node was lost
   // or is joining), or the store itself stopped answering.
@@ -93,7 +97,9 @@ class Job {
   // Setting the workers up (worker_setup.cpp).
   void start_workers();
   // --fault-tolerance: starts `failed`'s local rank again, alone, as its next incarnation.
-  void restart_alone(const Worker& failed);
+  // startup_exit_code: `failed`'s exit code if it failed at start-up, else -1.
+  void restart_alone(Worker& failed, int startup_exit_code);
+  void set_progress_file(Worker& worker) const;
   Environment environment_for(const Worker& worker) const;
   std::string error_file_for(const Worker& worker) const;
   void open_log_files();
@@ -110,6 +116,8 @@ class Job {
   void handle_signals();
   void collect_exits();
   void handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed);
+  void end_after_startup_failure(Worker& worker);
+  void reap(Worker& worker);
   void stop_workers(int signal_number);
   void kill_workers(bool early);
   void kill_all_groups();
@@ -133,7 +141,7 @@ class Job {
   bool stopped_by_rendezvous_ = false;
   bool store_lost_ = false;
   // A deque: restarts under --fault-tolerance add incarnations while pointers to the earlier
-  // ones (first_failed_) stay valid. A replaced worker stays, reaped at the very end.
+  // ones (first_failed_) stay valid. A replaced worker stays, reaped already, for the summary.
   std::deque<Worker> workers_;
   Environment workers_environment_;  // what every worker shares, set by start_workers()
   int fault_restarts_used_ = 0;
@@ -144,6 +152,7 @@ class Job {
   int received_signal_ = 0;
   bool killed_early_ = false;
   const Worker* first_failed_ = nullptr;  // the first worker that failed while running
+  const Worker* startup_failed_ = nullptr;  // --fault-tolerance: see AttemptOutcome::startup_failure
   long long teardown_started_ns_ = 0;      // wall clock (as error files have it) of the first stop
 };
 

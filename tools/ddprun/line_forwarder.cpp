@@ -56,7 +56,9 @@ LineForwarder::LineForwarder(LineForwarder&& other) noexcept
       last_error_line_(std::move(other.last_error_line_)),
       recent_lines_(std::move(other.recent_lines_)),
       file_write_error_(std::move(other.file_write_error_)),
-      sink_failed_(std::move(other.sink_failed_)) {
+      sink_failed_(std::move(other.sink_failed_)),
+      marker_(std::move(other.marker_)),
+      marker_seen_(other.marker_seen_) {
   other.source_fd_ = -1;
 }
 
@@ -155,6 +157,9 @@ void LineForwarder::forward_lines(bool flush_partial) {
   }
   for (const auto& [line_start, line_end] : lines) remember_if_error(pending_, line_start, line_end);
   remember_recent(lines);
+  if (!marker_seen_ && !marker_.empty()) {
+    marker_seen_ = std::string_view(pending_).substr(0, end).find(marker_) != std::string_view::npos;
+  }
 
   for (size_t sink_index = 0; sink_index < sinks_.size(); ++sink_index) {
     const LineSink& sink = sinks_[sink_index];

@@ -46,6 +46,11 @@ class LineForwarder {
   // Gives up on the stream (its writer escaped our control), flushing what was read.
   void close();
 
+  // Remember whether any line ever forwarded contains `marker` (no newline in it): evidence
+  // that outlives the few recent lines kept for reports.
+  void watch_for(std::string marker) { marker_ = std::move(marker); }
+  bool marker_seen() const { return marker_seen_; }
+
   // The last forwarded line with visible text, trailing white space removed and very long
   // lines shortened; empty if there was none.
   const std::string& last_line() const { return last_line_; }
@@ -81,6 +86,8 @@ class LineForwarder {
   std::vector<std::string> recent_lines_;
   std::string file_write_error_;
   std::vector<bool> sink_failed_;  // by sink: a file that failed gets nothing more
+  std::string marker_;
+  bool marker_seen_ = false;
 };
 
 }  // namespace ddprun

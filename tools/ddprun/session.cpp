@@ -142,7 +142,8 @@ class Session {
       if (!outcome.worker_failed) return finish(0);
       // Under --fault-tolerance the restarts were each worker's own: every worker failed for good.
       if (attempt >= options_.max_restarts || options_.fault_tolerance) {
-        report_root_cause(attempt, outcome.first_failure);
+        // A start-up failure was named in one line already.
+        if (!outcome.startup_failure) report_root_cause(attempt, outcome.first_failure);
         return finish(1);
       }
       // A stop request that arrived once the attempt was over still rules out a restart.
@@ -259,7 +260,7 @@ class Session {
       if (options_.fault_tolerance) {
         // One round: the workers rode out what happened; this node's outcome is its own.
         client.report(view.round, outcome.worker_failed ? "stopped" : "success", {});
-        if (outcome.worker_failed) report_root_cause(0, outcome.first_failure);
+        if (outcome.worker_failed && !outcome.startup_failure) report_root_cause(0, outcome.first_failure);
         return end_job(outcome.worker_failed ? 1 : 0);
       }
       if (outcome.store_lost) return finish(1);
@@ -317,7 +318,7 @@ class Session {
       return finish(128 + outcome.received_signal);
     }
     if (outcome.worker_failed) {
-      report_root_cause(0, outcome.first_failure);
+      if (!outcome.startup_failure) report_root_cause(0, outcome.first_failure);
       rendezvous.report_done("failed");
       return finish(1);
     }

@@ -215,8 +215,18 @@ void Job::start_workers() {
     // With --log-dir, open_log_files() cleared it, checking what was there.
     worker.error_file = error_file_for(worker);
     if (options_.log_dir.empty()) ::unlink(worker.error_file.c_str());
+    set_progress_file(worker);
     spawn(worker, environment_for(worker));
   }
+}
+
+// --fault-tolerance: next to the worker's error file, "<...>.trained"; an earlier run's goes
+// (unlink removes a planted link, never what it points to).
+void Job::set_progress_file(Worker& worker) const {
+  if (!options_.fault_tolerance) return;
+  const std::string suffix = ".error.json";
+  worker.progress_file = worker.error_file.substr(0, worker.error_file.size() - suffix.size()) + ".trained";
+  ::unlink(worker.progress_file.c_str());
 }
 
 Environment Job::environment_for(const Worker& worker) const {
@@ -238,29 +248,34 @@ Environment Job::environment_for(const Worker& worker) const {
   // ddp writes its collective traces here (trace_rank<R>.jsonl) when a
   // collective fails, next to the attempt's logs.
   if (!options_.log_dir.empty()) environment.set(ddp::launch_env::kLogDir, attempt_log_dir(options_.log_dir, attempt_));
-  if (options_.fault_tolerance) environment.set("DDP_FT_REPLICA_ID", worker.replica_id);
+  if (options_.fault_tolerance) {
+    environment.set("DDP_FT_REPLICA_ID", worker.replica_id);
+    environment.set("DDP_FT_PROGRESS_FILE", worker.progress_file);
+  }
   return environment;
 }
 
-void Job::restart_alone(const Worker& failed) {
+void Job::restart_alone(Worker& failed, int startup_exit_code) {
   Worker next;
   next.local_rank = failed.local_rank;
   next.global_rank = failed.global_rank;
   next.incarnation = failed.incarnation + 1;
   next.replica_id = assignment_.ft_node_id + "/" + std::to_string(next.local_rank) + "/inc" +
                     std::to_string(next.incarnation);
-  // The same files as the first incarnation, appended to: one log per rank tells its story.
-  auto share = [](const FileDescriptor& file) {
-    return FileDescriptor(file.get() < 0 ? -1 : ::fcntl(file.get(), F_DUPFD_CLOEXEC, 3));
-  };
-  next.log_file = share(failed.log_file);
+  next.previous_startup_exit_code = startup_exit_code;
+  // The same files as the first incarnation, appended to: one log per rank tells its story. They
+  // move to the new incarnation rather than being copied, so that restarts hold no more
+  // descriptors than the first start did. The old one's streams, if something of its group still
+  // writes, go on writing to the same descriptors.
+  next.log_file = std::move(failed.log_file);
   next.log_path = failed.log_path;
-  next.stdout_file = share(failed.stdout_file);
+  next.stdout_file = std::move(failed.stdout_file);
   next.stdout_path = failed.stdout_path;
-  next.stderr_file = share(failed.stderr_file);
+  next.stderr_file = std::move(failed.stderr_file);
   next.stderr_path = failed.stderr_path;
   next.error_file = error_file_for(next);
   ::unlink(next.error_file.c_str());
+  set_progress_file(next);
   Worker& worker = workers_.emplace_back(std::move(next));
   spawn(worker, environment_for(worker));
 }
@@ -431,6 +446,11 @@ void Job::spawn(Worker& worker, const Environment& environment) {
 
   worker.streams.emplace_back(out_pipe[0], std::move(out_sinks));
   worker.streams.emplace_back(err_pipe[0], std::move(err_sinks));
+  if (options_.fault_tolerance) {
+    // ddp's fault-tolerance layer prints this once the worker is a member of a generation (a
+    // joiner's admission, or any change of membership it lived through): it got past start-up.
+    for (LineForwarder& stream : worker.streams) stream.watch_for("ddp: membership: ");
+  }
 }
 
 }  // namespace ddprun

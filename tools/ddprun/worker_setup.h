@@ -43,7 +43,11 @@ struct Worker {
   std::string stderr_path;
   std::string error_file;  // its TORCHELASTIC_ERROR_FILE
   std::vector<LineForwarder> streams;  // its stdout and stderr, in that order
-  bool exited = false;  // observed exiting; the zombie is reaped only at the very end
+  // Observed exiting. The zombie is kept until the attempt ends, so that its pid, the id of its
+  // process group, cannot be reused while ddprun may still signal that group; under
+  // --fault-tolerance a failed worker's group is killed at once and the zombie reaped then.
+  bool exited = false;
+  bool reaped = false;  // its group is never signalled again
   int exit_code = -1;
   int term_signal = 0;
   bool exited_while_stopping = false;
@@ -54,6 +58,11 @@ struct Worker {
   std::string replica_id;
   bool replaced = false;
   bool given_up = false;
+  // --fault-tolerance: the file DDP_FT_PROGRESS_FILE names, which ddp's fault-tolerance layer
+  // creates at the worker's first committed step; and, for a restarted incarnation, the exit
+  // code of the one before it if that one failed at start-up (never trained), else -1.
+  std::string progress_file;
+  int previous_startup_exit_code = -1;
 
   bool failed() const { return term_signal != 0 || exit_code != 0; }
   std::string label() const {
