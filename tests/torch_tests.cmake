@@ -229,6 +229,16 @@ target_link_libraries(test_gpt_bench_fault_tolerance PRIVATE ddp_test_support GT
 add_dependencies(test_gpt_bench_fault_tolerance ddprun ddp_ft_store gpt_bench)
 gtest_discover_tests(test_gpt_bench_fault_tolerance PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
 
+# Issue 36's goals at 4 namespace nodes x 1 rank on 1 Gbit/s links, under ddprun
+# --fault-tolerance: a worker killed, stopped, cut off, and healed over its link, timed against
+# the goals (label cluster: needs root; skips without it).
+add_executable(ddp_ft_across_nodes_tests test_ft_across_nodes.cpp)
+target_link_libraries(ddp_ft_across_nodes_tests PRIVATE ddp_test_support GTest::gtest_main)
+target_include_directories(ddp_ft_across_nodes_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+add_dependencies(ddp_ft_across_nodes_tests ddprun ft_worker)
+gtest_discover_tests(ddp_ft_across_nodes_tests PROPERTIES LABELS "cluster" TIMEOUT 300 RUN_SERIAL TRUE
+                     DISCOVERY_TIMEOUT 30)
+
 # When the shared-memory backend runs a collective (src/comm/backend_shm.cpp): asynchronous ones
 # of any size on its own thread (overlap), asyncOp false on the caller's, queued ones by a waiter.
 add_executable(ddp_shm_overlap_tests test_shm_overlap.cpp)

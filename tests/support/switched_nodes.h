@@ -1,6 +1,7 @@
 // N "nodes" on one machine, each a network namespace with its own address, joined through a
 // bridge in a namespace of its own (the switch), as bench/emulated_cluster.py builds them;
-// optionally each link shaped to a rate (tc tbf). For tests where a whole node must go: its
+// optionally each link shaped to a rate in both directions (tc tbf on the node's end and on the
+// switch's end, as bench/emulated_cluster.py does). For tests where a whole node must go: its
 // processes killed and its link cut. Needs root and iproute2; build() says why it could not,
 // so the test can skip with that reason. The namespaces go when the object does.
 #pragma once
@@ -55,8 +56,15 @@ class SwitchedNodes {
       steps.push_back({"ip", "netns", "exec", switch_, "ip", "link", "set", port, "master", "br0"});
       steps.push_back({"ip", "netns", "exec", switch_, "ip", "link", "set", port, "up"});
       if (!rate_.empty()) {
-        steps.push_back(in(i, {"tc", "qdisc", "add", "dev", kInterface, "root", "tbf", "rate", rate_, "burst", "256kb",
-                               "latency", "50ms"}));
+        // A full-duplex link: what a node receives is bounded too, not only what it sends (a
+        // joiner healed by several senders at once must not get their sum).
+        const std::vector<std::string> tbf = {"tbf", "rate", rate_, "burst", "256kb", "latency", "50ms"};
+        std::vector<std::string> out = {"tc", "qdisc", "add", "dev", kInterface, "root"};
+        out.insert(out.end(), tbf.begin(), tbf.end());
+        steps.push_back(in(i, out));
+        std::vector<std::string> into = {"ip", "netns", "exec", switch_, "tc", "qdisc", "add", "dev", port, "root"};
+        into.insert(into.end(), tbf.begin(), tbf.end());
+        steps.push_back(into);
       }
     }
     for (const auto& step : steps) {
@@ -81,11 +89,9 @@ class SwitchedNodes {
   }
 
   // Node i's link goes down: nothing reaches it, nothing leaves it.
-  void cut(size_t i) {
-    RunOptions options;
-    options.timeout = std::chrono::seconds(20);
-    run_process(in(i, {"ip", "link", "set", kInterface, "down"}), options);
-  }
+  void cut(size_t i) { set_link(i, "down"); }
+  // And up again.
+  void reconnect(size_t i) { set_link(i, "up"); }
 
   void remove() {
     if (!built_) return;
@@ -99,6 +105,12 @@ class SwitchedNodes {
   std::vector<std::string> ns, addr;
 
  private:
+  void set_link(size_t i, const std::string& state) {
+    RunOptions options;
+    options.timeout = std::chrono::seconds(20);
+    run_process(in(i, {"ip", "link", "set", kInterface, state}), options);
+  }
+
   std::string rate_;
   std::string switch_;
   bool built_ = false;

@@ -10,6 +10,9 @@
 //   FT_ADMIT_AT     hold joiners until this step, then wait there for one
 //   FT_QUIET_STEPS  print step lines only every this many steps (default 1)
 //   FT_SEED         the seed of the initial weights (default 7)
+//   FT_STATE_MB     a frozen buffer of this many MiB in the model (default 0): a
+//                   joiner's heal then carries that much state while the steps
+//                   stay as cheap (buffers travel to joiners, never in a step)
 
 #include <ddp/ddp.h>
 #include <ddp/fault_tolerance.h>
@@ -70,6 +73,9 @@ int main() {
     // rank 0 gives everyone its own, and a joiner receives the members'.
     torch::manual_seed(env_int("FT_SEED", 7));
     torch::nn::Sequential net(torch::nn::Linear(16, 64), torch::nn::ReLU(), torch::nn::Linear(64, 2));
+    if (const int64_t mb = env_int("FT_STATE_MB", 0); mb > 0) {
+      net->register_buffer("ballast", torch::randn({mb * 1024 * 1024 / 4}));
+    }
 
     ddp::FaultTolerance ft;
     ddp::DistributedDataParallel<torch::nn::Sequential> model(net, ft.local_group(), ft.ddp_options());
