@@ -249,8 +249,9 @@ gtest_discover_tests(ddp_shm_overlap_tests PROPERTIES LABELS "multiprocess;shm" 
 
 # ddprun --fault-tolerance over a long job's life (issue 36, helper A2): restarted workers leave
 # no zombies or descriptors behind, and a worker that fails at start-up twice alike ends the job
-# in one line. Shell-script workers; no torch in the jobs.
-add_executable(ddprun_ft_lifecycle_tests test_ddprun_ft_lifecycle.cpp)
+# in one line. Shell-script workers; no torch in the jobs. And the etcd store's deleteKey after
+# a lost answer, against a real etcd cluster (skips without /usr/bin/etcd).
+add_executable(ddprun_ft_lifecycle_tests test_ddprun_ft_lifecycle.cpp test_etcd_store_delete.cpp)
 target_link_libraries(ddprun_ft_lifecycle_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddprun_ft_lifecycle_tests)
 add_dependencies(ddprun_ft_lifecycle_tests ddprun ddp_ft_store)

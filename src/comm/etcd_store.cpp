@@ -103,11 +103,34 @@ class EtcdStore : public c10d::Store {
     }
   }
 
+  // True exactly when this call deleted the key, even if the delete's answer was lost and the
+  // resend found the key gone (or made anew by someone else). A plain delete cannot tell: etcd's
+  // history says a delete happened, not whose. So the key is first claimed: rewritten with the
+  // same bytes under this call's nonce (get() strips nonces, so readers see no change), then
+  // deleted only at the claim's index. Only this call deletes at that index, so a
+  // compareAndDelete as the key's first change after the claim is this call's. Three requests
+  // instead of one; past etcd's 1000 remembered changes, see deleted_since(). The first read
+  // is the member's own (no raft round): the claim's compare-and-swap checks it, and "not found"
+  // is confirmed by a quorum read.
   bool deleteKey(const std::string& key) override {
-    const EtcdResponse response = call([&] { return client_.remove(node(key)); });
-    if (response.error_code == kEtcdKeyNotFound) return false;
-    check(response, "deleteKey", key);
-    return true;
+    // After a claim that failed, a stale member must not keep the loop going: read through raft.
+    bool quorum = false;
+    while (true) {
+      EtcdResponse current = call([&] { return quorum ? client_.get(node(key)) : client_.get_local(node(key)); });
+      if (current.error_code == kEtcdKeyNotFound && !quorum) current = call([&] { return client_.get(node(key)); });
+      if (current.error_code == kEtcdKeyNotFound) return false;
+      check(current, "deleteKey", key);
+      std::uint64_t claimed = 0;
+      quorum = true;
+      if (!claim(key, current, &claimed)) continue;  // another writer changed it first
+      const EtcdResponse removed = call([&] { return client_.compare_and_delete(node(key), claimed); });
+      if (removed.ok()) return true;
+      if (removed.error_code != kEtcdKeyNotFound && removed.error_code != kEtcdTestFailed) {
+        check(removed, "deleteKey", key);
+      }
+      if (removed.ambiguous && deleted_since(key, claimed)) return true;
+      // Someone changed or deleted the key after the claim: as it is now, again.
+    }
   }
 
   bool check(const std::vector<std::string>& keys) override {
@@ -197,15 +220,47 @@ class EtcdStore : public c10d::Store {
   // Whether a conditional write that etcd refused (kEtcdTestFailed, kEtcdNodeExist) had in fact
   // been applied by an earlier attempt whose answer was lost. A compare-and-swap on index N, or a
   // create on a key absent at index N, succeeds only as the key's first change after N, so that
-  // change tells, whatever came after it.
-  bool landed(const EtcdResponse& refused, const std::string& key, std::uint64_t after, const std::string& mine) {
+  // change tells, whatever came after it. *index: the write's modifiedIndex when it landed.
+  bool landed(const EtcdResponse& refused, const std::string& key, std::uint64_t after, const std::string& mine,
+              std::uint64_t* index = nullptr) {
     if (!refused.ambiguous) return false;
     const EtcdResponse change = call([&] { return client_.wait(node(key), after + 1, kWaitSlice); });
-    if (change.ok()) return change.node.value == mine;
-    // Over etcd's 1000 remembered changes since (or no answer in time): the value now is all
-    // there is to go on.
+    const EtcdResponse& seen = change.ok() ? change : call([&] {
+      // Over etcd's 1000 remembered changes since (or no answer in time): the value now is all
+      // there is to go on.
+      return client_.get(node(key));
+    });
+    if (!seen.ok() || seen.node.value != mine) return false;
+    if (index != nullptr) *index = seen.node.modified_index;
+    return true;
+  }
+
+  // deleteKey's claim: the key's bytes, as `read` saw them, rewritten under a fresh nonce if the
+  // key is still at that index. *claimed: the claim's modifiedIndex. False when another writer
+  // changed or deleted the key first.
+  bool claim(const std::string& key, const EtcdResponse& read, std::uint64_t* claimed) {
+    const std::string text = encode(decode_value(read.node.value));
+    const std::uint64_t seen = read.node.modified_index;
+    const EtcdResponse written = call([&] { return client_.compare_and_swap(node(key), text, seen); });
+    if (written.ok()) {
+      *claimed = written.node.modified_index;
+      return true;
+    }
+    if (written.error_code == kEtcdTestFailed) return landed(written, key, seen, text, claimed);
+    if (written.error_code == kEtcdKeyNotFound) return false;
+    check(written, "deleteKey", key);
+    return false;
+  }
+
+  // After a delete at index `claimed` whose answer was lost and whose resend etcd refused:
+  // whether the first change of the key after the claim is a compareAndDelete, which only the
+  // claimant makes at that index. Past etcd's 1000 remembered changes, a key that is gone now
+  // counts as deleted by this call: the one case where two calls may both say they deleted it.
+  bool deleted_since(const std::string& key, std::uint64_t claimed) {
+    const EtcdResponse change = call([&] { return client_.wait(node(key), claimed + 1, kWaitSlice); });
+    if (change.ok()) return change.action == "compareAndDelete";
     const EtcdResponse current = call([&] { return client_.get(node(key)); });
-    return current.ok() && current.node.value == mine;
+    return current.error_code == kEtcdKeyNotFound;
   }
 
   // The client's exceptions as c10d's: a store nobody answers is a DistStoreError.

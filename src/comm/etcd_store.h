@@ -8,7 +8,9 @@
 // '/' in a key makes no directory); values are base64, so any bytes round-trip, followed by a
 // per-write nonce that get() strips. add() and compareSet() are compare-and-swap loops on the
 // node's modifiedIndex; a write whose answer was lost and that etcd then refuses on the retry is
-// looked up in the key's history by its nonce, so it counts once. wait() reads, then waits
+// looked up in the key's history by its nonce, so it counts once. deleteKey() first rewrites the
+// key's bytes under its own nonce, then deletes at that index, so that after a lost answer the
+// key's history tells whether the delete was its own. wait() reads, then waits
 // on etcd's change index, re-reading at least every second so that a member cut off mid-wait
 // costs at most that.
 

@@ -227,6 +227,10 @@ EtcdResponse EtcdV2Client::get(const std::string& key, bool recursive) {
                  false);
 }
 
+EtcdResponse EtcdV2Client::get_local(const std::string& key) {
+  return request("GET", key, "", "", request_timeout_, false);
+}
+
 namespace {
 std::string form(const std::string& name, const std::string& value) {
   std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), curl_easy_cleanup);
@@ -257,6 +261,10 @@ EtcdResponse EtcdV2Client::refresh(const std::string& key, int ttl_seconds) {
 
 EtcdResponse EtcdV2Client::remove(const std::string& key, bool recursive) {
   return request("DELETE", key, recursive ? "recursive=true" : "", "", request_timeout_, false);
+}
+
+EtcdResponse EtcdV2Client::compare_and_delete(const std::string& key, std::uint64_t prev_index) {
+  return request("DELETE", key, "prevIndex=" + std::to_string(prev_index), "", request_timeout_, false);
 }
 
 EtcdResponse EtcdV2Client::wait(const std::string& key, std::uint64_t wait_index, std::chrono::milliseconds timeout,

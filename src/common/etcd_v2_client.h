@@ -69,6 +69,9 @@ class EtcdV2Client {
   static std::vector<std::string> parse_endpoints(const std::string& comma_list);
 
   EtcdResponse get(const std::string& key, bool recursive = false);
+  // The answering member's own view, without a round through raft: possibly stale, so only for
+  // a read whose result a conditional write then checks.
+  EtcdResponse get_local(const std::string& key);
   // Unconditional; ttl_seconds > 0 makes the key expire.
   EtcdResponse set(const std::string& key, const std::string& value, int ttl_seconds = 0);
   // Only if the key does not exist (kEtcdNodeExist otherwise).
@@ -79,6 +82,9 @@ class EtcdV2Client {
   // Refreshes a key's TTL, keeping its value, only if it exists.
   EtcdResponse refresh(const std::string& key, int ttl_seconds);
   EtcdResponse remove(const std::string& key, bool recursive = false);
+  // Only if the key's modifiedIndex is prev_index (kEtcdTestFailed otherwise); etcd records it
+  // as a "compareAndDelete".
+  EtcdResponse compare_and_delete(const std::string& key, std::uint64_t prev_index);
   // Waits for the first change at or after wait_index of the key (or below it, recursive),
   // at most `timeout`; timed_out when none came.
   EtcdResponse wait(const std::string& key, std::uint64_t wait_index, std::chrono::milliseconds timeout,
