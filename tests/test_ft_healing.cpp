@@ -191,7 +191,7 @@ std::vector<int64_t> numbers(const std::string& text) {
 }
 
 struct StepLine {
-  int64_t step = 0, gen = 0;
+  int64_t step = 0, gen = 0, t_us = 0;
   int rank = 0, size = 0;
   std::string hash;
   std::vector<int64_t> window, mine;
@@ -205,7 +205,7 @@ struct Worker {
 
   std::vector<StepLine> steps() const {
     static const std::regex re(
-        R"(step (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+) t \d+ window ([0-9,]*) mine ([0-9,]*))");
+        R"(step (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+) t (\d+) window ([0-9,]*) mine ([0-9,]*))");
     std::vector<StepLine> lines;
     std::stringstream in(read_file(out));
     for (std::string line; std::getline(in, line);) {
@@ -217,8 +217,9 @@ struct Worker {
       s.rank = std::stoi(m[3]);
       s.size = std::stoi(m[4]);
       s.hash = m[5];
-      s.window = numbers(m[6]);
-      s.mine = numbers(m[7]);
+      s.t_us = std::stoll(m[6]);
+      s.window = numbers(m[7]);
+      s.mine = numbers(m[8]);
       lines.push_back(s);
     }
     return lines;
@@ -575,6 +576,28 @@ TEST_F(HealingJob, LostMembersInFlightSamplesAreNamedAndRedone) {
   for (int64_t i : named) EXPECT_EQ(std::count(after.begin(), after.end(), i), 1) << "sample " << i;
 }
 
+// A joiner whose sampler walks another permutation (another seed) would
+// train overlapping slices without a word: it is refused, by name, and the
+// members go on.
+TEST_F(HealingJob, JoinerWithAnotherSamplerSeedIsRefused) {
+  std::map<std::string, std::string> env{{"FT_MODEL", "mlp"}, {"FT_STEPS", "80"}, {"FT_STEP_MS", "15"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[2].committed() >= 5; }, 60)) << logs();
+  auto stranger = env;
+  stranger["FT_DATA_SEED"] = "4";
+  const size_t joiner = start("x/inc0", stranger);
+  wait_exit({joiner}, 30);
+  EXPECT_TRUE(WIFEXITED(workers_[joiner].status) && WEXITSTATUS(workers_[joiner].status) == 1) << logs();
+  const std::string err = read_file(workers_[joiner].err);
+  EXPECT_NE(err.find("this joiner's FaultTolerantSampler (dataset size 240, batch size 8, seed 4) differs from the "
+                     "job's (240, 8, 3)"),
+            std::string::npos)
+      << err;
+  wait_exit({0, 1, 2}, 60);
+  for (size_t i : {0, 1, 2}) EXPECT_TRUE(WIFEXITED(workers_[i].status) && WEXITSTATUS(workers_[i].status) == 0) << logs();
+  expect_same_weights({0, 1, 2});
+}
+
 struct WineResult {
   double accuracy = -1, loss = -1;
   std::string hash;
@@ -606,6 +629,7 @@ class WineAccuracy : public HealingJob {
             {"FT_EPOCHS", std::to_string(kEpochs)},
             {"FT_BATCH", std::to_string(kBatch)},
             {"FT_SEED", std::to_string(seed)},
+            {"FT_DATA_SEED", std::to_string(seed)},
             {"FT_STEP_MS", std::to_string(step_ms)},
             {"FT_HASH_EVERY", "1000000"}};
   }
@@ -622,7 +646,12 @@ class WineAccuracy : public HealingJob {
 
   static constexpr int kEpochs = 60;
   static constexpr int kBatch = 4;
-  static constexpr double kTolerance = 0.06;
+  // Fault-free, 3 replicas, seeds 1..8 (FaultFreeSpreadOverSeeds): held-out accuracy 0.9722
+  // (35 of 36) for every seed, held-out loss 0.038 to 0.079. The accuracy's spread is below
+  // its resolution, so the tolerance is that resolution, one held-out sample; the loss, which
+  // does spread, may move by no more than its range over the seeds.
+  static constexpr double kTolerance = 1.0 / 36 + 1e-9;
+  static constexpr double kLossTolerance = 0.079 - 0.038;
 };
 
 // The fault-free runs' held-out accuracy over a few seeds: what "within
@@ -640,31 +669,41 @@ TEST_F(WineAccuracy, FaultFreeSpreadOverSeeds) {
 // 10 injected failures: three Wine replicas, one SIGKILLed ten times while
 // training (each replica in turn, the original rank 0 included) and started
 // again each time under a new id, so that it heals from the live ones. The
-// final model's held-out accuracy is the fault-free run's (same seed) within
-// kTolerance, which the spread of fault-free runs over seeds sets.
+// final model's held-out accuracy (and loss) is the fault-free run's (same
+// seed) within kTolerance (kLossTolerance), which the spread of fault-free
+// runs over seeds sets.
 TEST_F(WineAccuracy, TenInjectedFailuresReachTheFaultFreeHeldOutAccuracy) {
   const int seed = 1;
   const WineResult free_run = fault_free(seed);
   ASSERT_FALSE(HasFailure());
 
   new_store();
-  const auto env = wine_env(seed, 40);
+  const auto env = wine_env(seed, 20);
   std::vector<size_t> slot;
   for (int i = 0; i < 3; ++i) slot.push_back(start("s" + std::to_string(i) + "/inc0", env));
   std::vector<size_t> everyone = slot;
+  std::vector<std::string> killed;
   const auto started = Clock::now();
+  int64_t last_kill_us = 0;
   for (int kill_no = 0; kill_no < 10; ++kill_no) {
     const size_t victim = slot[static_cast<size_t>(kill_no % 3)];
-    // The victim trains among three: started, healed, and three steps in.
-    ASSERT_TRUE(wait_until([&] { return workers_[victim].steps().size() >= 3 && workers_[victim].last_size() == 3; },
-                           60))
+    // The victim trains among three since the last kill: started, healed, and three steps in.
+    ASSERT_TRUE(wait_until(
+                    [&] {
+                      int among_three = 0;
+                      for (const auto& s : workers_[victim].steps()) among_three += s.t_us > last_kill_us && s.size == 3;
+                      return among_three >= 3;
+                    },
+                    60))
         << "kill " << kill_no + 1 << ": " << workers_[victim].id << " did not train among three\n" << logs();
+    last_kill_us = now_us();
     kill_and_reap(victim);
     auto joiner_env = env;
     joiner_env["FT_SEED"] = std::to_string(1000 + kill_no);  // its own weights, replaced when it heals
+    killed.push_back(workers_[victim].id);
     slot[static_cast<size_t>(kill_no % 3)] =
         start("s" + std::to_string(kill_no % 3) + "/inc" + std::to_string(kill_no / 3 + 1), joiner_env);
-    everyone.push_back(slot.back());
+    everyone.push_back(slot[static_cast<size_t>(kill_no % 3)]);
   }
   const double kills_s = std::chrono::duration<double>(Clock::now() - started).count();
   wait_exit(slot, 90);
@@ -672,13 +711,32 @@ TEST_F(WineAccuracy, TenInjectedFailuresReachTheFaultFreeHeldOutAccuracy) {
   int heals = 0;
   for (size_t i : everyone) heals += read_file(workers_[i].err).find("healed from") != std::string::npos;
   std::printf("[ measured ] wine, 3 replicas, %d epochs, batch %d per replica, seed %d: fault-free held-out accuracy "
-              "%.4f (loss %.4f); with 10 kills in %.1f s, %d heals and %lld skipped steps: %.4f (loss %.4f)\n",
-              kEpochs, kBatch, seed, free_run.accuracy, free_run.loss, kills_s, heals,
-              static_cast<long long>(faulty.skipped), faulty.accuracy, faulty.loss);
+              "%.4f (loss %.4f); with 10 kills in %.1f s, %d heals: %.4f (loss %.4f)\n",
+              kEpochs, kBatch, seed, free_run.accuracy, free_run.loss, kills_s, heals, faulty.accuracy, faulty.loss);
   EXPECT_EQ(heals, 10) << logs();
-  EXPECT_GE(faulty.skipped, 10);
+  // Every loss is a membership line on the survivors, and they all name the
+  // same in-flight samples of the lost member.
+  for (const auto& id : killed) {
+    // Ids are letters, digits and '/': nothing to escape.
+    const std::regex line("replica " + id + R"( left \(crash[^\n]*in flight at step (\d+) \(epoch (\d+)\), )" + id +
+                          R"('s samples ([0-9,]+) are redone)");
+    std::set<std::string> named;
+    for (size_t i : everyone) {
+      const std::string err = read_file(workers_[i].err);
+      std::smatch m;
+      if (std::regex_search(err, m, line)) named.insert(m[1].str() + " " + m[2].str() + " " + m[3].str());
+    }
+    EXPECT_EQ(named.size(), 1u) << id << "'s in-flight samples as the survivors named them: "
+                                << [&] {
+                                     std::string t;
+                                     for (const auto& n : named) t += "[" + n + "] ";
+                                     return t;
+                                   }();
+  }
   EXPECT_LE(std::abs(faulty.accuracy - free_run.accuracy), kTolerance)
       << "fault-free " << free_run.accuracy << ", with 10 failures " << faulty.accuracy;
+  EXPECT_LE(std::abs(faulty.loss - free_run.loss), kLossTolerance)
+      << "held-out loss: fault-free " << free_run.loss << ", with 10 failures " << faulty.loss;
 }
 
 }  // namespace

@@ -143,6 +143,8 @@ class DDP_API FaultTolerantSampler {
   int64_t epoch() const { return epoch_; }
   int64_t cursor() const { return cursor_; }
   int64_t dataset_size() const { return dataset_size_; }
+  int64_t batch_size() const { return batch_size_; }
+  uint64_t seed() const { return seed_; }
   /// Sets the position (from a joiner's state, or to start at an epoch).
   void set_position(int64_t epoch, int64_t cursor);
 

@@ -639,6 +639,9 @@ struct FaultTolerance::Impl {
     if (sampler) {
       archive.write("ft/sampler/epoch", at::scalar_tensor(sampler->epoch(), at::kLong));
       archive.write("ft/sampler/cursor", at::scalar_tensor(sampler->cursor(), at::kLong));
+      archive.write("ft/sampler/shape",
+                    at::tensor({sampler->dataset_size(), sampler->batch_size(), static_cast<int64_t>(sampler->seed())},
+                               at::kLong));
     }
     if (optimizer) {
       c10::List<std::string> names, paths;
@@ -783,6 +786,16 @@ struct FaultTolerance::Impl {
       at::Tensor epoch, cursor;
       archive.read("ft/sampler/epoch", epoch);
       archive.read("ft/sampler/cursor", cursor);
+      // A sampler of another seed walks another permutation: the members'
+      // slices of a window would overlap and miss samples, silently.
+      at::Tensor shape;
+      archive.read("ft/sampler/shape", shape);
+      const std::vector<int64_t> theirs(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + 3);
+      const std::vector<int64_t> mine{sampler->dataset_size(), sampler->batch_size(),
+                                      static_cast<int64_t>(sampler->seed())};
+      DDP_CHECK(theirs == mine, "ddp: this joiner's FaultTolerantSampler (dataset size ", mine[0], ", batch size ",
+                mine[1], ", seed ", mine[2], ") differs from the job's (", theirs[0], ", ", theirs[1], ", ", theirs[2],
+                "); every replica must make its sampler with the job's dataset, batch size and seed");
       sampler->set_position(epoch.item<int64_t>(), cursor.item<int64_t>());
     }
     for (size_t i = 0; i < extra_state.size(); ++i) {

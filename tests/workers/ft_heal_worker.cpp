@@ -11,7 +11,8 @@
 //   FT_EPOCHS       epochs to train (wine; default 60)
 //   FT_BATCH        samples per replica and step (default 8)
 //   FT_STEP_MS      sleep per step, so a test can act mid-training (default 20)
-//   FT_SEED         the seed of the initial weights (default 7) and the sampler's (wine)
+//   FT_SEED         the seed of the initial weights (default 7)
+//   FT_DATA_SEED    the sampler's seed, the job's (default 3)
 //   FT_HASH_EVERY   hash the weights on every this many steps only (default 1)
 
 #include <ddp/ddp.h>
@@ -122,12 +123,13 @@ int main() {
   try {
     const std::string kind = std::getenv("FT_MODEL") ? std::getenv("FT_MODEL") : "mlp";
     const int64_t seed = env_int("FT_SEED", 7);
+    const auto data_seed = static_cast<uint64_t>(env_int("FT_DATA_SEED", 3));
     if (kind == "wine") {
       wine::Split split = wine::load_split();
       Data data{split.train.features, split.train.labels, split.test.features, split.test.labels};
       torch::manual_seed(seed);
       wine::SimpleNN net;
-      return train(net, data, /*by_epochs=*/true, env_int("FT_EPOCHS", 60), 1e-3, static_cast<uint64_t>(seed));
+      return train(net, data, /*by_epochs=*/true, env_int("FT_EPOCHS", 60), 1e-3, data_seed);
     }
     const int64_t hidden = env_int("FT_HIDDEN", 64), dataset_size = 240;
     // The same data on every replica.
@@ -140,7 +142,7 @@ int main() {
     torch::manual_seed(seed);
     torch::nn::Sequential net(torch::nn::Linear(16, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, hidden),
                               torch::nn::ReLU(), torch::nn::Linear(hidden, 2));
-    return train(net, data, /*by_epochs=*/false, env_int("FT_STEPS", 40), 1e-3, 3);
+    return train(net, data, /*by_epochs=*/false, env_int("FT_STEPS", 40), 1e-3, data_seed);
   } catch (const ddp::FencedOut& e) {
     std::fprintf(stderr, "fenced: %s\n", e.what());
     return 3;
