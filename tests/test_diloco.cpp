@@ -299,6 +299,100 @@ TEST(DiLoCoRanks, ResumedRunIsBitIdentical) {
   ddp::testing::expect_phases_succeeded(phases, 2);
 }
 
+// The same resume through a distributed checkpoint and a sharded snapshot
+// (every rank writes its part of one directory), with the DiLoCo built over
+// the module so that the checkpoint names its tensors. Phase 1 resumes at the
+// saved world size, bit for bit; phase 2 at 3 ranks: each replica takes
+// replica (r mod 2)'s local state and all the same global copy and outer
+// momentum, so replica 2 starts where replica 0 stood.
+struct ModuleResumeRun : ResumeRun {
+  explicit ModuleResumeRun(const Group& group) : ResumeRun(group) {
+    diloco = std::make_unique<ddp::DiLoCo>(
+        *net, inner, group, ddp::DiLoCoOptions().sync_every(4).fragments(2).overlap_steps(1).mixing(0.25));
+  }
+};
+
+TEST(DiLoCoRanks, ResumedFromADistributedCheckpointOrShardedSnapshotIsBitIdentical) {
+  ddp::testing::RanksTempDir dir;
+  const std::string checkpoint = dir / "dcp", snapshots = dir / "snapshots";
+  auto phases = ddp::testing::run_phases_on_ranks(
+      {{2,
+        [&](const Group& group) {
+          const int rank = group->rank();
+          ModuleResumeRun straight(group);
+          straight.steps(0, kResumeSteps, rank);
+          straight.diloco->flush();
+          torch::save(flat(straight.net->parameters()), dir / ("straight_" + std::to_string(rank) + ".pt"));
+
+          ModuleResumeRun first(group);
+          first.steps(0, kCheckpointAt, rank);
+          ASSERT_EQ(first.diloco->in_flight(), std::vector<size_t>{0});
+          ddp::save_distributed_checkpoint(checkpoint, *first.diloco, &first.inner);
+          ddp::SnapshotSaver saver(snapshots);
+          saver.save(*first.diloco, &first.inner, ddp::TrainingProgress{0, kCheckpointAt, 0});
+          torch::save(flat(first.net->parameters()), dir / ("local_" + std::to_string(rank) + ".pt"));
+          torch::save(flat(first.diloco->global_parameters()), dir / "global.pt");
+        }},
+       {2,
+        [&](const Group& group) {
+          const int rank = group->rank();
+          at::Tensor expected;
+          torch::load(expected, dir / ("straight_" + std::to_string(rank) + ".pt"));
+          for (const bool from_snapshot : {false, true}) {
+            ModuleResumeRun resumed(group);
+            if (from_snapshot) {
+              auto progress = ddp::load_newest_sharded_snapshot(snapshots, *resumed.diloco, &resumed.inner);
+              ASSERT_TRUE(progress.has_value());
+              EXPECT_EQ(progress->step, kCheckpointAt);
+            } else {
+              ddp::load_distributed_checkpoint(checkpoint, *resumed.diloco, &resumed.inner);
+            }
+            EXPECT_EQ(resumed.diloco->inner_step(), kCheckpointAt);
+            EXPECT_EQ(resumed.diloco->in_flight(), std::vector<size_t>{0});
+            resumed.steps(kCheckpointAt, kResumeSteps, rank);
+            resumed.diloco->flush();
+            at::Tensor got = flat(resumed.net->parameters());
+            EXPECT_TRUE(got.equal(expected)) << (from_snapshot ? "sharded snapshot" : "distributed checkpoint")
+                                             << ": max difference " << (got - expected).abs().max().item<float>();
+          }
+        }},
+       {3, [&](const Group& group) {
+          const int rank = group->rank();
+          ModuleResumeRun resumed(group);
+          ddp::load_distributed_checkpoint(checkpoint, *resumed.diloco, &resumed.inner);
+          at::Tensor local, global;
+          torch::load(local, dir / ("local_" + std::to_string(rank % 2) + ".pt"));
+          torch::load(global, dir / "global.pt");
+          EXPECT_TRUE(flat(resumed.net->parameters()).equal(local)) << "replica " << rank;
+          EXPECT_TRUE(flat(resumed.diloco->global_parameters()).equal(global));
+          EXPECT_EQ(resumed.diloco->inner_step(), kCheckpointAt);
+          resumed.steps(kCheckpointAt, kResumeSteps, rank);  // the job goes on at the new size
+          resumed.diloco->flush();
+          EXPECT_TRUE(same_everywhere(*group, flat(resumed.diloco->global_parameters())));
+        }}});
+  ddp::testing::expect_phases_succeeded(phases, 3);
+}
+
+// A DiLoCo built over a list of parameters cannot name them; a checkpoint of
+// another kind is not a DiLoCo job's.
+TEST(DiLoCoRanks, DistributedCheckpointErrorsNameTheCause) {
+  ddp::testing::RanksTempDir dir;
+  auto ranks = run_on_ranks(2, [&](const Group& group) {
+    ResumeRun by_list(group);
+    const std::string error = error_of([&] { ddp::save_distributed_checkpoint(dir / "a", *by_list.diloco); });
+    EXPECT_NE(error.find("needs the DiLoCo built over the module"), std::string::npos) << error;
+    ModuleResumeRun run(group);
+    torch::optim::SGD other(run.net->parameters(), 0.1);
+    const std::string wrong = error_of([&] { ddp::save_distributed_checkpoint(dir / "b", *run.diloco, &other); });
+    EXPECT_NE(wrong.find("not the inner one this DiLoCo steps"), std::string::npos) << wrong;
+    ddp::DistributedDataParallel<torch::nn::Sequential> plain(make_net(3), group);
+    ddp::save_distributed_checkpoint(dir / "ddp", plain);
+    const std::string foreign = error_of([&] { ddp::load_distributed_checkpoint(dir / "ddp", *run.diloco); });
+    EXPECT_NE(foreign.find("was not saved from a DiLoCo job"), std::string::npos) << foreign;
+  });
+  expect_all_succeeded(ranks);
+}
+
 // DiLoCo across the mesh's "replicate" dimension, DDP inside each row
 // ("shard"): a row's ranks stay identical every step, rows differ between
 // syncs and agree after each.

@@ -47,7 +47,16 @@
 // averages gradients within the node every step, DiLoCo the pseudo-gradients
 // across nodes every H steps.
 //
-// Checkpoints: state_dict() holds the global copy, the outer optimizer's
+// Checkpoints: built over the module (DiLoCo(model, inner, group)), a
+// DiLoCo job saves into a distributed checkpoint or a sharded snapshot like
+// a DDP one, with the DiLoCo object in the model's place:
+//
+//   ddp::save_distributed_checkpoint(dir, diloco, &inner);   // collective
+//   saver.save(diloco, &inner, progress);                    // <ddp/snapshot_saver.h>
+//   ddp::load_newest_sharded_snapshot(dir, diloco, &inner);  // <ddp/sharded_snapshot.h>
+//
+// (what they hold: distributed_checkpoint.h). Or, a file per rank:
+// state_dict() holds the global copy, the outer optimizer's
 // state, the inner step count and any fragment sync in flight; put it in
 // Snapshot::extra (<ddp/snapshot.h>) next to the model (the local weights)
 // and the inner optimizer, and load_state_dict() it back after restoring
@@ -71,6 +80,9 @@
 
 namespace torch::optim {
 class Optimizer;
+}
+namespace torch::nn {
+class Module;
 }
 
 namespace ddp {
@@ -139,6 +151,12 @@ class DDP_API DiLoCo {
   /// tensors, every parameter in exactly one of them.
   DiLoCo(std::vector<at::Tensor> parameters, std::vector<std::vector<at::Tensor>> fragments,
          torch::optim::Optimizer& inner, std::shared_ptr<ProcessGroup> group, DiLoCoOptions options = {});
+  /// Over model.parameters(), split as the first constructor does; knowing
+  /// the module lets distributed checkpoints and sharded snapshots name its
+  /// tensors and hold its buffers (save_distributed_checkpoint(dir, diloco,
+  /// &inner), <ddp/distributed_checkpoint.h>). `model` must outlive this.
+  DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, std::shared_ptr<ProcessGroup> group,
+         DiLoCoOptions options = {});
   ~DiLoCo();
   DiLoCo(const DiLoCo&) = delete;
   DiLoCo& operator=(const DiLoCo&) = delete;
@@ -161,6 +179,14 @@ class DDP_API DiLoCo {
   /// Pseudo-gradient syncs started so far (one collective each).
   int64_t syncs_started() const;
   const DiLoCoOptions& options() const;
+  /// The group the replicas synchronise over (the outer dimension).
+  std::shared_ptr<ProcessGroup> process_group() const;
+  /// The module given to the constructor, or nullptr when given parameters.
+  torch::nn::Module* module() const;
+  /// The local model's parameters, in the constructor's order.
+  const std::vector<at::Tensor>& local_parameters() const;
+  /// The inner optimizer given to the constructor.
+  torch::optim::Optimizer& inner_optimizer();
 
   /// Waits for every fragment in flight and applies it now, as at the end of training.
   void flush();

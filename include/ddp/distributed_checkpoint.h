@@ -66,6 +66,8 @@ class Optimizer;
 
 namespace ddp {
 
+class DiLoCo;
+
 /// How a distributed checkpoint names its tensors.
 ///
 ///   ddp::DistributedCheckpointOptions().model_prefix("app.model").optimizer_prefix("app.optim")
@@ -191,5 +193,31 @@ DistributedCheckpointReport load_distributed_checkpoint(const std::string& dir, 
   detail::load_optimizer_state_or_none(&optimizer.local_optimizer(), state);
   return report;
 }
+
+/// DiLoCo (<ddp/diloco.h>), built over the module (DiLoCo(model, inner,
+/// group)), with `inner` its inner optimizer or nullptr. The checkpoint holds
+///  - "model.<fqn>": the global copy for parameters, rank 0's buffers: the
+///    averaged model, what Python's dcp.load reads as the model;
+///  - "diloco.replica_<r>.model.<fqn>" and "diloco.replica_<r>.optim.state.
+///    <fqn>.<key>": replica r's local weights and buffers and its inner
+///    optimizer's state, which differ between syncs;
+///  - "diloco.outer.state.<fqn>.<key>": the outer optimizer's state, and
+///    "diloco.in_flight.<fragment>": the summed pseudo-gradient of each
+///    fragment sync in flight (waited for, as state_dict() does);
+///  - in the metadata: the inner step, the syncs started and in flight, and
+///    both optimizers' hyperparameters.
+/// Collective over diloco's group, which must be the job's (one rank per
+/// replica). The options' prefixes rename "model" and "optim".
+DDP_API void save_distributed_checkpoint(const std::string& dir, DiLoCo& diloco,
+                                         torch::optim::Optimizer* inner = nullptr,
+                                         const DistributedCheckpointOptions& options = {});
+
+/// Loads it. At the saved world size every replica resumes its own local
+/// state and the run continues bit for bit; at another, replica r resumes
+/// replica (r mod saved replicas)'s, and every replica the global copy, the
+/// outer optimizer, the step and the syncs in flight. Collective.
+DDP_API DistributedCheckpointReport load_distributed_checkpoint(const std::string& dir, DiLoCo& diloco,
+                                                                torch::optim::Optimizer* inner = nullptr,
+                                                                const DistributedCheckpointOptions& options = {});
 
 }  // namespace ddp

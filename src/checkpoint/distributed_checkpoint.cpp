@@ -4,6 +4,7 @@
 // file format is safetensors_io.h.
 
 #include <ddp/distributed_checkpoint.h>
+#include <ddp/diloco.h>
 
 #include <ddp/error.h>
 #include <ddp/snapshot.h>
@@ -27,11 +28,13 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <regex>
 #include <set>
+#include <unordered_map>
 #include <thread>
 
 #include <fcntl.h>
@@ -67,6 +70,9 @@ struct Names {
   }
   std::string optimizer_entries(const std::string& fqn) const {
     return join(options.optimizer_prefix(), "state." + fqn + ".");
+  }
+  std::function<std::string(const std::string&)> optimizer_entries_of() const {
+    return [prefix = options.optimizer_prefix()](const std::string& fqn) { return join(prefix, "state." + fqn + "."); };
   }
 };
 
@@ -145,6 +151,61 @@ c10::impl::GenericList restored_param_groups(const OptimizerStateParts& current,
     out.push_back(group);
   }
   return out;
+}
+
+// --- optimizer state as named tensors -----------------------------------------
+
+using EntriesOf = std::function<std::string(const std::string& fqn)>;
+
+// `optimizer`'s state (Python's layout; position i is the parameter fqns[i])
+// as boxes named entries_of(fqn) + key: whole tensors when `whole` (this
+// rank's own state), else this rank's equal part of state every rank holds.
+void add_optimizer_state(std::vector<TensorBox>& boxes, const c10::IValue& optimizer,
+                         const std::vector<std::string>& fqns, const EntriesOf& entries_of, bool whole, int rank,
+                         int world) {
+  auto parts = parse_optimizer_state(optimizer, "save_distributed_checkpoint");
+  for (const auto& item : parts.state) {
+    const int64_t position = item.key().toInt();
+    DDP_CHECK(position >= 0 && position < static_cast<int64_t>(fqns.size()), "ddp: the optimizer has state for ",
+              "parameter ", position, " but is built over ", fqns.size(), "; build it over model.parameters()");
+    for (const auto& entry : item.value().toGenericDict()) {
+      const std::string key = entries_of(fqns[position]) + entry.key().toStringRef();
+      const at::Tensor value = entry.value().toTensor();
+      if (whole) boxes.push_back(TensorBox{key, std::vector<int64_t>(value.dim(), 0), value.detach()});
+      else add_replicated(boxes, key, value, rank, world);
+    }
+  }
+}
+
+// What add_optimizer_state wrote, in `current`'s layout (its param_groups,
+// with the hyperparameters `stored_groups` holds put back); position i is
+// params[i] = (fqn, tensor), whose shape per-element entries take.
+c10::IValue read_optimizer_state(const SafetensorsIndex& index, const c10::IValue& current_value,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                 const EntriesOf& entries_of, const std::string& stored_groups) {
+  auto current = parse_optimizer_state(current_value, "load_distributed_checkpoint");
+  auto state = new_generic_dict();
+  for (size_t position = 0; position < params.size(); ++position) {
+    const std::string prefix = entries_of(params[position].first);
+    const at::Tensor& param = params[position].second;
+    auto entry = new_generic_dict();
+    for (const auto& key : index.keys_with_prefix(prefix)) {
+      const std::string name = key.substr(prefix.size());
+      if (name.find('.') != std::string::npos) continue;
+      TensorBox box{key, {}, {}};
+      if (is_per_element_state(name)) {
+        check_shape(index, key, param.sizes());
+        box.data = at::empty_like(param.detach(), param.options().requires_grad(false));
+      } else {
+        box.data = at::zeros({}, at::kFloat);
+      }
+      box.offsets.assign(box.data.dim(), 0);
+      index.read_into(box);
+      entry.insert(name, box.data);
+    }
+    if (entry.size() > 0) state.insert(static_cast<int64_t>(position), entry);
+  }
+  return make_optimizer_state(state, restored_param_groups(current, stored_groups));
 }
 
 // --- the directory -----------------------------------------------------------
@@ -699,19 +760,9 @@ void save_replicated_checkpoint(const std::string& dir, const torch::nn::Module&
   for (const auto& [name, tensor] : ddp::state_dict(module)) add_replicated(boxes, names.model(name), tensor, rank, world);
   if (!optimizer.isNone()) {
     const auto params = module.named_parameters(true);
-    auto parts = parse_optimizer_state(optimizer, "save_distributed_checkpoint");
-    for (const auto& item : parts.state) {
-      const int64_t position = item.key().toInt();
-      DDP_CHECK(position >= 0 && position < static_cast<int64_t>(owned.size()), "ddp: the optimizer has state for ",
-                "parameter ", position, " but is built over ", owned.size(), "; build it over model.parameters()");
-      const std::string fqn = params[owned[position]].key();
-      for (const auto& entry : item.value().toGenericDict()) {
-        const std::string key = names.optimizer(fqn, entry.key().toStringRef());
-        const at::Tensor value = entry.value().toTensor();
-        if (sharded_optimizer) boxes.push_back(TensorBox{key, std::vector<int64_t>(value.dim(), 0), value.detach()});
-        else add_replicated(boxes, key, value, rank, world);
-      }
-    }
+    std::vector<std::string> fqns;
+    for (int64_t i : owned) fqns.push_back(params[i].key());
+    add_optimizer_state(boxes, optimizer, fqns, names.optimizer_entries_of(), sharded_optimizer, rank, world);
   }
   commit_boxes(dir, boxes, rank == 0 ? rank0_metadata(optimizer, options) : std::map<std::string, std::string>{},
                group);
@@ -736,29 +787,10 @@ c10::IValue load_replicated_checkpoint(const std::string& dir, torch::nn::Module
   if (!optimizer.isNone()) {
     check_has_optimizer_state(index, names, dir);
     const auto params = module.named_parameters(true);
-    auto current = parse_optimizer_state(optimizer, "load_distributed_checkpoint");
-    auto state = new_generic_dict();
-    for (size_t position = 0; position < owned.size(); ++position) {
-      const std::string fqn = params[owned[position]].key();
-      const at::Tensor& param = params[owned[position]].value();
-      auto entry = new_generic_dict();
-      for (const auto& key : index.keys_with_prefix(names.optimizer_entries(fqn))) {
-        const std::string name = key.substr(names.optimizer_entries(fqn).size());
-        if (name.find('.') != std::string::npos) continue;
-        TensorBox box{key, {}, {}};
-        if (is_per_element_state(name)) {
-          check_shape(index, key, param.sizes());
-          box.data = at::empty_like(param.detach(), param.options().requires_grad(false));
-        } else {
-          box.data = at::zeros({}, at::kFloat);
-        }
-        box.offsets.assign(box.data.dim(), 0);
-        index.read_into(box);
-        entry.insert(name, box.data);
-      }
-      if (entry.size() > 0) state.insert(static_cast<int64_t>(position), entry);
-    }
-    result = make_optimizer_state(state, restored_param_groups(current, index.metadata(kParamGroupsKey)));
+    std::vector<std::pair<std::string, at::Tensor>> owned_params;
+    for (int64_t i : owned) owned_params.emplace_back(params[i].key(), params[i].value());
+    result = read_optimizer_state(index, optimizer, owned_params, names.optimizer_entries_of(),
+                                  index.metadata(kParamGroupsKey));
   }
   at::NoGradGuard no_grad;
   for (auto& [tensor, box] : model) tensor.detach().copy_(box.data);
@@ -789,5 +821,195 @@ std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string&
 }
 
 }  // namespace detail
+
+}  // namespace ddp
+
+// --- DiLoCo ---------------------------------------------------------------------
+
+namespace ddp {
+namespace {
+
+// The rank 0 metadata entry that makes a checkpoint a DiLoCo job's.
+constexpr const char* kDiLoCoKey = "ddp_diloco";
+constexpr int64_t kDiLoCoCheckpointVersion = 1;
+
+// Where each part of a DiLoCo job lives in the checkpoint (see
+// distributed_checkpoint.h).
+struct DiLoCoNames {
+  detail::Names names;
+
+  std::string replica(int64_t r) const { return "diloco.replica_" + std::to_string(r) + "."; }
+  std::string local(int64_t r, const std::string& fqn) const { return replica(r) + names.model(fqn); }
+  detail::EntriesOf inner_entries(int64_t r) const {
+    return [prefix = replica(r) + detail::Names::join(names.options.optimizer_prefix(), "state.")](
+               const std::string& fqn) { return prefix + fqn + "."; };
+  }
+  static detail::EntriesOf outer_entries() {
+    return [](const std::string& fqn) { return "diloco.outer.state." + fqn + "."; };
+  }
+  static std::string in_flight(int64_t fragment) { return "diloco.in_flight." + std::to_string(fragment); }
+};
+
+// Each of diloco's parameters' name in its module.
+std::vector<std::string> parameter_names(DiLoCo& diloco, const char* who) {
+  torch::nn::Module* module = diloco.module();
+  DDP_CHECK(module != nullptr, "ddp: ", who, " needs the DiLoCo built over the module, DiLoCo(model, inner, group), ",
+            "to name its tensors; this one was given a list of parameters");
+  std::unordered_map<const void*, std::string> by_tensor;
+  for (const auto& item : module->named_parameters(true)) by_tensor.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  std::vector<std::string> names;
+  for (const auto& p : diloco.local_parameters()) {
+    const auto found = by_tensor.find(p.unsafeGetTensorImpl());
+    DDP_CHECK(found != by_tensor.end(), "ddp: ", who, ": a parameter DiLoCo steps is not the module's any more; ",
+              "build DiLoCo over the module it trains");
+    names.push_back(found->second);
+  }
+  return names;
+}
+
+void check_inner(DiLoCo& diloco, torch::optim::Optimizer* inner, const char* who) {
+  DDP_CHECK(inner == nullptr || inner == &diloco.inner_optimizer(), "ddp: ", who,
+            " was given an optimizer that is not the inner one this DiLoCo steps; pass that one, or nullptr");
+}
+
+detail::TensorBox whole_box(const std::string& key, const at::Tensor& tensor) {
+  return detail::TensorBox{key, std::vector<int64_t>(tensor.dim(), 0), tensor.detach()};
+}
+
+// A box to read `key` into, shaped and typed like `like`, its shape checked.
+detail::TensorBox box_like(const detail::SafetensorsIndex& index, const std::string& key, const at::Tensor& like) {
+  detail::check_shape(index, key, like.sizes());
+  at::Tensor data = at::empty_like(like.detach(), like.options().requires_grad(false));
+  return detail::TensorBox{key, std::vector<int64_t>(data.dim(), 0), data};
+}
+
+}  // namespace
+
+void save_distributed_checkpoint(const std::string& dir, DiLoCo& diloco, torch::optim::Optimizer* inner,
+                                 const DistributedCheckpointOptions& options) {
+  const char* who = "save_distributed_checkpoint(DiLoCo)";
+  check_inner(diloco, inner, who);
+  const std::vector<std::string> fqns = parameter_names(diloco, who);
+  ProcessGroup& group = *diloco.process_group();
+  const int rank = group.rank(), world = group.size();
+  const DiLoCoNames n{detail::Names{options}};
+  auto state = diloco.state_dict().toGenericDict();  // waits for the syncs in flight
+
+  std::vector<detail::TensorBox> boxes;
+  const auto global = state.at("global").toList();
+  const auto& local = diloco.local_parameters();
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    detail::add_replicated(boxes, n.names.model(fqns[i]), global.get(i).toTensor(), rank, world);
+    boxes.push_back(whole_box(n.local(rank, fqns[i]), local[i]));
+  }
+  for (const auto& item : diloco.module()->named_buffers(true)) {
+    if (rank == 0) boxes.push_back(whole_box(n.names.model(item.key()), item.value()));
+    boxes.push_back(whole_box(n.local(rank, item.key()), item.value()));
+  }
+  const c10::IValue inner_state = detail::optimizer_state_or_none(inner);
+  if (inner) detail::add_optimizer_state(boxes, inner_state, fqns, n.inner_entries(rank), true, rank, world);
+  const c10::IValue outer = state.at("outer_optimizer");
+  detail::add_optimizer_state(boxes, outer, fqns, DiLoCoNames::outer_entries(), false, rank, world);
+  detail::Json flights = detail::Json::array();
+  for (const c10::IValue& item : state.at("in_flight").toList()) {
+    const auto flight = item.toGenericDict();
+    const int64_t fragment = flight.at("fragment").toInt();
+    detail::add_replicated(boxes, DiLoCoNames::in_flight(fragment), flight.at("sum").toTensor(), rank, world);
+    flights.push_back({{"fragment", fragment}, {"due", flight.at("due").toInt()}});
+  }
+
+  std::map<std::string, std::string> metadata;
+  if (rank == 0) {
+    metadata = detail::rank0_metadata(inner_state, options);
+    metadata[kDiLoCoKey] = detail::Json{{"version", kDiLoCoCheckpointVersion},
+                                        {"replicas", world},
+                                        {"inner_step", state.at("inner_step").toInt()},
+                                        {"syncs_started", state.at("syncs_started").toInt()},
+                                        {"outer_param_groups", detail::param_groups_json(outer)},
+                                        {"in_flight", flights}}
+                               .dump();
+  }
+  detail::commit_boxes(dir, boxes, metadata, group);
+}
+
+DistributedCheckpointReport load_distributed_checkpoint(const std::string& dir, DiLoCo& diloco,
+                                                        torch::optim::Optimizer* inner,
+                                                        const DistributedCheckpointOptions& options) {
+  const char* who = "load_distributed_checkpoint(DiLoCo)";
+  check_inner(diloco, inner, who);
+  const std::vector<std::string> fqns = parameter_names(diloco, who);
+  ProcessGroup& group = *diloco.process_group();
+  const DiLoCoNames n{detail::Names{options}};
+  const auto opened = detail::open_checkpoint(dir);
+  const detail::SafetensorsIndex& index = *opened;
+  const std::string saved = index.metadata(kDiLoCoKey);
+  DDP_CHECK(!saved.empty(), "ddp: the checkpoint in '", dir, "' was not saved from a DiLoCo job (its metadata has no ",
+            kDiLoCoKey, "); load it as the model it was saved from, or save this job with ",
+            "save_distributed_checkpoint(dir, diloco, &inner)");
+  const detail::Json meta = detail::Json::parse(saved, nullptr, false);
+  DDP_CHECK(meta.is_object() && meta.value("version", int64_t{0}) == kDiLoCoCheckpointVersion &&
+                meta.value("replicas", int64_t{0}) >= 1 && meta.contains("in_flight") && meta["in_flight"].is_array(),
+            "ddp: the checkpoint in '", dir, "' has a DiLoCo entry this build cannot read (version ",
+            meta.is_object() ? meta.value("version", int64_t{0}) : 0, ", this build reads ", kDiLoCoCheckpointVersion,
+            "); save it again with this build");
+  const int64_t source = group.rank() % meta["replicas"].get<int64_t>();
+
+  // Everything is read into copies first: the job changes only once all of it has been read.
+  std::vector<std::pair<at::Tensor, detail::TensorBox>> local;
+  const auto& params = diloco.local_parameters();
+  for (size_t i = 0; i < fqns.size(); ++i) local.emplace_back(params[i], box_like(index, n.local(source, fqns[i]), params[i]));
+  for (const auto& item : diloco.module()->named_buffers(true)) {
+    local.emplace_back(item.value(), box_like(index, n.local(source, item.key()), item.value()));
+  }
+  for (auto& [tensor, box] : local) index.read_into(box);
+
+  c10::impl::GenericList global(c10::AnyType::get());
+  std::vector<std::pair<std::string, at::Tensor>> named_global, named_local;
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    const at::Tensor& g = diloco.global_parameters()[i];
+    auto box = box_like(index, n.names.model(fqns[i]), g);
+    index.read_into(box);
+    global.push_back(box.data);
+    named_global.emplace_back(fqns[i], g);
+    named_local.emplace_back(fqns[i], params[i]);
+  }
+  const c10::IValue outer =
+      detail::read_optimizer_state(index, optimizer_state_dict(diloco.outer_optimizer()), named_global,
+                                   DiLoCoNames::outer_entries(), meta.value("outer_param_groups", detail::Json::array()).dump());
+  c10::impl::GenericList flights(c10::AnyType::get());
+  for (const auto& flight : meta["in_flight"]) {
+    const int64_t fragment = flight.value("fragment", int64_t{-1});
+    const std::string key = DiLoCoNames::in_flight(fragment);
+    DDP_CHECK(index.contains(key), "ddp: the checkpoint in '", dir, "' names a sync of fragment ", fragment,
+              " in flight but holds no '", key, "'; it is damaged: load an earlier one");
+    at::Tensor sum = at::empty(index.shape_of(key), at::kFloat);  // the summed pseudo-gradient is fp32
+    detail::TensorBox box{key, std::vector<int64_t>(sum.dim(), 0), sum};
+    index.read_into(box);
+    auto entry = detail::new_generic_dict();
+    entry.insert("fragment", fragment);
+    entry.insert("due", flight.value("due", int64_t{0}));
+    entry.insert("sum", sum);
+    flights.push_back(entry);
+  }
+  c10::IValue inner_state;
+  if (inner) {
+    inner_state = detail::read_optimizer_state(index, optimizer_state_dict(*inner), named_local, n.inner_entries(source),
+                                               index.metadata(detail::kParamGroupsKey));
+  }
+
+  auto state = diloco.state_dict().toGenericDict().copy();  // this build's layout and version
+  state.insert_or_assign("inner_step", meta.value("inner_step", int64_t{0}));
+  state.insert_or_assign("syncs_started", meta.value("syncs_started", int64_t{0}));
+  state.insert_or_assign("global", global);
+  state.insert_or_assign("outer_optimizer", outer);
+  state.insert_or_assign("in_flight", flights);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [tensor, box] : local) tensor.detach().copy_(box.data);
+  }
+  if (inner) load_optimizer_state_dict(*inner, inner_state);
+  diloco.load_state_dict(state);
+  return detail::report_of(index);
+}
 
 }  // namespace ddp

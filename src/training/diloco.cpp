@@ -13,6 +13,7 @@
 #include "checkpoint/optimizer_state.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
@@ -118,6 +119,7 @@ std::vector<std::vector<size_t>> split_into_fragments(const std::vector<int64_t>
 struct DiLoCo::Impl {
   std::vector<at::Tensor> params;
   torch::optim::Optimizer* inner = nullptr;
+  torch::nn::Module* module = nullptr;  // when built over one: checkpoints name its tensors
   std::shared_ptr<ProcessGroup> group;
   DiLoCoOptions options;
   std::vector<std::vector<size_t>> fragments;
@@ -379,6 +381,12 @@ DiLoCo::DiLoCo(std::vector<at::Tensor> parameters, std::vector<std::vector<at::T
   s.make_outer_optimizer();
 }
 
+DiLoCo::DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, std::shared_ptr<ProcessGroup> group,
+               DiLoCoOptions options)
+    : DiLoCo(model.parameters(), inner, std::move(group), std::move(options)) {
+  impl_->module = &model;
+}
+
 DiLoCo::~DiLoCo() {
   if (!impl_) return;
   // A sync still in flight holds a buffer the backend writes into; wait so
@@ -426,6 +434,10 @@ torch::optim::Optimizer& DiLoCo::outer_optimizer() { return *impl_->outer; }
 const std::vector<std::vector<size_t>>& DiLoCo::fragments() const { return impl_->fragments; }
 int64_t DiLoCo::syncs_started() const { return impl_->syncs_started; }
 const DiLoCoOptions& DiLoCo::options() const { return impl_->options; }
+std::shared_ptr<ProcessGroup> DiLoCo::process_group() const { return impl_->group; }
+torch::nn::Module* DiLoCo::module() const { return impl_->module; }
+const std::vector<at::Tensor>& DiLoCo::local_parameters() const { return impl_->params; }
+torch::optim::Optimizer& DiLoCo::inner_optimizer() { return *impl_->inner; }
 
 std::vector<size_t> DiLoCo::in_flight() const {
   std::vector<size_t> result;
