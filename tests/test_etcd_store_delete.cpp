@@ -79,8 +79,9 @@ TEST(EtcdStoreDelete, OfTwoClientsDeletingOneKeyExactlyOneSaysItDid) {
   auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/race", 10s);
   auto other = ddp::detail::make_etcd_store(cluster.endpoints(), "/race", 10s);
 
-  // Our claim's answer is lost and, in the gap, the other client deletes the key (claiming it
-  // over ours). Theirs was the delete: one true, one false. A plain delete said false twice.
+  // Our claim's answer is lost and, in the gap, the other client deletes the key: it finds our
+  // claim, waits a slice for our delete (which cannot come: we are in the gap), then takes the
+  // key over. Theirs was the delete: one true, one false. A plain delete said false twice.
   store->set("k", bytes("v"));
   bool theirs = false;
   lose_answers(*store, 1, [&](int) { theirs = other->deleteKey("k"); });
@@ -111,6 +112,25 @@ TEST(EtcdStoreDelete, OfTwoClientsDeletingOneKeyExactlyOneSaysItDid) {
   b.join();
   EXPECT_EQ(trues.load(), kKeys);
   EXPECT_EQ(store->getNumKeys(), 0);
+}
+
+TEST(EtcdStoreDelete, AClaimLeftByADeadDeleterIsTakenOverAfterAWaitSlice) {
+  // A deleteKey that died between its claim and its delete leaves the key claimed (".~" after
+  // the base64). Another deleteKey waits a slice for it to finish, then deletes it itself.
+  SKIP_WITHOUT_ETCD();
+  EtcdCluster cluster;
+  ASSERT_EQ(cluster.wait_until_ready(), "");
+  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/dead", 10s);
+  ddp::detail::EtcdV2Client client(cluster.endpoints(), 10s);
+  const std::string node = "/dead/kv/k" + ddp::detail::base64_encode("orphan", /*url_safe=*/true);
+  ASSERT_TRUE(client.set(node, ddp::detail::base64_encode("v") + ".~0123456789abcdef7").ok());
+  EXPECT_EQ(text(store->get("orphan")), "v");
+  const auto started = std::chrono::steady_clock::now();
+  EXPECT_TRUE(store->deleteKey("orphan"));
+  const auto took = std::chrono::steady_clock::now() - started;
+  EXPECT_GE(took, 900ms);
+  EXPECT_LT(took, 5s);
+  EXPECT_FALSE(store->check({"orphan"}));
 }
 
 TEST(EtcdStoreDelete, ReadersNeverSeeTheClaimAndWhatItCosts) {

@@ -20,6 +20,10 @@ using Clock = std::chrono::steady_clock;
 // How long one wait on etcd's change index may last before the key is read again.
 constexpr std::chrono::milliseconds kWaitSlice{1000};
 
+// What follows the '.' of a value that deleteKey's claim wrote ("<base64>.~<nonce>"): never in
+// a nonce, which is hex and a count. kClaimMark + 1 is the mark alone.
+constexpr char kClaimMark[] = ".~";
+
 const char kStandard[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 const char kUrlSafe[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
 
@@ -120,8 +124,16 @@ class EtcdStore : public c10d::Store {
       if (current.error_code == kEtcdKeyNotFound && !quorum) current = call([&] { return client_.get(node(key)); });
       if (current.error_code == kEtcdKeyNotFound) return false;
       check(current, "deleteKey", key);
-      std::uint64_t claimed = 0;
       quorum = true;
+      if (current.node.value.find(kClaimMark) != std::string::npos) {
+        // Another deleteKey is between its claim and its delete. Taking the key from it could go
+        // on forever between two deleters, so let it finish; one that died mid-way is taken
+        // over once a wait slice passes without a change.
+        const EtcdResponse change =
+            call([&] { return client_.wait(node(key), current.node.modified_index + 1, kWaitSlice); });
+        if (change.ok()) continue;
+      }
+      std::uint64_t claimed = 0;
       if (!claim(key, current, &claimed)) continue;  // another writer changed it first
       const EtcdResponse removed = call([&] { return client_.compare_and_delete(node(key), claimed); });
       if (removed.ok()) return true;
@@ -198,8 +210,8 @@ class EtcdStore : public c10d::Store {
   std::string node(const std::string& key) const { return prefix_ + "/kv/k" + base64_encode(key, /*url_safe=*/true); }
 
   // `bytes` as the key's etcd value, with a nonce no other write of any store carries.
-  std::string encode(const std::string& bytes) {
-    return base64_encode(bytes) + "." + writer_ + std::to_string(writes_.fetch_add(1));
+  std::string encode(const std::string& bytes, const char* mark = "") {
+    return base64_encode(bytes) + "." + mark + writer_ + std::to_string(writes_.fetch_add(1));
   }
 
   // Writes `bytes` if the key is still as `read` saw it (absent, or at its modifiedIndex); false
@@ -239,7 +251,7 @@ class EtcdStore : public c10d::Store {
   // key is still at that index. *claimed: the claim's modifiedIndex. False when another writer
   // changed or deleted the key first.
   bool claim(const std::string& key, const EtcdResponse& read, std::uint64_t* claimed) {
-    const std::string text = encode(decode_value(read.node.value));
+    const std::string text = encode(decode_value(read.node.value), kClaimMark + 1);
     const std::uint64_t seen = read.node.modified_index;
     const EtcdResponse written = call([&] { return client_.compare_and_swap(node(key), text, seen); });
     if (written.ok()) {

@@ -9,8 +9,9 @@
 // per-write nonce that get() strips. add() and compareSet() are compare-and-swap loops on the
 // node's modifiedIndex; a write whose answer was lost and that etcd then refuses on the retry is
 // looked up in the key's history by its nonce, so it counts once. deleteKey() first rewrites the
-// key's bytes under its own nonce, then deletes at that index, so that after a lost answer the
-// key's history tells whether the delete was its own. wait() reads, then waits
+// key's bytes under its own nonce (marked as a claim, which other deleters wait on rather than
+// take), then deletes at that index, so that after a lost answer the key's history tells whether
+// the delete was its own. wait() reads, then waits
 // on etcd's change index, re-reading at least every second so that a member cut off mid-wait
 // costs at most that.
 
