@@ -732,7 +732,6 @@ struct FaultTolerance::Impl {
       archive.load_from(static_cast<const char*>(meta.data_ptr()), static_cast<size_t>(meta.numel()));
 
       torch::serialize::InputArchive optimizer_skeleton;
-      torch::serialize::OutputArchive optimizer_rebuilt;
       std::vector<std::string> names, paths;
       if (optimizer) {
         archive.read("optimizer", optimizer_skeleton);
@@ -742,8 +741,8 @@ struct FaultTolerance::Impl {
         archive.read("heal/paths", v);
         paths = strings_of(v);
       }
-      detail::HealTensors into = detail::joiner_heal_tensors(
-          module.get(), optimizer ? &optimizer_skeleton : nullptr, names, paths, &optimizer_rebuilt);
+      detail::HealTensors into =
+          detail::joiner_heal_tensors(module.get(), optimizer ? &optimizer_skeleton : nullptr, names, paths);
       const std::vector<int> plan = detail::assign_to_senders(into.bytes(), senders);
       std::vector<std::vector<at::Tensor>> shards;
       std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -761,15 +760,8 @@ struct FaultTolerance::Impl {
         stats.heal_bytes_received += healed_from.back().second;
       }
       load_meta(archive);
-      if (optimizer) {
-        // The optimizer loads its own archive, now holding the received tensors.
-        std::ostringstream out;
-        optimizer_rebuilt.save_to(out);
-        const std::string blob = out.str();
-        torch::serialize::InputArchive in;
-        in.load_from(blob.data(), blob.size());
-        optimizer->load(in);
-      }
+      // The skeleton now holds the received tensors.
+      if (optimizer) optimizer->load(optimizer_skeleton);
       heal_transfer_ms = ms_since(started);
     }
   }

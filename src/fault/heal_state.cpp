@@ -23,6 +23,10 @@ namespace {
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
 
+// Tensors of the optimizer's archive smaller than this travel inside the
+// skeleton rather than in the shards.
+constexpr size_t kInlineBytes = 1024;
+
 // Calls `visit` on every tensor of `in`, keys in sorted order, sub-archives
 // recursively; with `out`, writes `in` there with each tensor replaced by
 // what `visit` returns. Paths join keys with '|' (keys hold '/').
@@ -165,6 +169,8 @@ HealTensors list_heal_tensors(torch::nn::Module* module, torch::optim::Optimizer
     archive.load_from(blob.data(), blob.size());
     const auto places = parameter_places(*optimizer);
     rewrite(archive, skeleton, "", [&](const std::string& path, const at::Tensor& t) {
+      // Counters and sizes stay in the skeleton, from rank 0: not worth a plan.
+      if (t.nbytes() < kInlineBytes) return t;
       h.names.push_back(canonical_path(path, places));
       h.tensors.push_back(t.detach().contiguous());
       h.raw_paths.push_back(path);
@@ -177,8 +183,7 @@ HealTensors list_heal_tensors(torch::nn::Module* module, torch::optim::Optimizer
 }
 
 HealTensors joiner_heal_tensors(torch::nn::Module* module, torch::serialize::InputArchive* skeleton,
-                                const std::vector<std::string>& names, const std::vector<std::string>& raw_paths,
-                                torch::serialize::OutputArchive* rebuilt) {
+                                const std::vector<std::string>& names, const std::vector<std::string>& raw_paths) {
   DDP_CHECK(names.size() == raw_paths.size(), "ddp: the state for joiners lists ", names.size(), " names but ",
             raw_paths.size(), " paths");
   HealTensors h;
@@ -186,15 +191,18 @@ HealTensors joiner_heal_tensors(torch::nn::Module* module, torch::serialize::Inp
   if (skeleton) {
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < raw_paths.size(); ++i) index[raw_paths[i]] = i;
-    rewrite(*skeleton, rebuilt, "", [&](const std::string& path, const at::Tensor& placeholder) {
+    torch::NoGradGuard no_grad;
+    rewrite(*skeleton, nullptr, "", [&](const std::string& path, const at::Tensor& placeholder) {
       auto it = index.find(path);
-      DDP_CHECK(it != index.end(), "ddp: the optimizer state sent to this joiner has a tensor at '", path,
-                "' that its sender did not list; are the replicas running the same program?");
-      at::Tensor fresh = at::empty(placeholder.sizes(), placeholder.options());
+      if (it == index.end()) return placeholder;  // small: sent whole in the skeleton
+      // The skeleton's own tensor gets storage of its shape, in place: the
+      // optimizer then loads the skeleton itself, no second archive.
+      at::Tensor t = placeholder;
+      t.set_(at::empty(placeholder.sizes(), placeholder.options()));
       h.names.push_back(names[it->second]);
-      h.tensors.push_back(fresh);
+      h.tensors.push_back(t);
       h.raw_paths.push_back(path);
-      return fresh;
+      return placeholder;
     });
   }
   finish(h);

@@ -47,19 +47,20 @@ struct HealTensors {
 };
 
 /// Lists what `module` and `optimizer` hold (either may be null). With
-/// `skeleton`, also writes there the optimizer's archive with every tensor
-/// replaced by a zero-stride placeholder of its shape and dtype.
+/// `skeleton`, also writes there the optimizer's archive with every listed
+/// tensor replaced by a zero-stride placeholder of its shape and dtype; the
+/// optimizer's tensors under 1 KB (step counts, sizes) are not listed and
+/// stay in the skeleton whole.
 HealTensors list_heal_tensors(torch::nn::Module* module, torch::optim::Optimizer* optimizer,
                               torch::serialize::OutputArchive* skeleton);
 
-/// The joiner's side: its own module's tensors, and fresh tensors for the
-/// optimizer's state, made from the skeleton and the sender's canonical
-/// names and raw paths of the optimizer's tensors (`names`, `raw_paths`, the
-/// optimizer's entries only). `rebuilt` receives the optimizer's archive
-/// holding those fresh tensors, to be loaded once they are filled.
+/// The joiner's side: its own module's tensors, and the skeleton's
+/// placeholders for the optimizer's state given storage of their shape, in
+/// place (`names`, `raw_paths`: the sender's canonical names and raw paths
+/// of the optimizer's listed tensors). Once the shards are unpacked into
+/// them, the optimizer loads the skeleton itself.
 HealTensors joiner_heal_tensors(torch::nn::Module* module, torch::serialize::InputArchive* skeleton,
-                                const std::vector<std::string>& names, const std::vector<std::string>& raw_paths,
-                                torch::serialize::OutputArchive* rebuilt);
+                                const std::vector<std::string>& names, const std::vector<std::string>& raw_paths);
 
 /// Copies the tensors assigned to `sender` into one buffer (an 8-byte
 /// fingerprint first), and back out of it.
