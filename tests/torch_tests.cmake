@@ -247,6 +247,20 @@ ddp_reuse_precompiled_header(ddp_shm_overlap_tests)
 gtest_discover_tests(ddp_shm_overlap_tests PROPERTIES LABELS "multiprocess;shm" TIMEOUT 120
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
+# Healing sharded across live members, the log's account of a lost member's in-flight samples,
+# and Wine's held-out accuracy through 10 injected failures (issue 36). ft_heal_worker is one
+# replica: an MLP of a chosen width, or Wine's model and split (wine_data).
+add_executable(ft_heal_worker workers/ft_heal_worker.cpp)
+target_link_libraries(ft_heal_worker PRIVATE wine_data ddp::ddp)
+target_include_directories(ft_heal_worker PRIVATE ${PROJECT_SOURCE_DIR}/examples/wine)
+ddp_reuse_precompiled_header(ft_heal_worker)
+add_executable(ddp_ft_healing_tests test_ft_healing.cpp)
+target_link_libraries(ddp_ft_healing_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_ft_healing_tests)
+add_dependencies(ddp_ft_healing_tests ft_heal_worker)
+gtest_discover_tests(ddp_ft_healing_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
 # ddprun --fault-tolerance over a long job's life (issue 36, helper A2): restarted workers leave
 # no zombies or descriptors behind, and a worker that fails at start-up twice alike ends the job
 # in one line. Shell-script workers; no torch in the jobs. And the etcd store's deleteKey after
