@@ -1,12 +1,19 @@
 // examples/lm under ddprun at 2 ranks: it trains with DDP and with
 // Streaming DiLoCo, logging a held-out loss per --eval-every steps that
-// falls, and refuses DiLoCo's flags without --diloco.
+// falls, and refuses DiLoCo's flags without --diloco. Under ddprun --nnodes
+// 1:2, a DiLoCo job that loses a node goes on at one replica from its
+// sharded snapshot.
 
+#include <support/ddprun_fixtures.h>
 #include <support/launch.h>
+#include <support/rdzv_agents.h>
 #include <support/subprocess.h>
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -74,4 +81,56 @@ TEST(LmExample, DiLoCoFlagsWithoutDiLoCoAreAUsageError) {
   auto r = run_process({ddp::testing::bin_path("lm_train"), "--streaming", "2"}, one_rank({}));
   EXPECT_EQ(r.exit_code, 2) << r.describe();
   EXPECT_NE(r.err.find("need --diloco H"), std::string::npos) << r.err;
+}
+
+// Issue 38, item 5: two ddprun agents (nodes) of an elastic job, --nnodes 1:2,
+// one lm_train rank each, DiLoCo across them with a sharded snapshot every 8
+// steps. Node 1 is SIGKILLed once a snapshot exists: its replica drops out,
+// ddprun goes on with node 0 alone, and lm_train resumes there from the
+// newest snapshot (written at 2 replicas) at 1 replica and trains to the end.
+TEST(LmExample, DiLoCoJobLosingANodeGoesOnAtOneReplicaFromItsShardedSnapshot) {
+  const std::string dir = ddp::testing::make_temp_dir("ddp_lm_elastic");
+  const std::string snapshots = dir + "/snapshots";
+  const std::string endpoint = "127.0.0.1:" + std::to_string(ddp::testing::free_port());
+  std::deque<ddp::testing::RdzvAgent> agents;
+  auto options = ddprun_tests::run_options({{"OMP_NUM_THREADS", "1"}});
+  options.timeout = std::chrono::seconds(150);
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> args = {"--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--local-addr",
+                                     "127.0.0." + std::to_string(2 + node), "--nnodes", "1:2", "--nproc-per-node", "1",
+                                     "--max-restarts", "3", "--monitor-interval", "0.2", "--rdzv-conf",
+                                     "heartbeat_timeout=2,last_call_timeout=5",
+                                     ddp::testing::bin_path("lm_train"), "--steps", "400", "--eval-every", "400",
+                                     "--corpus-mb", "1", "--width", "32", "--layers", "1", "--diloco", "4",
+                                     "--snapshot-dir", snapshots, "--snapshot-every", "8"};
+    agents.emplace_back();
+    agents.back().process = ddp::testing::start_background(ddprun_tests::ddprun_argv(args), options);
+    if (node == 0) ASSERT_TRUE(ddp::testing::wait_for_err(agents.back(), "hosting the rendezvous store"));
+  }
+  const auto describe = [&] { return ddp::testing::describe_agents(agents); };
+  // Both replicas trained together: a snapshot of the 2-replica job is there.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool snapshot = false;
+  while (!snapshot && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ignored;
+    for (const auto& entry : std::filesystem::directory_iterator(snapshots, ignored)) {
+      snapshot = snapshot || entry.path().filename().string().rfind("sharded_step_", 0) == 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(snapshot) << describe();
+  ASSERT_EQ(::kill(agents[1].process.pid, SIGKILL), 0);
+  ddp::testing::ProcessResult& survivor = agents[0].finish(std::chrono::seconds(120));
+  agents[1].finish(std::chrono::seconds(5));
+  EXPECT_EQ(survivor.exit_code, 0) << describe();
+  EXPECT_NE(survivor.err.find("continuing with 1 node(s)"), std::string::npos) << describe();
+  const std::string everything = survivor.out + survivor.err;
+  std::smatch resumed;
+  ASSERT_TRUE(std::regex_search(everything, resumed,
+                                std::regex(R"(resumed from the snapshot of step (\d+) at 1 ranks)")))
+      << describe();
+  EXPECT_GE(std::stoll(resumed[1]), 8);
+  EXPECT_NE(everything.find("step 400 "), std::string::npos) << describe();
+  ddp::testing::finish_agents(agents);
+  std::filesystem::remove_all(dir);
 }

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #ifndef DDP_LM_CORPUS
 #define DDP_LM_CORPUS "/usr/share/common-licenses"
@@ -57,6 +58,8 @@ struct Args {
   int64_t warmup = 0;           // DiLoCo's steps of gradient averaging first
   std::string backend = "auto";
   int64_t threads = 1;
+  std::string snapshot_dir;
+  int64_t snapshot_every = 0;
 };
 
 Args parse_args(int argc, char** argv) {
@@ -115,7 +118,15 @@ Args parse_args(int argc, char** argv) {
       ->type_name("NAME")
       ->check(examples::one_of("--backend", {"auto", "gloo", "mpi"}));
   cli.add_option("--threads", a.threads, "intra-op threads per rank")->type_name("N")->transform(positive("--threads"));
+  cli.add_option("--snapshot-dir", a.snapshot_dir,
+                 "write sharded snapshots into DIR and resume from its newest,\nwritten at any world size")
+      ->type_name("DIR");
+  cli.add_option("--snapshot-every", a.snapshot_every, "steps between snapshots (with --snapshot-dir)")
+      ->type_name("N")
+      ->default_str("off")
+      ->transform(positive("--snapshot-every"));
   cli.read(argc, argv);
+  if (a.snapshot_every > 0 && a.snapshot_dir.empty()) throw examples::UsageError("--snapshot-every needs --snapshot-dir");
   if (a.diloco == 0 &&
       (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0 || a.warmup != 0)) {
     throw examples::UsageError("--streaming, --overlap, --mixing, --warmup and --post-local-sgd need --diloco H");
@@ -171,7 +182,7 @@ int main(int argc, char** argv) {
           .overlap_steps(args.overlap)
           .mixing(args.mixing)
           .outer_gradient_dtype(outer_dtype(args.outer_dtype));
-      diloco = std::make_unique<ddp::DiLoCo>(model->parameters(), inner, group, options);
+      diloco = std::make_unique<ddp::DiLoCo>(*model, inner, group, options);
     }
     if (rank == 0) {
       std::printf(
@@ -198,6 +209,22 @@ int main(int argc, char** argv) {
       return total / static_cast<double>(args.eval_batches);
     };
 
+    // The newest sharded snapshot, whatever world size wrote it: after
+    // ddprun --nnodes MIN:MAX lost a node, the replicas that are left go on
+    // from it (DiLoCo: replica r from replica r mod N's local state).
+    int64_t first_step = 1;
+    std::optional<ddp::SnapshotSaver> saver;
+    if (!args.snapshot_dir.empty()) {
+      saver.emplace(args.snapshot_dir);
+      const auto resumed = diloco ? ddp::load_newest_sharded_snapshot(args.snapshot_dir, *diloco, &inner)
+                                  : ddp::load_newest_sharded_snapshot(args.snapshot_dir, *ddp_model, &inner);
+      if (resumed) first_step = resumed->step + 1;
+      if (resumed && rank == 0) {
+        std::printf("lm_train: resumed from the snapshot of step %lld at %lld ranks\n",
+                    static_cast<long long>(resumed->step), static_cast<long long>(group->size()));
+      }
+    }
+
     std::FILE* metrics = nullptr;
     if (rank == 0 && !args.metrics.empty()) {
       metrics = std::fopen(args.metrics.c_str(), "w");
@@ -207,7 +234,10 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     double train_loss_sum = 0;
     int64_t train_loss_count = 0;
-    for (int64_t step = 1; step <= args.steps; ++step) {
+    for (int64_t step = 1; step < first_step; ++step) {  // the batches a resumed run already trained on
+      (void)at::randint(0, corpus.train.numel() - context - 1, {args.batch_size}, generator);
+    }
+    for (int64_t step = first_step; step <= args.steps; ++step) {
       at::Tensor starts = at::randint(0, corpus.train.numel() - context - 1, {args.batch_size}, generator);
       auto [x, y] = lm::windows(corpus.train, starts, context);
       inner.zero_grad();
@@ -220,6 +250,11 @@ int main(int argc, char** argv) {
       }
       train_loss_sum += loss.item<double>();
       ++train_loss_count;
+      if (saver && args.snapshot_every > 0 && step % args.snapshot_every == 0) {
+        const ddp::TrainingProgress progress{0, step, 0};
+        if (diloco) saver->save(*diloco, &inner, progress);
+        else saver->save(*ddp_model, &inner, progress);
+      }
       if (step % args.eval_every != 0 && step != args.steps) continue;
       if (step == args.steps && diloco) diloco->flush();
       if (rank == 0) {
