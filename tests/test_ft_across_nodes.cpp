@@ -460,7 +460,8 @@ TEST_F(FtAcrossFourNodes, CrashedWorkerSurvivorsCommitWithinHalfASecond) {
 }
 
 // Hang: node 2's worker SIGSTOPped. Nothing closes; the 5 s deadline finds it, and it is fenced
-// out. Woken, it finds it was removed and exits non-zero saying so, without touching the group.
+// out. Woken, it finds it was removed and exits non-zero saying so, without touching the group;
+// ddprun's next incarnation of it heals and ends like the others.
 TEST_F(FtAcrossFourNodes, StoppedWorkerIsFencedOutWithinTheDeadline) {
   start_job({{"FT_STEPS", "450"}});
   ASSERT_TRUE(wait_for_step(10, 120s)) << everything();
@@ -489,12 +490,14 @@ TEST_F(FtAcrossFourNodes, StoppedWorkerIsFencedOutWithinTheDeadline) {
   EXPECT_TRUE(wait_until([&] { return err_line_after(kVictim, "failed: exit code 3", woken_at) > 0; }, 5s));
   std::printf("[measure] woken after %.0f ms stopped: %s\n", (woken_at - stopped_at) / 1000.0, fenced.c_str());
 
-  expect_survivors_finish_alike();
+  const std::string final_hash = expect_survivors_finish_alike();
+  expect_victim_rejoined(final_hash);
   expect_one_hash_per_step();
 }
 
 // Partition: node 2's link goes down. Nothing is reset; the deadline finds it. When the link
-// comes back, the cut-off worker finds it was removed and exits; the group never hears from it.
+// comes back, the cut-off worker finds it was removed and exits, and the group never hears from
+// it; ddprun's next incarnation of it heals and ends like the others.
 TEST_F(FtAcrossFourNodes, CutOffNodeIsFencedOutWithinTheDeadline) {
   start_job({{"FT_STEPS", "450"}});
   ASSERT_TRUE(wait_for_step(10, 120s)) << everything();
@@ -525,7 +528,8 @@ TEST_F(FtAcrossFourNodes, CutOffNodeIsFencedOutWithinTheDeadline) {
               (now_us() - back_at) / 1000.0, fenced.c_str());
   EXPECT_FALSE(fenced.empty());
 
-  expect_survivors_finish_alike();
+  const std::string final_hash = expect_survivors_finish_alike();
+  expect_victim_rejoined(final_hash);
   expect_one_hash_per_step();
 }
 
