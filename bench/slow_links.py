@@ -34,9 +34,11 @@ ROOT = os.path.dirname(HERE)
 # name -> (label, lm_train arguments)
 METHODS = {
     "ddp": ("DDP", []),
+    "ddp-powersgd": ("DDP + PowerSGD (rank 4)", ["--powersgd", "4"]),
     "post-local-sgd": ("post-local SGD (K=100, H=8)", ["--diloco", "8", "--post-local-sgd", "100"]),
     "diloco-50": ("DiLoCo H=50", ["--diloco", "50"]),
     "diloco-100": ("DiLoCo H=100", ["--diloco", "100"]),
+    "diloco-500": ("DiLoCo H=500", ["--diloco", "500"]),
     # The paper starts DiLoCo from a trained model; here 100 steps of
     # gradient averaging first (DiLoCoOptions::warmup_steps).
     "diloco-100-warm": ("DiLoCo H=100 after 100 DDP-like steps", ["--diloco", "100", "--warmup", "100"]),

@@ -60,6 +60,7 @@ struct Args {
   int64_t threads = 1;
   std::string snapshot_dir;
   int64_t snapshot_every = 0;
+  int64_t powersgd = 0;  // DDP's PowerSGD rank; 0: plain all-reduce
 };
 
 Args parse_args(int argc, char** argv) {
@@ -118,6 +119,10 @@ Args parse_args(int argc, char** argv) {
       ->type_name("NAME")
       ->check(examples::one_of("--backend", {"auto", "gloo", "mpi"}));
   cli.add_option("--threads", a.threads, "intra-op threads per rank")->type_name("N")->transform(positive("--threads"));
+  cli.add_option("--powersgd", a.powersgd, "DDP with PowerSGD of this rank, compressing from step 10")
+      ->type_name("R")
+      ->default_str("off")
+      ->transform(positive("--powersgd"));
   cli.add_option("--snapshot-dir", a.snapshot_dir,
                  "write sharded snapshots into DIR and resume from its newest,\nwritten at any world size")
       ->type_name("DIR");
@@ -126,6 +131,7 @@ Args parse_args(int argc, char** argv) {
       ->default_str("off")
       ->transform(positive("--snapshot-every"));
   cli.read(argc, argv);
+  if (a.powersgd > 0 && a.diloco > 0) throw examples::UsageError("--powersgd compresses DDP's gradients; drop --diloco");
   if (a.snapshot_every > 0 && a.snapshot_dir.empty()) throw examples::UsageError("--snapshot-every needs --snapshot-dir");
   if (a.diloco == 0 &&
       (a.streaming != 1 || a.overlap != 0 || a.post_local_sgd >= 0 || a.mixing != 0.0 || a.warmup != 0)) {
@@ -170,7 +176,16 @@ int main(int argc, char** argv) {
 
     // DDP, or the plain model with DiLoCo around its optimizer.
     std::unique_ptr<ddp::DistributedDataParallel<lm::ByteLM>> ddp_model;
-    if (args.diloco == 0) ddp_model = std::make_unique<ddp::DistributedDataParallel<lm::ByteLM>>(model, group);
+    if (args.diloco == 0) {
+      ddp::DDPOptions ddp_options;
+      if (args.powersgd > 0) {
+        ddp_options.comm_hook(
+            // PyTorch starts compressing after 1000 plain steps; a short
+            // run starts after 10 (past DDP's bucket rebuild).
+            ddp::powersgd_hook(ddp::PowerSGDOptions().matrix_approximation_rank(args.powersgd).start_powerSGD_iter(10)));
+      }
+      ddp_model = std::make_unique<ddp::DistributedDataParallel<lm::ByteLM>>(model, group, ddp_options);
+    }
     torch::optim::AdamW inner(model->parameters(), torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
     std::unique_ptr<ddp::DiLoCo> diloco;
     if (args.diloco > 0) {
