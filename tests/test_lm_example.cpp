@@ -83,6 +83,18 @@ TEST(LmExample, DiLoCoFlagsWithoutDiLoCoAreAUsageError) {
   EXPECT_NE(r.err.find("need --diloco H"), std::string::npos) << r.err;
 }
 
+// The slow-links benchmark's "DDP + PowerSGD" row: compressed from step 10,
+// the loss still falls; and PowerSGD is DDP's, not DiLoCo's.
+TEST(LmExample, DdpWithPowerSgdLearnsAndRefusesDiLoCo) {
+  auto lines = train({"--powersgd", "2"});
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_LT(lines[1].eval_loss, lines[0].eval_loss);
+  EXPECT_LT(lines[0].eval_loss, 5.55);
+  auto r = run_process({ddp::testing::bin_path("lm_train"), "--powersgd", "2", "--diloco", "10"}, one_rank({}));
+  EXPECT_EQ(r.exit_code, 2) << r.describe();
+  EXPECT_NE(r.err.find("--powersgd compresses DDP's gradients"), std::string::npos) << r.err;
+}
+
 // Issue 38, item 5: two ddprun agents (nodes) of an elastic job, --nnodes 1:2,
 // one lm_train rank each, DiLoCo across them with a sharded snapshot every 8
 // steps. Node 1 is SIGKILLed once a snapshot exists: its replica drops out,
