@@ -19,24 +19,23 @@
 // a second phase per chunk (each rank reduces 1/N of the chunk, then all copy
 // the reduced slices): twice the synchronisation, N times less arithmetic.
 //
-// Waiting: spin briefly, then sleep on the peer's phase word with
-// FUTEX_WAIT (a writer wakes only when someone sleeps there). While asleep a
-// waiter wakes every 100 ms to look at the peers it waits for: a pid that is
-// gone, a zombie, or a stopped process (state T) ends the collective with an
-// error naming that rank, so a dead or stopped peer is noticed within a
-// fraction of a second instead of at the collective timeout, which still
-// bounds everything else.
+// Waiting: spin briefly, then yield for up to 1 ms, then sleep on the
+// peer's phase word with FUTEX_WAIT (a writer wakes only when someone sleeps
+// there). While asleep a waiter wakes every 100 ms to look at the peers it
+// waits for: a pid that is gone, a zombie, or a stopped process (state T)
+// ends the collective with an error naming that rank, so a dead or stopped
+// peer is noticed within a fraction of a second instead of at the
+// collective timeout, which still bounds everything else.
 //
 // Execution: collectives run one at a time, in the order issued. An
 // asynchronous one (c10d's asyncOp, the default: DDP's buckets) goes to a
 // thread of the backend's own whatever its size, so that it overlaps
 // backward as over Gloo; one issued with asyncOp false runs on the caller's
 // thread when nothing is queued. A thread that waits for a collective its
-// worker has not yet taken runs it (and those queued before it) itself: a
-// synchronous all-reduce issued as async-then-wait costs a wake-up call, not
-// a hand-off and a wake-up back. What this backend does not implement (point-to-point, gather,
-// scatter, all-to-all, reductions other than sum/product/min/max, dtypes it
-// does not know) goes to a Gloo backend over the same ranks.
+// worker has not yet taken runs it (and those queued before it) itself.
+// What this backend does not implement (point-to-point, gather, scatter,
+// all-to-all, reductions other than sum/product/min/max, dtypes it does not
+// know) goes to a Gloo backend over the same ranks.
 #include <ddp/error.h>
 
 #include "comm/backends.h"
