@@ -11,6 +11,7 @@
 // Each prints a [measure] line. Skips without root or iproute2 (and etcd, where it needs it).
 #include <signal.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstdio>
@@ -176,7 +177,8 @@ std::vector<int> live_children(int parent, const std::string& program) {
   return found;
 }
 
-// When process `pid` started, in wall-clock microseconds (10 ms resolution: clock ticks).
+// When process `pid` started, in wall-clock microseconds (10 ms resolution: clock ticks since
+// boot, placed on the wall clock through CLOCK_BOOTTIME; /proc/stat's btime is whole seconds).
 int64_t start_time_us(int pid) {
   std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
   std::string stat;
@@ -185,15 +187,10 @@ int64_t start_time_us(int pid) {
   std::string field;
   for (int i = 3; i <= 22 && fields >> field; ++i) {
   }
-  std::ifstream proc_stat("/proc/stat");
-  int64_t boot_s = 0;
-  for (std::string key; proc_stat >> key;) {
-    if (key == "btime") {
-      proc_stat >> boot_s;
-      break;
-    }
-  }
-  return boot_s * 1000000 + std::stoll(field) * 1000000 / ::sysconf(_SC_CLK_TCK);
+  timespec since_boot{};
+  ::clock_gettime(CLOCK_BOOTTIME, &since_boot);
+  const int64_t boot_us = now_us() - (static_cast<int64_t>(since_boot.tv_sec) * 1000000 + since_boot.tv_nsec / 1000);
+  return boot_us + std::stoll(field) * 1000000 / ::sysconf(_SC_CLK_TCK);
 }
 
 class FtAcrossFourNodes : public ::testing::Test {
@@ -369,14 +366,20 @@ class FtAcrossFourNodes : public ::testing::Test {
   // Every step that any node printed, from any incarnation, has one weight hash: nothing that
   // was killed, stopped or cut off wrote into the group.
   void expect_one_hash_per_step() {
-    std::map<int64_t, std::pair<std::string, size_t>> first;
+    struct Seen {
+      StepLine line;
+      size_t node;
+    };
+    std::map<int64_t, Seen> first;
     size_t lines = 0;
     for (size_t i = 0; i < kNodes; ++i) {
       for (const StepLine& s : steps_in(agents_[i].finished ? agents_[i].result.out : out(i))) {
         ++lines;
-        auto [it, fresh] = first.emplace(s.step, std::make_pair(s.hash, i));
-        EXPECT_EQ(it->second.first, s.hash)
-            << "step " << s.step << ": node " << i << " differs from node " << it->second.second;
+        auto [it, fresh] = first.emplace(s.step, Seen{s, i});
+        const StepLine& f = it->second.line;
+        EXPECT_EQ(f.hash, s.hash) << "step " << s.step << ": node " << i << " (gen " << s.gen << ", " << s.members
+                                  << " members, t " << s.t_us << ") differs from node " << it->second.node << " (gen "
+                                  << f.gen << ", " << f.members << " members, t " << f.t_us << ")";
       }
     }
     EXPECT_GT(lines, 0u);
