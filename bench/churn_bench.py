@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "build", "bin")
 STEP = re.compile(r"gpt_bench: step (\d+) members (\d+) samples (\d+) time ([\d.]+)")
 PROCESS = re.compile(r"gpt_bench: process fds (\d+) threads (\d+) rss_kb (\d+) time ([\d.]+)(?: (at_start|at_end))?(?: stats (.*))?")
-HEALED = re.compile(r"joined at step (\d+), healed from \S+ \((\d+) bytes\) in (\d+) ms")
+# One "(N bytes)" per sender: several live members each send a share.
+HEALED = re.compile(r"joined at step (\d+), healed from (.*?) in (\d+) ms")
 LEFT = re.compile(r"ddp: membership: replica (\S+) left \(([^)]*\)?)\) at step (\d+); recovered in (\d+) ms")
 SCENARIOS = {"A": "fault tolerance", "B": "restart mode", "C": "fault-free"}
 
@@ -156,7 +157,8 @@ def analyse(name, a, logs, kills, t0):
     healed = []
     for path in logs[1:]:
         for m in HEALED.finditer(open(path, errors="replace").read()):
-            healed.append({"step": int(m[1]), "bytes": int(m[2]), "ms": int(m[3])})
+            shares = [int(b) for b in re.findall(r"\((\d+) bytes\)", m[2])]
+            healed.append({"step": int(m[1]), "bytes": sum(shares), "senders": len(shares), "ms": int(m[3])})
     return {
         "scenario": name,
         "label": SCENARIOS[name],
