@@ -51,7 +51,10 @@ VARIANTS = {
     "python": ("py", ["--mode", "ddp"]),
     "no-overlap": ("cpp", ["--mode", "no-overlap"]),
     "bucket-1": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "1"]),
+    "bucket-2": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "2"]),
+    "bucket-3": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "3"]),
     "bucket-5": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "5"]),
+    "bucket-8": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "8"]),
     "bucket-100": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "100"]),
     # PyTorch's fixed default, set explicitly (the "ddp" variant fits buckets to the link).
     "bucket-25": ("cpp", ["--mode", "ddp", "--bucket-cap-mb", "25"]),
@@ -81,7 +84,8 @@ CORE = ["ddp", "python", "no-overlap", "ddp-mpi"]
 LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted buckets)",
           "bucket-25": "ddp, 25 MB buckets (bucket_cap_mb(25))",
           "no-overlap": "ddp, no overlap", "ddp-mpi": "ddp, mpi backend (mpirun, btl tcp)",
-          "bucket-1": "ddp, 1 MB buckets", "bucket-5": "ddp, 5 MB buckets", "bucket-100": "ddp, 100 MB buckets",
+          "bucket-1": "ddp, 1 MB buckets", "bucket-2": "ddp, 2 MB buckets", "bucket-3": "ddp, 3 MB buckets",
+          "bucket-8": "ddp, 8 MB buckets", "bucket-5": "ddp, 5 MB buckets", "bucket-100": "ddp, 100 MB buckets",
           "fp16": "ddp, fp16_compress_hook", "bf16": "ddp, bf16_compress_hook",
           "powersgd-4": "ddp, powersgd_hook rank 4", "python-bf16": "Python DDP, bf16_compress_hook",
           "python-powersgd-4": "Python DDP, powerSGD_hook rank 4",
@@ -93,7 +97,7 @@ LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted b
           "hier-shm": "(b) ddp, hierarchical_allreduce_hook: shared memory in the node, Gloo between leaders",
           "hier-gloo": "ddp, hierarchical_allreduce_hook, Gloo in the node too (DDP_SHM=0)",
           "ddp-auto": "(c) ddp's default (--backend auto, no hook)"}
-ORDER = ["flat-gloo", "hier-shm", "hier-gloo", "ddp-auto", "python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-5", "bucket-25", "bucket-100", "fp16", "bf16",
+ORDER = ["flat-gloo", "hier-shm", "hier-gloo", "ddp-auto", "python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-2", "bucket-3", "bucket-5", "bucket-8", "bucket-25", "bucket-100", "fp16", "bf16",
          "python-bf16", "powersgd-4", "python-powersgd-4", "step-in-backward", "python-bucket-5",
          "bucket-5-step-in-backward", "python-bucket-5-fused-optim"]
 MODELS = {"mlp2m": "2M MLP", "transformer": "10.5M transformer"}
@@ -636,6 +640,10 @@ def render(args, results, summary, rates, facts, runner, elapsed):
                        "(`--nodes 4`, a run and a page of its own)")
     if not mpi:
         missing.append("MPI on the emulated network (variant ddp-mpi)")
+    two_by_two = output_paths(".", 2, 2)
+    missing.append(f"several ranks per node, hierarchical shared memory + Gloo against flat Gloo: "
+                   f"[{os.path.basename(two_by_two[0])}]({os.path.basename(two_by_two[0])}) (`--nproc-per-node 2`)")
+    lines += four_ranks_section(args) if n == 4 else []
     options = "".join(f" --{key.replace('_', '-')} {getattr(args, key)}" for key, default in (
         ("nodes", 2), ("variants", "all"), ("models", ",".join(MODELS_ALL))) if getattr(args, key) != default)
     lines += [
@@ -782,6 +790,29 @@ def render_ranks(args, results, summary, rates, facts, runner, elapsed):
             lines.append(command)
     lines += ["```", "", f"The json: `bench/{os.path.basename(output_paths('.', n, k)[1])}`.", ""]
     return "\n".join(lines)
+
+
+def four_ranks_section(args):
+    """For the 4-node page: 4 ranks as 2 nodes x 2 ranks instead, from the
+    2x2 run's json (bench/network_2x2.json) when there is one."""
+    path = output_paths(args.out_dir, 2, 2)[1]
+    if not os.path.exists(path):
+        return []
+    saved = json.load(open(path))
+    lines = ["## 4 ranks as 2 nodes × 2 ranks: hierarchical shared memory + Gloo against flat Gloo (issue 37)", "",
+             f"From [{os.path.basename(output_paths('.', 2, 2)[0])}]({os.path.basename(output_paths('.', 2, 2)[0])}) "
+             "(its set-up, noise and commands are there):", "",
+             "| rate | model | variant | ms per step | / (a) flat Gloo | MB per node per step (crossing) |",
+             "|---|---|---|---|---|---|"]
+    for rate, by_model in saved["summary"].items():
+        for model, s in by_model.items():
+            rows = s["rows"]
+            for name in ORDER:
+                if name in rows:
+                    ratio = f"{rows[name]['ms'] / rows['flat-gloo']['ms']:.2f}" if "flat-gloo" in rows else ""
+                    lines.append(f"| {rate} | {model} | {LABELS[name]} | {rows[name]['ms']:.1f} | {ratio} | "
+                                 f"{rows[name]['mb_per_node']:.2f} |")
+    return lines + [""]
 
 
 def output_paths(out_dir, nodes, nproc=1):
