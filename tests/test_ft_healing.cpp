@@ -724,7 +724,7 @@ TEST_F(WineAccuracy, TenInjectedFailuresReachTheFaultFreeHeldOutAccuracy) {
   ASSERT_FALSE(HasFailure());
 
   new_store();
-  const auto env = wine_env(seed, 20);
+  const auto env = wine_env(seed, 30);
   std::vector<size_t> slot;
   for (int i = 0; i < 3; ++i) slot.push_back(start("s" + std::to_string(i) + "/inc0", env));
   std::vector<size_t> everyone = slot;
