@@ -201,6 +201,11 @@ struct FaultTolerance::Impl {
   int64_t store_ops = 0;
   int64_t store_ops_counted_steps = 0;
   std::vector<std::string> keys_of_old_generations;
+  // The last heal, for the log lines: bytes from each sender (on a joiner),
+  // the joiner's time to receive it all, and what this member sent.
+  std::vector<std::pair<std::string, int64_t>> healed_from;
+  double heal_transfer_ms = 0;
+  int64_t heal_bytes_sent_now = 0;
 
   const bool debug = env_or("DDP_FT_DEBUG", "0") == "1";
 
@@ -669,11 +674,6 @@ struct FaultTolerance::Impl {
     for (const auto& e : list.toListRef()) v.push_back(e.toStringRef());
     return v;
   }
-
-  // Bytes received from each sender, for the joiner's log line.
-  std::vector<std::pair<std::string, int64_t>> healed_from;
-  double heal_transfer_ms = 0;
-  int64_t heal_bytes_sent_now = 0;  // by this member in the change being logged
 
   // The members that held the state before this generation (its first
   // `carried`; the first quorum's rank 0) send it to every joiner over the
