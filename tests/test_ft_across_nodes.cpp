@@ -422,6 +422,8 @@ class FtAcrossFourNodes : public ::testing::Test {
     return text + ddp::testing::describe_agents(members_);
   }
 
+  void time_crash(bool whole_node);
+
   static std::string member(size_t i) { return "m" + std::to_string(i); }
   static std::string test_name() { return ::testing::UnitTest::GetInstance()->current_test_info()->name(); }
 
@@ -432,14 +434,17 @@ class FtAcrossFourNodes : public ::testing::Test {
   std::unique_ptr<LineStamper> stamper_;
 };
 
-// Crash: node 2's worker SIGKILLed mid-training. Its connections are reset across the link, so
-// the survivors need not wait for the deadline.
-TEST_F(FtAcrossFourNodes, CrashedWorkerSurvivorsCommitWithinHalfASecond) {
+// Crash: node 2's worker SIGKILLed mid-training (with its ddprun when whole_node, as when the
+// node's machine dies but its link stays up). Its connections are reset across the link, so the
+// survivors need not wait for the deadline. Times the survivors' next commit and when each found
+// the loss; checks the cause they name.
+void FtAcrossFourNodes::time_crash(bool whole_node) {
   start_job({{"FT_STEPS", "300"}});
   ASSERT_TRUE(wait_for_step(10, 120s)) << everything();
   const int victim = victim_worker();
   ASSERT_GT(victim, 0) << everything();
   const int64_t killed_at = now_us();
+  if (whole_node) ASSERT_EQ(::kill(-agents_[kVictim].process.pid, SIGKILL), 0);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
 
   ASSERT_TRUE(wait_until([&] { return survivors_commit_at_three_after(killed_at) > 0; }, 30s)) << everything();
@@ -451,14 +456,28 @@ TEST_F(FtAcrossFourNodes, CrashedWorkerSurvivorsCommitWithinHalfASecond) {
     EXPECT_NE(line.find("4 -> 3 replicas"), std::string::npos) << line;
     detect_ms = std::max(detect_ms, (t - killed_at) / 1000.0);
   }
-  std::printf("[measure] 4 nodes at 1 Gbit/s: node 2's worker SIGKILLed -> every survivor committed at 3 in %.0f ms; "
-              "every survivor had found the loss within %.0f ms\n", commit_ms, detect_ms);
+  std::printf("[measure] 4 nodes at 1 Gbit/s: node 2's %s SIGKILLed -> every survivor committed at 3 in %.0f ms; "
+              "every survivor had found the loss within %.0f ms\n", whole_node ? "ddprun and worker" : "worker",
+              commit_ms, detect_ms);
   EXPECT_LE(commit_ms, 500.0);
   EXPECT_LE(detect_ms, 100.0);
+}
 
+TEST_F(FtAcrossFourNodes, CrashedWorkerSurvivorsCommitWithinHalfASecond) {
+  time_crash(/*whole_node=*/false);
+  if (HasFatalFailure()) return;
   // ddprun restarts the victim's worker, which heals from a live peer and ends like the others.
   const std::string final_hash = expect_survivors_finish_alike();
   expect_victim_rejoined(final_hash);
+  expect_one_hash_per_step();
+}
+
+// The node's ddprun goes too: nothing restarts the worker, and the survivors' agents, told by
+// the rendezvous that a node is gone, keep their workers training.
+TEST_F(FtAcrossFourNodes, KilledNodeSurvivorsCommitWithinHalfASecond) {
+  time_crash(/*whole_node=*/true);
+  if (HasFatalFailure()) return;
+  expect_survivors_finish_alike();
   expect_one_hash_per_step();
 }
 
