@@ -126,6 +126,17 @@ TEST(FaultTolerance, MaxRestartsBoundsTheRestartsThenTheOthersFinish) {
   EXPECT_EQ(count_of(result.out, "sees joined=5"), 2u) << result.describe();
 }
 
+// The failure line names the furthest step the worker's last lines name, over both streams:
+// an old membership line on stderr ("... at step 1") once hid the steps stdout printed since.
+TEST(FaultTolerance, TheLastStepNamedIsTheFurthestOverStdoutAndStderr) {
+  ProcessResult result = ddprun(
+      {"--standalone", "--fault-tolerance", "--nproc-per-node", "1", "--max-restarts", "0", "sh", "-c",
+       "echo 'ddp: membership: replica a left (crash) at step 1' >&2; echo 'step 11'; echo 'step 12'; sleep 0.3; "
+       "exit 3"});
+  EXPECT_EQ(result.exit_code, 1) << result.describe();
+  EXPECT_NE(result.err.find("failed: exit code 3 (its last step: 12)"), std::string::npos) << result.describe();
+}
+
 TEST(FaultTolerance, ARestartedWorkersOutputGoesOnInItsRanksLog) {
   TempDir dir;
   TempDir logs;

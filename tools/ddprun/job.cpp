@@ -297,18 +297,24 @@ void Job::collect_exits() {
 
 namespace {
 
-// The training step a worker's last lines name ("step 17", "step=17", "step: 17"), as ddp's
-// fault-tolerant loop logs it; empty when none does.
+// The furthest training step a worker's last lines name ("step 17", "step=17", "step: 17"),
+// as ddp's fault-tolerant loop logs it; empty when none does. The largest over both streams:
+// an old membership line on stderr ("... failed at step 1") must not hide the step lines
+// stdout printed since.
 std::string last_step_named(const Worker& worker) {
   static const std::regex kStep(R"((?:^|[^A-Za-z_])step[ =:]+(\d+))", std::regex::icase);
-  for (size_t stream = worker.streams.size(); stream-- > 0;) {
-    const std::vector<std::string>& lines = worker.streams[stream].recent_lines();
-    for (size_t i = lines.size(); i-- > 0;) {
-      std::smatch match;
-      if (std::regex_search(lines[i], match, kStep)) return match[1].str();
+  std::string furthest;
+  for (const LineForwarder& stream : worker.streams) {
+    for (const std::string& line : stream.recent_lines()) {
+      for (auto it = std::sregex_iterator(line.begin(), line.end(), kStep); it != std::sregex_iterator(); ++it) {
+        const std::string step = (*it)[1].str();
+        if (furthest.empty() || step.size() > furthest.size() || (step.size() == furthest.size() && step > furthest)) {
+          furthest = step;
+        }
+      }
     }
   }
-  return "";
+  return furthest;
 }
 
 // Whether a worker that ended had got past its start-up: ddp's fault-tolerance layer created
