@@ -249,7 +249,8 @@ def run_scenario(name, a, logdir):
         shutil.rmtree(etcd_data, ignore_errors=True)
     result = analyse(name, a, logs, kills, t0, duration)
     result["rdzv_backend"] = backend
-    result["kill_what"] = ("node: its ddprun, worker and etcd member (if it has one), all started again "
+    result["kill_what"] = ("none" if name in "CD" else
+                           "node: its ddprun, worker and etcd member (if it has one), all started again "
                            f"{a.rejoin_after} s later" if whole_node else "worker")
     result["process_samples"] = samples
     result["survivor"] = survivor_summary(samples)
