@@ -51,6 +51,16 @@ void use_file(const std::string& path, const std::string& timeout_s = "30") {
   ::setenv("DDP_TIMEOUT_SECONDS", timeout_s.c_str(), 1);
 }
 
+// Appends 4 bytes that read as a record's length of 200 MiB, and nothing
+// after them: what a reader that trusts the file would allocate.
+void append_a_length_claiming_200_mib(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
+  ASSERT_GE(fd, 0);
+  const uint32_t length = 200u << 20;
+  ASSERT_EQ(::write(fd, &length, sizeof length), static_cast<ssize_t>(sizeof length));
+  ::close(fd);
+}
+
 RanksOptions ranks_within(int seconds) {
   RanksOptions options;
   options.no_group();
@@ -342,11 +352,7 @@ TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperatio
         group->all_reduce(one);
         const double rss_before = peak_rss_mib();
         if (group->rank() == 0) {
-          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
-          ASSERT_GE(fd, 0);
-          const uint32_t length = 200u << 20;
-          ASSERT_EQ(::write(fd, &length, sizeof length), static_cast<ssize_t>(sizeof length));
-          ::close(fd);
+          append_a_length_claiming_200_mib(path);
         }
         group->all_reduce(one);  // the garbage is there for both ranks now
         std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the responders poll meanwhile
@@ -381,11 +387,7 @@ TEST(FileStore, GarbageAppendedWhileThreadsReadIsNeverAllocated) {
         const double rss_before = peak_rss_mib();
         if (group->rank() == 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's readers are busy by now
-          const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND);
-          ASSERT_GE(fd, 0);
-          const uint32_t length = 200u << 20;
-          ASSERT_EQ(::write(fd, &length, sizeof length), static_cast<ssize_t>(sizeof length));
-          ::close(fd);
+          append_a_length_claiming_200_mib(path);
         } else {
           std::vector<std::string> errors(3);
           std::vector<std::thread> readers;
