@@ -271,3 +271,16 @@ ddp_reuse_precompiled_header(ddprun_ft_lifecycle_tests)
 add_dependencies(ddprun_ft_lifecycle_tests ddprun ddp_ft_store)
 gtest_discover_tests(ddprun_ft_lifecycle_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# DiLoCo under FaultTolerance (issue 38 item 5 with issue 36, helper C3): a replica lost mid-run
+# drops out of the average, a restarted one heals at a round's start; without faults the
+# trajectory equals DiLoCo over a group. And the progress file ddprun's start-up rule reads.
+add_executable(ft_diloco_worker workers/ft_diloco_worker.cpp)
+target_link_libraries(ft_diloco_worker PRIVATE ddp_internal)
+ddp_reuse_precompiled_header(ft_diloco_worker)
+add_executable(ddp_ft_diloco_tests test_ft_diloco.cpp)
+target_link_libraries(ddp_ft_diloco_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_ft_diloco_tests)
+add_dependencies(ddp_ft_diloco_tests ft_diloco_worker)
+gtest_discover_tests(ddp_ft_diloco_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

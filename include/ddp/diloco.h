@@ -64,6 +64,36 @@
 // syncs every replica's local weights and inner optimizer differ, so for an
 // exact resume each rank saves its own snapshot (a file per rank); a snapshot
 // of rank 0 alone resumes every replica from rank 0's local state.
+//
+// Under fault tolerance (ddprun --fault-tolerance, <ddp/fault_tolerance.h>),
+// one replica per process, DiLoCo(model, inner, ft) synchronises over the
+// FaultTolerance's current members instead of a fixed group, so a lost
+// replica drops out of the average and the job goes on without a restart:
+//
+//   ddp::FaultTolerance ft;
+//   torch::optim::AdamW inner(model->parameters(), 1e-3);
+//   ddp::DiLoCo diloco(*model, inner, ft, ddp::DiLoCoOptions().sync_every(100));  // joins, or heals
+//   while (diloco.inner_step() < total) { ...backward(); diloco.step(); }
+//
+// One FaultTolerance step is one round of H inner steps: start_step() at the
+// round's start (in the constructor, then after each sync), no store or
+// network traffic during the inner steps, and at the sync one
+// FaultTolerance::all_reduce_sum of the flat fp32 pseudo-gradient, averaged
+// over the step's members (all of them contributed: a joiner joins at a
+// round's start), then should_commit(). The outer step is applied only on a
+// committed vote, identically on every member. A sync whose quorum lost a
+// member (a crash at any point of the round fails it) is skipped by every
+// survivor: the global copy and the local weights stay as they are, so the
+// next sync's global − local carries the skipped round's progress too
+// (nothing trained is lost; the outer step just sees two rounds at once).
+// A restarted replica (a new replica id) joins at a round's start and heals
+// from a live member: the global copy (which becomes its local weights), the
+// outer and inner optimizers' state, and the inner step and sync counters;
+// buffers are not sent (DiLoCo averages parameters only). Plain DiLoCo
+// only: one fragment, no overlap, no warm-up, mixing 0, fp32; no
+// state_dict() or checkpoints (healing replaces them). Without faults its
+// trajectory equals DiLoCo over a Gloo group of the same members bit for
+// bit (the same sum, divided by the same count).
 
 #include <ddp/export.h>
 #include <ddp/process_group.h>
@@ -86,6 +116,8 @@ class Module;
 }
 
 namespace ddp {
+
+class FaultTolerance;
 
 /// How a pseudo-gradient travels between the replicas.
 enum class OuterGradientDtype {
@@ -157,6 +189,12 @@ class DDP_API DiLoCo {
   /// &inner), <ddp/distributed_checkpoint.h>). `model` must outlive this.
   DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, std::shared_ptr<ProcessGroup> group,
          DiLoCoOptions options = {});
+  /// Under fault tolerance (see the top of this header): over
+  /// model.parameters(), synchronised over `ft`'s current members. Calls
+  /// ft.start_step() (joining the job, or healing from a live member), so
+  /// make it before any other step of `ft`; `model`, `inner` and `ft` must
+  /// outlive this. Do not also manage() the model or `inner` with `ft`.
+  DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, FaultTolerance& ft, DiLoCoOptions options = {});
   ~DiLoCo();
   DiLoCo(const DiLoCo&) = delete;
   DiLoCo& operator=(const DiLoCo&) = delete;
@@ -178,8 +216,14 @@ class DDP_API DiLoCo {
   std::vector<size_t> in_flight() const;
   /// Pseudo-gradient syncs started so far (one collective each).
   int64_t syncs_started() const;
+  /// Under fault tolerance: syncs that every member skipped (their quorum
+  /// lost a member); 0 over a group.
+  int64_t skipped_syncs() const;
+  /// The FaultTolerance given to the constructor, or nullptr.
+  FaultTolerance* fault_tolerance() const;
   const DiLoCoOptions& options() const;
-  /// The group the replicas synchronise over (the outer dimension).
+  /// The group the replicas synchronise over (the outer dimension); nullptr
+  /// under fault tolerance.
   std::shared_ptr<ProcessGroup> process_group() const;
   /// The module given to the constructor, or nullptr when given parameters.
   torch::nn::Module* module() const;

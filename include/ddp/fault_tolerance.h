@@ -204,6 +204,13 @@ class DDP_API FaultTolerance {
   /// quorum, or as a joiner healed from a live member); later calls form a
   /// new group first when the last step failed or a joiner waits.
   void start_step();
+  /// Sums `tensor` in place over the current step's members, for state that
+  /// is not a DDP bucket (DiLoCo's pseudo-gradient). Call between
+  /// start_step() and should_commit(), with the same shapes in the same
+  /// order on every member. False when the step failed (this collective, an
+  /// earlier one, or a lost member): `tensor` is then unchanged and
+  /// should_commit() answers false on every member. Blocks up to the deadline.
+  bool all_reduce_sum(at::Tensor& tensor);
   /// Call after backward: whether every member of the step's quorum finished
   /// its all-reduce. The answer is the same on every member. True: apply
   /// the step (optimizer.step()); the managed sampler has advanced. False:

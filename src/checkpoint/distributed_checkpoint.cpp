@@ -855,6 +855,8 @@ std::vector<std::string> parameter_names(DiLoCo& diloco, const char* who) {
   torch::nn::Module* module = diloco.module();
   DDP_CHECK(module != nullptr, "ddp: ", who, " needs the DiLoCo built over the module, DiLoCo(model, inner, group), ",
             "to name its tensors; this one was given a list of parameters");
+  DDP_CHECK(diloco.process_group() != nullptr, "ddp: ", who, " needs a DiLoCo over a ProcessGroup; under ",
+            "FaultTolerance a lost replica heals from a live one instead of a checkpoint");
   std::unordered_map<const void*, std::string> by_tensor;
   for (const auto& item : module->named_parameters(true)) by_tensor.emplace(item.value().unsafeGetTensorImpl(), item.key());
   std::vector<std::string> names;

@@ -45,6 +45,7 @@
 #include <sstream>
 #include <thread>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace ddp {
@@ -201,6 +202,10 @@ struct FaultTolerance::Impl {
   int64_t store_ops = 0;
   int64_t store_ops_counted_steps = 0;
   std::vector<std::string> keys_of_old_generations;
+  // The store's endpoints as "ip:port": the connections of its clients (the
+  // etcd client's HTTP connections open and close on any thread, while a
+  // group is made too) are never a group's.
+  std::set<std::string> store_addresses;
   // The last heal, for the log lines: bytes from each sender (on a joiner),
   // the joiner's time to receive it all, and what this member sent.
   std::vector<std::pair<std::string, int64_t>> healed_from;
@@ -517,6 +522,43 @@ struct FaultTolerance::Impl {
     return p->out;
   }
 
+  // A whole tensor summed over the step's members, for compositions that
+  // synchronise something other than DDP's buckets (DiLoCo's pseudo-gradient).
+  // The group may be abandoned with the operation in flight, so it sums a
+  // copy and writes back only what completed.
+  bool sum_now(at::Tensor& tensor) {
+    auto p = std::make_shared<PendingBucket>();
+    p->fallback = tensor;
+    std::shared_ptr<Generation> gen;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      gen = current;
+      if (!gen || gen->aborted || step_failed) return false;
+      pending.push_back(p);
+    }
+    p->result = tensor.detach().clone();
+    try {
+      std::vector<at::Tensor> tensors{p->result};
+      auto work = gen->backend->allreduce(tensors);
+      const int64_t g = gen->g;
+      work->getFuture()->addCallback([this, p, g](c10::ivalue::Future& f) {
+        if (f.hasError()) note_failure(g, "collective failed: " + f.tryRetrieveErrorMessage());
+        p->finish(!f.hasError());
+      });
+    } catch (const std::exception& e) {
+      note_failure(gen->g, std::string("collective failed: ") + e.what());
+      p->finish(false);
+    }
+    p->out->wait();
+    const bool ok = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!ok || gen->aborted || step_failed) return false;
+    }
+    tensor.detach().copy_(p->result);
+    return true;
+  }
+
   // ---- generations -----------------------------------------------------------
 
   // The joiners registered after `after`, in order, up to the first gap.
@@ -617,7 +659,7 @@ struct FaultTolerance::Impl {
       // Gloo's own timeout only bounds what the deadline cannot abort (a
       // send to a peer that died before receiving): see overdue().
       gen->backend = detail::make_gloo_backend(prefixed, world, options.deadline() * 2 + std::chrono::seconds(5));
-      gen->sockets = detail::connected_sockets_since(before);
+      gen->sockets = detail::without_peers(detail::connected_sockets_since(before), store_addresses);
     }
     std::string addresses;
     for (const auto& s : gen->sockets) addresses += s.local + " ";
@@ -1056,6 +1098,7 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
   impl_->id = o.replica_id();
   impl_->store = detail::open_ft_store(o.store(), o.deadline());
   impl_->wstore = detail::open_ft_store(o.store(), o.deadline());
+  impl_->store_addresses = detail::ft_store_addresses(o.store());
   {
     std::string address;
     std::lock_guard<std::mutex> tracking(detail::socket_tracking_mutex());
@@ -1168,6 +1211,16 @@ void FaultTolerance::start_step() {
   d.current_step = d.step;
 }
 
+bool FaultTolerance::all_reduce_sum(at::Tensor& tensor) {
+  auto& d = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    DDP_CHECK(d.current, "ddp: FaultTolerance::all_reduce_sum() before start_step(); call it between start_step() and "
+                         "should_commit()");
+  }
+  return d.sum_now(tensor);
+}
+
 bool FaultTolerance::should_commit() {
   auto& d = *impl_;
   std::shared_ptr<Generation> gen;
@@ -1215,6 +1268,13 @@ bool FaultTolerance::should_commit() {
   if (verdict == "C" || verdict == "CJ") {
     if (d.sampler) d.sampler->advance(gen->size());
     d.stats.committed_steps += 1;
+    // ddprun tells a worker that fails at start-up (a usage error, restarted in vain) from one that
+    // trained and then failed by this file's existence (docs/fault_tolerance.md "Start-up failures").
+    if (const char* progress = std::getenv("DDP_FT_PROGRESS_FILE");
+        d.stats.committed_steps == 1 && progress != nullptr && *progress != '\0') {
+      const int fd = ::open(progress, O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+      if (fd >= 0) ::close(fd);
+    }
     if (gen->rank == 0 && d.step > 0) {
       d.store->deleteKey(k_ok(gen->g, d.step - 1));
       d.store->deleteKey(k_verdict(gen->g, d.step - 1));

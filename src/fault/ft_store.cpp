@@ -7,6 +7,10 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
 namespace ddp::detail {
 
 c10::intrusive_ptr<c10d::Store> open_ft_store(const std::string& spec, std::chrono::milliseconds timeout) {
@@ -38,6 +42,50 @@ c10::intrusive_ptr<c10d::Store> open_ft_store(const std::string& spec, std::chro
   options.waitWorkers = false;
   options.timeout = timeout;
   return c10::make_intrusive<c10d::TCPStore>(address.substr(0, colon), options);
+}
+
+std::set<std::string> ft_store_addresses(const std::string& spec) {
+  std::vector<std::string> host_ports;
+  const std::string etcd = "etcd://";
+  const size_t scheme = spec.find("://");
+  if (scheme == std::string::npos) return {};
+  std::string rest = spec.substr(scheme + 3);
+  if (spec.rfind(etcd, 0) == 0) {
+    try {
+      host_ports = EtcdV2Client::parse_endpoints(rest.substr(0, rest.find('/')));
+    } catch (const std::invalid_argument&) {
+      return {};  // open_ft_store names the error
+    }
+  } else {
+    host_ports.push_back(rest);
+  }
+  std::set<std::string> addresses;
+  for (std::string entry : host_ports) {
+    if (const size_t s = entry.find("://"); s != std::string::npos) entry = entry.substr(s + 3);
+    const size_t colon = entry.rfind(':');
+    if (colon == std::string::npos) continue;
+    std::string host = entry.substr(0, colon);
+    const std::string port = entry.substr(colon + 1);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* result = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &result) != 0) continue;
+    for (addrinfo* a = result; a != nullptr; a = a->ai_next) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      if (a->ai_family == AF_INET) {
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, text, sizeof(text));
+      } else if (a->ai_family == AF_INET6) {
+        inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, text, sizeof(text));
+      } else {
+        continue;
+      }
+      addresses.insert(std::string(text) + ":" + port);
+      if (a->ai_family == AF_INET) addresses.insert("::ffff:" + std::string(text) + ":" + port);  // a dual-stack socket's view
+    }
+    freeaddrinfo(result);
+  }
+  return addresses;
 }
 
 }  // namespace ddp::detail

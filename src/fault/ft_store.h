@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <set>
 #include <string>
 
 namespace ddp::detail {
@@ -19,5 +20,10 @@ namespace ddp::detail {
 /// Every operation of the returned store times out after `timeout`. Throws
 /// c10::Error naming the spec and what to fix when it cannot connect.
 c10::intrusive_ptr<c10d::Store> open_ft_store(const std::string& spec, std::chrono::milliseconds timeout);
+
+/// Every address ("ip:port", each endpoint's host resolved) that a client of
+/// the store named by `spec` may connect to: a socket with such a peer is the
+/// store's, never a process group's.
+std::set<std::string> ft_store_addresses(const std::string& spec);
 
 }  // namespace ddp::detail

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -80,6 +81,12 @@ std::vector<TrackedSocket> connected_sockets_since(const std::set<std::pair<int,
     if (ends_of(s.fd, s.local, s.peer)) found.push_back(s);
   }
   return found;
+}
+
+std::vector<TrackedSocket> without_peers(std::vector<TrackedSocket> sockets, const std::set<std::string>& peers) {
+  sockets.erase(std::remove_if(sockets.begin(), sockets.end(), [&](const TrackedSocket& s) { return peers.count(s.peer) > 0; }),
+                sockets.end());
+  return sockets;
 }
 
 std::mutex& socket_tracking_mutex() {

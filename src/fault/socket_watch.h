@@ -31,6 +31,9 @@ std::set<std::pair<int, unsigned long>> open_sockets();
 /// The connected sockets opened since `before` (listening ones excluded).
 std::vector<TrackedSocket> connected_sockets_since(const std::set<std::pair<int, unsigned long>>& before);
 
+/// `sockets` less those whose peer is one of `peers` ("ip:port").
+std::vector<TrackedSocket> without_peers(std::vector<TrackedSocket> sockets, const std::set<std::string>& peers);
+
 /// Held around making a group whose sockets are to be tracked, so that two
 /// such creations never see each other's sockets.
 std::mutex& socket_tracking_mutex();

@@ -8,6 +8,7 @@
 
 #include <ddp/collective_trace.h>
 #include <ddp/error.h>
+#include <ddp/fault_tolerance.h>
 #include <ddp/snapshot.h>
 
 #include "checkpoint/optimizer_state.h"
@@ -16,6 +17,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <map>
@@ -120,7 +123,9 @@ struct DiLoCo::Impl {
   std::vector<at::Tensor> params;
   torch::optim::Optimizer* inner = nullptr;
   torch::nn::Module* module = nullptr;  // when built over one: checkpoints name its tensors
-  std::shared_ptr<ProcessGroup> group;
+  std::shared_ptr<ProcessGroup> group;      // null under fault tolerance
+  FaultTolerance* ft = nullptr;             // the replicas' membership instead of a group
+  int64_t skipped_syncs = 0;                // under fault tolerance: syncs whose quorum did not commit
   DiLoCoOptions options;
   std::vector<std::vector<size_t>> fragments;
   std::vector<at::Tensor> global;
@@ -301,11 +306,13 @@ struct DiLoCo::Impl {
     sync.gathered = at::Tensor();
   }
 
-  void complete_sync(size_t f) {
+  // `replicas`: how many summed into the sync (the group's size, or the
+  // members of a fault-tolerant step).
+  void complete_sync(size_t f, int replicas = 0) {
     PendingSync& sync = pending.at(f);
     finish_transfer(sync);
     torch::NoGradGuard no_grad;
-    at::Tensor average = sync.sum / static_cast<double>(group->size());
+    at::Tensor average = sync.sum / static_cast<double>(replicas > 0 ? replicas : group->size());
     for (auto& g : global) g.mutable_grad().reset();
     int64_t at_ = 0;
     for (size_t i : fragments[f]) {
@@ -329,6 +336,80 @@ struct DiLoCo::Impl {
       }
     }
     pending.erase(f);
+  }
+
+  // One sync under fault tolerance (one FaultTolerance step spans a round of
+  // H inner steps, from the start_step() after the last sync to this one's
+  // vote): the pseudo-gradient summed over the step's members, the outer
+  // step only on a committed vote. A skipped sync leaves the global copy and
+  // the local weights alone, so the next sync's global − local carries this
+  // round's progress too; then the next round starts (a joiner heals there).
+  void sync_fault_tolerant() {
+    std::vector<at::Tensor> deltas;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        deltas.push_back((global[i].to(params[i].device(), at::kFloat) - params[i].to(at::kFloat)).reshape({-1}));
+      }
+    }
+    PendingSync sync;
+    sync.buffer = at::cat(deltas);
+    sync.numel = sync.buffer.numel();
+    ++syncs_started;
+    const int members = ft->size();
+    {
+      CollectiveTag tag("diloco fault-tolerant sync step " + std::to_string(step));
+      ft->all_reduce_sum(sync.buffer);  // a failure makes should_commit() false on every member
+    }
+    if (ft->should_commit()) {
+      sync.sum = sync.buffer;
+      sync.buffer = at::Tensor();
+      pending[0] = std::move(sync);
+      complete_sync(0, members);
+    } else {
+      ++skipped_syncs;
+    }
+    ft->start_step();
+  }
+
+  // What a joiner takes from a live member at a round's start: the global
+  // copy (also its local weights), the outer and inner optimizers' state and
+  // the counters.
+  void save_for_joiner(torch::serialize::OutputArchive& archive) {
+    archive.write("step", at::scalar_tensor(step, at::kLong));
+    archive.write("syncs_started", at::scalar_tensor(syncs_started, at::kLong));
+    archive.write("skipped_syncs", at::scalar_tensor(skipped_syncs, at::kLong));
+    for (size_t i = 0; i < global.size(); ++i) archive.write("global/" + std::to_string(i), global[i].detach());
+    torch::serialize::OutputArchive outer_archive, inner_archive;
+    outer->save(outer_archive);
+    inner->save(inner_archive);
+    archive.write("outer", outer_archive);
+    archive.write("inner", inner_archive);
+  }
+
+  void load_as_joiner(torch::serialize::InputArchive& archive) {
+    torch::NoGradGuard no_grad;
+    auto read = [&](const std::string& key) {
+      at::Tensor value;  // fresh each time: read() re-points it at the saved storage
+      archive.read(key, value);
+      return value;
+    };
+    step = read("step").item<int64_t>();
+    syncs_started = read("syncs_started").item<int64_t>();
+    skipped_syncs = read("skipped_syncs").item<int64_t>();
+    for (size_t i = 0; i < global.size(); ++i) {
+      at::Tensor value = read("global/" + std::to_string(i));
+      DDP_CHECK(value.sizes() == global[i].sizes(), "ddp: the fault-tolerant DiLoCo job's global parameter ", i,
+                " has shape ", value.sizes(), ", this replica's ", global[i].sizes(),
+                "; every replica must build the same model");
+      global[i].copy_(value);
+      params[i].copy_(global[i]);
+    }
+    torch::serialize::InputArchive outer_archive, inner_archive;
+    archive.read("outer", outer_archive);
+    archive.read("inner", inner_archive);
+    outer->load(outer_archive);
+    inner->load(inner_archive);
   }
 
   void refresh_global_from_local() {
@@ -387,6 +468,38 @@ DiLoCo::DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, std::sh
   impl_->module = &model;
 }
 
+DiLoCo::DiLoCo(torch::nn::Module& model, torch::optim::Optimizer& inner, FaultTolerance& ft, DiLoCoOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& s = *impl_;
+  s.params = model.parameters();
+  DDP_CHECK(!s.params.empty(), "ddp: DiLoCo was given a model without parameters");
+  s.inner = &inner;
+  s.module = &model;
+  s.ft = &ft;
+  s.options = std::move(options);
+  s.validate_options();
+  DDP_CHECK(s.options.fragments() == 1 && s.options.overlap_steps() == 0 && s.options.warmup_steps() == 0 &&
+                s.options.mixing() == 0.0 && s.options.outer_gradient_dtype() == OuterGradientDtype::kFloat32,
+            "ddp: DiLoCo under FaultTolerance is plain DiLoCo (one fragment, no overlap, no warm-up, mixing 0, fp32 "
+            "pseudo-gradients); got fragments ",
+            s.options.fragments(), ", overlap_steps ", s.options.overlap_steps(), ", warmup_steps ",
+            s.options.warmup_steps(), ", mixing ", s.options.mixing(), ", dtype ",
+            dtype_name(s.options.outer_gradient_dtype()), ". Use those defaults, or DiLoCo over a ProcessGroup");
+  s.fragments.emplace_back();
+  for (size_t i = 0; i < s.params.size(); ++i) s.fragments[0].push_back(i);
+  for (const auto& p : s.params) {
+    auto dtype = s.options.global_dtype().value_or(p.scalar_type());
+    s.global.push_back(p.detach().to(s.options.global_device(), dtype, /*non_blocking=*/false, /*copy=*/true));
+  }
+  s.make_outer_optimizer();
+  Impl* impl = impl_.get();
+  ft.manage_state([impl](torch::serialize::OutputArchive& a) { impl->save_for_joiner(a); },
+                  [impl](torch::serialize::InputArchive& a) { impl->load_as_joiner(a); });
+  // The first round: joins the first quorum (every replica takes rank 0's
+  // state, as the broadcast over a group does) or heals from a live member.
+  ft.start_step();
+}
+
 DiLoCo::~DiLoCo() {
   if (!impl_) return;
   // A sync still in flight holds a buffer the backend writes into; wait so
@@ -403,6 +516,12 @@ DiLoCo::~DiLoCo() {
 
 void DiLoCo::step() {
   auto& s = *impl_;
+  if (s.ft != nullptr) {
+    s.inner->step();
+    ++s.step;
+    if (s.step % s.options.sync_every() == 0) s.sync_fault_tolerant();
+    return;
+  }
   const bool warming_up = s.step < s.options.warmup_steps();
   if (warming_up && s.group->size() > 1) s.average_gradients();
   s.inner->step();
@@ -433,6 +552,8 @@ const std::vector<at::Tensor>& DiLoCo::global_parameters() const { return impl_-
 torch::optim::Optimizer& DiLoCo::outer_optimizer() { return *impl_->outer; }
 const std::vector<std::vector<size_t>>& DiLoCo::fragments() const { return impl_->fragments; }
 int64_t DiLoCo::syncs_started() const { return impl_->syncs_started; }
+int64_t DiLoCo::skipped_syncs() const { return impl_->skipped_syncs; }
+FaultTolerance* DiLoCo::fault_tolerance() const { return impl_->ft; }
 const DiLoCoOptions& DiLoCo::options() const { return impl_->options; }
 std::shared_ptr<ProcessGroup> DiLoCo::process_group() const { return impl_->group; }
 torch::nn::Module* DiLoCo::module() const { return impl_->module; }
@@ -452,6 +573,8 @@ void DiLoCo::flush() {
 
 c10::IValue DiLoCo::state_dict() {
   auto& s = *impl_;
+  DDP_CHECK(s.ft == nullptr, "ddp: DiLoCo under FaultTolerance has no state_dict(): a lost replica heals from a live "
+                             "one, not from a checkpoint; checkpoint DiLoCo over a ProcessGroup instead");
   auto state = detail::new_generic_dict();
   state.insert("version", kStateVersion);
   state.insert("inner_step", s.step);
@@ -475,6 +598,8 @@ c10::IValue DiLoCo::state_dict() {
 
 void DiLoCo::load_state_dict(const c10::IValue& value) {
   auto& s = *impl_;
+  DDP_CHECK(s.ft == nullptr, "ddp: DiLoCo under FaultTolerance has no load_state_dict(): a restarted replica heals "
+                             "from a live one");
   DDP_CHECK(value.isGenericDict(), "ddp: DiLoCo::load_state_dict needs what state_dict() returned, a dict; got ",
             value.tagKind());
   auto state = value.toGenericDict();
