@@ -3,8 +3,8 @@
 // every node a ddprun --fault-tolerance agent running ddp's own worker
 // (tests/workers/ft_worker.cpp), as users run the job. The agents meet with --rdzv-backend c10d at
 // node 0, whose ddprun keeps the fault-tolerance store (the etcd-v2 backend's loss of node 0 is
-// test_etcd_cluster_nodes'; DISABLED_EtcdBackendSkipsNoStepWithoutAFault below says why these
-// timings do not use it). Node 2's worker is killed (alone, or with its ddprun), stopped, or cut
+// test_etcd_cluster_nodes'; EtcdBackendSkipsNoStepWithoutAFault below runs the etcd backend
+// fault-free). Node 2's worker is killed (alone, or with its ddprun), stopped, or cut
 // off by its link going down; the tests time the survivors' next commit against the goals
 // (crash: <= 0.5 s, found <= 100 ms; hang and partition: <= the 5 s deadline + 1 s) and check
 // that nothing reached the group: every step that any node printed has one weight hash. Another
@@ -628,17 +628,15 @@ TEST_F(FtAcrossFourNodes, RestartedWorkerHealsAtLineRate) {
   expect_one_hash_per_step();
 }
 
-// The etcd-v2 backend, fault-free: no step may be skipped. DISABLED: it fails today. Under
-// etcd:// the Gloo rendezvous of each generation goes through the etcd store, whose libcurl
-// client opens HTTP connections while the group is being made; make_generation
-// (src/fault/fault_tolerance.cpp) diffs /proc/self/fd around the group's creation and so tracks
-// those connections as the group's own, and when etcd or curl later closes one, the watcher
-// takes the hang-up for a crashed peer and aborts a healthy generation ("ddp: ft debug: ...
-// aborts generation 1: crash: connection closed [10.83.x.1:2379]" with DDP_FT_DEBUG=1): a few
-// skipped steps at every start and after every change, a run of 62 in one try. The timing tests
-// above use the c10d backend for that reason. Enable once the tracked sockets leave out the
-// store's connections.
-TEST_F(FtAcrossFourNodes, DISABLED_EtcdBackendSkipsNoStepWithoutAFault) {
+// The etcd-v2 backend, fault-free: no step may be skipped. Under etcd:// the Gloo rendezvous of
+// each generation goes through the etcd store, whose libcurl client opens HTTP connections (on
+// the training thread and the watcher's) while the group is being made; make_generation
+// (src/fault/fault_tolerance.cpp) finds the group's sockets by diffing /proc/self/fd around its
+// creation, and once took those connections for the group's: when one closed, the watcher took
+// the hang-up for a crashed peer and aborted a healthy generation ("aborts generation 1: crash:
+// connection closed [10.83.x.1:2379]" with DDP_FT_DEBUG=1), skipping steps at every start and
+// after every change. Sockets whose peer is one of the store's endpoints are left out now.
+TEST_F(FtAcrossFourNodes, EtcdBackendSkipsNoStepWithoutAFault) {
   if (!ddp::testing::etcd_available())
     GTEST_SKIP() << "no /usr/bin/etcd or /usr/bin/setpriv (apt-get install etcd-server util-linux)";
   start_etcd();
