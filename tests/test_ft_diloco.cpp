@@ -216,17 +216,19 @@ TEST_F(FtDiLoCo, ProgressFileAppearsAtTheFirstCommittedStep) {
 }
 
 // Without faults, DiLoCo under FaultTolerance follows DiLoCo over a Gloo
-// group of the same replicas bit for bit: the same pseudo-gradients summed by
-// the same Gloo all-reduce, divided by the same count, the same outer step.
+// group of the same replicas bit for bit: the same pseudo-gradients (each
+// replica's data is chosen by its rank) summed by the same Gloo all-reduce,
+// divided by the same count, the same outer step.
 TEST_F(FtDiLoCo, WithoutFaultsFollowsDiLoCoOverAGroupBitForBit) {
   const std::string port = std::to_string(free_port());
   for (int r = 0; r < 3; ++r) {
     start("group" + std::to_string(r), {{"FTD_MODE", "group"}, {"RANK", std::to_string(r)}, {"WORLD_SIZE", "3"},
                                         {"MASTER_PORT", port}, {"FTD_SEED", std::to_string(7 + r)}, {"FTD_STEPS", "60"}});
   }
-  for (int r = 0; r < 3; ++r) {
-    start("ft" + std::to_string(r), {{"FTD_SEED", std::to_string(7 + r)}, {"FTD_STEPS", "60"}});
-  }
+  // A fault-tolerant replica's rank is its order of arrival at the first quorum, whose rank 0
+  // gives everyone its weights: all start from seed 7, the group's rank 0's (the group's
+  // others start elsewhere and take rank 0's by the broadcast).
+  for (int r = 0; r < 3; ++r) start("ft" + std::to_string(r), {{"FTD_SEED", "7"}, {"FTD_STEPS", "60"}});
   wait_exit({0, 1, 2, 3, 4, 5}, 120);
   if (HasFatalFailure()) return;
   const auto reference = replicas_[0].syncs();
