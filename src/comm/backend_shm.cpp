@@ -711,13 +711,16 @@ class ShmBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs, size_t bytes,
                                         bool async_op, std::function<void()> body) {
     auto work = c10::make_intrusive<ShmWork>(getRank(), type, std::move(outputs), jobs_);
-    auto job = [work, body = std::move(body)] {
+    auto job = [work, body = std::move(body)]() mutable {
       std::exception_ptr error;
       try {
         body();
       } catch (...) {
         error = std::current_exception();
       }
+      // The tensors it holds (FSDP's full gradient) go before the waiter
+      // learns it is done, not whenever this thread gets to drop the job.
+      body = nullptr;
       work->finish(error);
     };
     if ((!async_op || bytes <= inline_bytes_) && jobs_->run_now_if_idle(job)) return work;
