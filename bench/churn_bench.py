@@ -42,7 +42,10 @@ STEP = re.compile(r"gpt_bench: step (\d+) members (\d+) samples (\d+) time ([\d.
 PROCESS = re.compile(r"gpt_bench: process fds (\d+) threads (\d+) rss_kb (\d+) time ([\d.]+)(?: (at_start|at_end))?(?: stats (.*))?")
 # One "(N bytes)" per sender: several live members each send a share.
 HEALED = re.compile(r"joined at step (\d+), healed from (.*?) in (\d+) ms")
-LEFT = re.compile(r"ddp: membership: replica (\S+) left \(([^)]*\)?)\) at step (\d+); recovered in (\d+) ms")
+# One line per membership change; several replicas may leave in one ("replica X left (cause);
+# replica Y left (cause) at step N; ..."), and a cause may hold one parenthesis of its own.
+LEFT_LINE = re.compile(r"ddp: membership: (.*) at step (\d+); recovered in (\d+) ms")
+LEFT_ONE = re.compile(r"replica (\S+) left \(((?:[^()]|\([^()]*\))*)\)")
 SCENARIOS = {"A": "fault tolerance", "B": "restart mode", "C": "fault-free",
              "D": "fault tolerance, no kills"}
 
@@ -74,6 +77,11 @@ def worker_pids(ddprun_pid):
         except (OSError, IndexError):
             pass
     return out
+
+
+def LEFT_MATCHES(path):
+    with open(path, errors="replace") as f:
+        return [line for line in f if "ddp: membership:" in line and " left (" in line]
 
 
 def steps_of(path):
@@ -322,10 +330,12 @@ def analyse(name, a, logs, kills, t0, duration):
     stats.sort(key=lambda x: x.get("ft_committed_steps", 0))
     left, seen = [], set()
     for path in logs:
-        for m in LEFT.finditer(open(path, errors="replace").read()):
-            if (m[1], m[3]) not in seen:  # every survivor prints it; the first node's figure is kept
-                seen.add((m[1], m[3]))
-                left.append({"replica": m[1], "cause": m[2], "step": int(m[3]), "recovered_ms": int(m[4])})
+        for line in LEFT_MATCHES(path):
+            m = LEFT_LINE.search(line)
+            for one in LEFT_ONE.finditer(m[1]) if m else []:
+                if (one[1], m[2]) not in seen:  # every survivor prints it; the first node's figure is kept
+                    seen.add((one[1], m[2]))
+                    left.append({"replica": one[1], "cause": one[2], "step": int(m[2]), "recovered_ms": int(m[3])})
     healed = []
     for path in logs:
         for m in HEALED.finditer(open(path, errors="replace").read()):
