@@ -77,6 +77,23 @@ TEST(LmExample, StreamingDiLoCoSyncsFragmentsAndLearns) {
   EXPECT_EQ(lines[1].syncs, 8);
 }
 
+// The same job sharded: FSDP over both ranks, and HSDP (one node of two
+// ranks: sharded within it) follow DDP's held-out losses.
+TEST(LmExample, FsdpAndHsdpFollowDdp) {
+  const auto ddp_lines = train({});
+  ASSERT_EQ(ddp_lines.size(), 2u);
+  for (const char* strategy : {"fsdp", "hsdp"}) {
+    const auto lines = train({"--strategy", strategy});
+    ASSERT_EQ(lines.size(), 2u) << strategy;
+    for (size_t i = 0; i < lines.size(); ++i) {
+      EXPECT_NEAR(lines[i].eval_loss, ddp_lines[i].eval_loss, 1e-3) << strategy << " at step " << lines[i].step;
+    }
+  }
+  auto r = run_process({ddp::testing::bin_path("lm_train"), "--strategy", "fsdp", "--diloco", "10"}, one_rank({}));
+  EXPECT_EQ(r.exit_code, 2) << r.describe();
+  EXPECT_NE(r.err.find("shards the model instead of DDP"), std::string::npos) << r.err;
+}
+
 TEST(LmExample, DiLoCoFlagsWithoutDiLoCoAreAUsageError) {
   auto r = run_process({ddp::testing::bin_path("lm_train"), "--streaming", "2"}, one_rank({}));
   EXPECT_EQ(r.exit_code, 2) << r.describe();

@@ -61,6 +61,7 @@ struct Args {
   std::string snapshot_dir;
   int64_t snapshot_every = 0;
   int64_t powersgd = 0;  // DDP's PowerSGD rank; 0: plain all-reduce
+  std::string strategy = "ddp";
 };
 
 Args parse_args(int argc, char** argv) {
@@ -119,6 +120,10 @@ Args parse_args(int argc, char** argv) {
       ->type_name("NAME")
       ->check(examples::one_of("--backend", {"auto", "gloo", "mpi"}));
   cli.add_option("--threads", a.threads, "intra-op threads per rank")->type_name("N")->transform(positive("--threads"));
+  cli.add_option("--strategy", a.strategy,
+                 "without --diloco: ddp, fsdp (sharded over every rank) or hsdp\n(sharded in a node, replicated across nodes)")
+      ->type_name("S")
+      ->check(examples::one_of("--strategy", {"ddp", "fsdp", "hsdp"}));
   cli.add_option("--powersgd", a.powersgd, "DDP with PowerSGD of this rank, compressing from step 10")
       ->type_name("R")
       ->default_str("off")
@@ -131,6 +136,8 @@ Args parse_args(int argc, char** argv) {
       ->default_str("off")
       ->transform(positive("--snapshot-every"));
   cli.read(argc, argv);
+  if (a.strategy != "ddp" && (a.diloco > 0 || a.powersgd > 0))
+    throw examples::UsageError("--strategy " + a.strategy + " shards the model instead of DDP; drop --diloco and --powersgd");
   if (a.powersgd > 0 && a.diloco > 0) throw examples::UsageError("--powersgd compresses DDP's gradients; drop --diloco");
   if (a.snapshot_every > 0 && a.snapshot_dir.empty()) throw examples::UsageError("--snapshot-every needs --snapshot-dir");
   if (a.diloco == 0 &&
@@ -174,9 +181,16 @@ int main(int argc, char** argv) {
     int64_t parameter_count = 0;
     for (const auto& p : model->parameters()) parameter_count += p.numel();
 
-    // DDP, or the plain model with DiLoCo around its optimizer.
+    // DDP, FSDP or HSDP, or the plain model with DiLoCo around its optimizer.
     std::unique_ptr<ddp::DistributedDataParallel<lm::ByteLM>> ddp_model;
-    if (args.diloco == 0) {
+    std::unique_ptr<ddp::FullyShardedDataParallel<lm::ByteLM>> fsdp_model;
+    if (args.strategy == "fsdp") {
+      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<lm::ByteLM>>(model, group);
+    } else if (args.strategy == "hsdp") {
+      fsdp_model = std::make_unique<ddp::FullyShardedDataParallel<lm::ByteLM>>(
+          model, ddp::DeviceMesh::from_launcher(group),
+          ddp::FSDPOptions().sharding_strategy(ddp::ShardingStrategy::kHybridShard));
+    } else if (args.diloco == 0) {
       ddp::DDPOptions ddp_options;
       if (args.powersgd > 0) {
         ddp_options.comm_hook(
@@ -186,7 +200,8 @@ int main(int argc, char** argv) {
       }
       ddp_model = std::make_unique<ddp::DistributedDataParallel<lm::ByteLM>>(model, group, ddp_options);
     }
-    torch::optim::AdamW inner(model->parameters(), torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
+    torch::optim::AdamW inner(fsdp_model ? fsdp_model->parameters() : model->parameters(),
+                              torch::optim::AdamWOptions(args.lr).weight_decay(0.01));
     std::unique_ptr<ddp::DiLoCo> diloco;
     if (args.diloco > 0) {
       auto options =
@@ -205,7 +220,8 @@ int main(int argc, char** argv) {
           static_cast<long long>(parameter_count), static_cast<long long>(group->size()), args.corpus.c_str(),
           static_cast<long long>(corpus.files), static_cast<long long>(corpus.train.numel()),
           static_cast<long long>(corpus.held_out.numel()),
-          args.diloco == 0 ? "DDP" : (args.post_local_sgd >= 0 ? "post-local SGD" : "DiLoCo"));
+          args.diloco > 0 ? (args.post_local_sgd >= 0 ? "post-local SGD" : "DiLoCo")
+                          : (args.strategy == "ddp" ? "DDP" : args.strategy == "fsdp" ? "FSDP" : "HSDP"));
     }
 
     // The same held-out windows at every evaluation, spread over the split.
@@ -231,8 +247,9 @@ int main(int argc, char** argv) {
     std::optional<ddp::SnapshotSaver> saver;
     if (!args.snapshot_dir.empty()) {
       saver.emplace(args.snapshot_dir);
-      const auto resumed = diloco ? ddp::load_newest_sharded_snapshot(args.snapshot_dir, *diloco, &inner)
-                                  : ddp::load_newest_sharded_snapshot(args.snapshot_dir, *ddp_model, &inner);
+      const auto resumed = diloco       ? ddp::load_newest_sharded_snapshot(args.snapshot_dir, *diloco, &inner)
+                           : fsdp_model ? ddp::load_newest_sharded_snapshot(args.snapshot_dir, *fsdp_model, &inner)
+                                        : ddp::load_newest_sharded_snapshot(args.snapshot_dir, *ddp_model, &inner);
       if (resumed) first_step = resumed->step + 1;
       if (resumed && rank == 0) {
         std::printf("lm_train: resumed from the snapshot of step %lld at %lld ranks\n",
@@ -256,7 +273,8 @@ int main(int argc, char** argv) {
       at::Tensor starts = at::randint(0, corpus.train.numel() - context - 1, {args.batch_size}, generator);
       auto [x, y] = lm::windows(corpus.train, starts, context);
       inner.zero_grad();
-      at::Tensor loss = next_byte_loss(ddp_model ? (*ddp_model)(x) : model->forward(x), y);
+      at::Tensor loss = next_byte_loss(
+          fsdp_model ? fsdp_model->forward(x) : (ddp_model ? (*ddp_model)(x) : model->forward(x)), y);
       loss.backward();
       if (diloco) {
         diloco->step();
@@ -268,10 +286,14 @@ int main(int argc, char** argv) {
       if (saver && args.snapshot_every > 0 && step % args.snapshot_every == 0) {
         const ddp::TrainingProgress progress{0, step, 0};
         if (diloco) saver->save(*diloco, &inner, progress);
+        else if (fsdp_model) saver->save(*fsdp_model, &inner, progress);
         else saver->save(*ddp_model, &inner, progress);
       }
       if (step % args.eval_every != 0 && step != args.steps) continue;
       if (step == args.steps && diloco) diloco->flush();
+      // FSDP's shards are gathered on every rank (collective) for rank 0 to evaluate.
+      std::optional<ddp::FullParamsGuard> gathered;
+      if (fsdp_model) gathered.emplace(fsdp_model->summon_full_params());
       if (rank == 0) {
         const double eval_loss = evaluate();
         const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
