@@ -112,6 +112,26 @@ TEST(LmExample, DdpWithPowerSgdLearnsAndRefusesDiLoCo) {
   EXPECT_NE(r.err.find("--powersgd compresses DDP's gradients"), std::string::npos) << r.err;
 }
 
+// Python's DCP reads a DiLoCo job's sharded snapshot: 2 replicas, one sync at
+// step 4 (H = 4, no mixing), a snapshot right after it. "model.*" is the
+// global copy, and both replicas' local weights equal it (the script checks).
+TEST(LmExample, PythonReadsADiLoCoSnapshot) {
+  const std::string dir = ddp::testing::make_temp_dir("ddp_lm_dcp");
+  auto r = run_process(under_ddprun(2, "lm_train",
+                                    {"--steps", "4", "--eval-every", "4", "--corpus-mb", "1", "--width", "32", "--layers",
+                                     "1", "--diloco", "4", "--snapshot-dir", dir, "--snapshot-every", "4"}),
+                       one_rank({}, std::chrono::seconds(120)));
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  ddp::testing::RunOptions options;
+  options.timeout = std::chrono::seconds(120);
+  auto py = run_process({DDP_PYTHON, std::string(DDP_SOURCE_DIR) + "/tests/python/dcp_read_diloco.py",
+                         dir + "/sharded_step_000000000004", "2"},
+                        options);
+  EXPECT_EQ(py.exit_code, 0) << py.describe();
+  EXPECT_NE(py.out.find("max |global - local| after the sync: 0.0"), std::string::npos) << py.describe();
+  std::filesystem::remove_all(dir);
+}
+
 // Issue 38, item 5: two ddprun agents (nodes) of an elastic job, --nnodes 1:2,
 // one lm_train rank each, DiLoCo across them with a sharded snapshot every 8
 // steps. Node 1 is SIGKILLed once a snapshot exists: its replica drops out,
