@@ -507,19 +507,25 @@ struct FaultTolerance::Impl {
     // Averaged over the members that contribute: divided before the sum, as
     // DDP does, so a sum of averages cannot overflow.
     p->result = bucket.buffer().div(gen->size());
+    all_reduce_into(*gen, p);
+    return p->out;
+  }
+
+  // Sums p->result over `gen`'s members; a failure marks the step failed
+  // rather than throwing, and either way `p` is finished once.
+  void all_reduce_into(Generation& gen, const std::shared_ptr<PendingBucket>& p) {
     try {
       std::vector<at::Tensor> tensors{p->result};
-      auto work = gen->backend->allreduce(tensors);
-      const int64_t g = gen->g;
+      auto work = gen.backend->allreduce(tensors);
+      const int64_t g = gen.g;
       work->getFuture()->addCallback([this, p, g](c10::ivalue::Future& f) {
         if (f.hasError()) note_failure(g, "collective failed: " + f.tryRetrieveErrorMessage());
         p->finish(!f.hasError());
       });
     } catch (const std::exception& e) {
-      note_failure(gen->g, std::string("collective failed: ") + e.what());
+      note_failure(gen.g, std::string("collective failed: ") + e.what());
       p->finish(false);
     }
-    return p->out;
   }
 
   // A whole tensor summed over the step's members, for compositions that
@@ -537,18 +543,7 @@ struct FaultTolerance::Impl {
       pending.push_back(p);
     }
     p->result = tensor.detach().clone();
-    try {
-      std::vector<at::Tensor> tensors{p->result};
-      auto work = gen->backend->allreduce(tensors);
-      const int64_t g = gen->g;
-      work->getFuture()->addCallback([this, p, g](c10::ivalue::Future& f) {
-        if (f.hasError()) note_failure(g, "collective failed: " + f.tryRetrieveErrorMessage());
-        p->finish(!f.hasError());
-      });
-    } catch (const std::exception& e) {
-      note_failure(gen->g, std::string("collective failed: ") + e.what());
-      p->finish(false);
-    }
+    all_reduce_into(*gen, p);
     p->out->wait();
     const bool ok = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
     {
