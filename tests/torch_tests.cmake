@@ -284,3 +284,14 @@ ddp_reuse_precompiled_header(ddp_ft_diloco_tests)
 add_dependencies(ddp_ft_diloco_tests ft_diloco_worker)
 gtest_discover_tests(ddp_ft_diloco_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# Issue 37, defaults that fit the link (helper H3): DDP without a comm hook reduces
+# hierarchically when its Gloo group spans hosts with several ranks on one; the choice
+# (a pure function), 2 named hosts of 2 ranks (DDP_SHM_HOST_ID), and 2 network namespaces
+# of 2 ranks under ddprun (root; skipped otherwise).
+add_executable(ddp_hierarchical_default_tests test_hierarchical_default.cpp)
+target_link_libraries(ddp_hierarchical_default_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_hierarchical_default_tests)
+add_dependencies(ddp_hierarchical_default_tests ddprun ddp_worker)
+gtest_discover_tests(ddp_hierarchical_default_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

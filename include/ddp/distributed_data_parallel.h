@@ -90,10 +90,28 @@ struct DDPOptions {
   /// Start each bucket's reduction as soon as it is full. Off, every bucket
   /// waits for the end of backward; only useful to measure what overlap buys.
   TORCH_ARG(bool, overlap_with_backward) = true;
-  /// How a bucket is reduced: null (the plain all-reduce), fp16_compress_hook(),
+  /// How a bucket is reduced: null (ddp's choice: the plain all-reduce, or
+  /// the hierarchical one across hosts, see hierarchical_allreduce), fp16_compress_hook(),
   /// bf16_compress_hook(), compress_hook(dtype, inner), powersgd_hook(),
   /// hierarchical_allreduce_hook(mesh) or your own CommHook.
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  /// Without a comm_hook, whether buckets are reduced hierarchically: summed
+  /// within each host (shared memory, Gloo when DDP_SHM=0), all-reduced
+  /// between one leader rank per host over Gloo, and broadcast back within
+  /// the host, so one copy per host crosses the network instead of one per
+  /// rank (hierarchical_allreduce_hook, with the ranks grouped by host).
+  /// Unset (the default), ddp decides from the group's host layout, alike on
+  /// every rank: hierarchical when DDP's Gloo group over CPU tensors spans
+  /// more than one host and some host runs more than one rank (the hosts may
+  /// run different numbers), flat otherwise; DDP_HIERARCHICAL=0 in the
+  /// environment keeps the flat all-reduce. false: always flat. true: always
+  /// hierarchical, and an error where the layout cannot take it. The sums
+  /// equal the flat all-reduce's within float rounding (another order).
+  /// Rank 0 prints the choice at start-up:
+  /// `ddp: all-reduce hierarchical: shm within each host, gloo between 2 hosts ...`.
+  ///
+  ///   ddp::DDPOptions().hierarchical_allreduce(false)  // the flat all-reduce, bit for bit as before
+  TORCH_ARG(std::optional<bool>, hierarchical_allreduce) = std::nullopt;
   /// The graph is the same every iteration (PyTorch's static_graph): the
   /// same parameters take part and their gradients arrive in the same order.
   /// With find_unused_parameters, the first iteration's findings are then
@@ -109,7 +127,8 @@ struct DDPOptions {
   /// note_loss() before backward, as world size + 1 extra elements: a flag
   /// per rank and the loss divided by the world size. So the non-finite
   /// check and the loss averaged for the log cost no collective of their own
-  /// (reduced_loss()). Only with the default all-reduce (no comm_hook).
+  /// (reduced_loss()). Only without a comm_hook: it rides on ddp's own
+  /// all-reduce, flat or hierarchical.
   TORCH_ARG(bool, carry_loss) = false;
 };
 
@@ -269,6 +288,9 @@ class DDP_API DdpRuntime {
   std::shared_ptr<ProcessGroup> group_;
   DDPOptions options_;
   bool has_buffers_ = false;
+  // options_.comm_hook(), or ddp's own choice (the hierarchical all-reduce)
+  // when that is null; null: the plain all-reduce.
+  std::shared_ptr<CommHook> comm_hook_;
   std::shared_ptr<LossRiderHook> rider_;  // carry_loss
   torch::optim::Optimizer* optimizer_in_backward_ = nullptr;
   std::unique_ptr<BucketReducer> reducer_;

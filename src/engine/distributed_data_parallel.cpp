@@ -4,15 +4,91 @@
 
 #include "engine/bucket_reducer.h"
 #include "engine/ddp_hooks.h"
+#include "engine/hierarchical_choice.h"
+#include "engine/hierarchical_hook.h"
+#include "comm/backends.h"
+#include "comm/fnv1a.h"
 #include "common/error_text.h"
 
 #include <ATen/Functions.h>
 #include <torch/optim/lbfgs.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <unordered_set>
 
 namespace ddp {
 namespace detail {
+namespace {
+
+int64_t host_hash() {
+  const std::string identity = shm_host_identity();
+  Fnv1a hash;
+  hash.add(identity.data(), identity.size());
+  int64_t value = 0;
+  const uint64_t bits = hash.value();
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// DDP's own comm hook when the user set none (issue 37, defaults that fit
+// the link): the hierarchical all-reduce when DDP's Gloo group spans hosts
+// and some host runs several ranks, since then one copy of each bucket per
+// host crosses the network instead of one per rank, and the host's part is
+// shared memory. Null: the plain all-reduce. Every rank votes through one
+// all-gather of its host, its wish and its parameters' device, and decides
+// from all the votes, so all take the same path.
+std::shared_ptr<CommHook> default_comm_hook(const std::shared_ptr<ProcessGroup>& group, const DDPOptions& options,
+                                            const std::vector<at::Tensor>& params) {
+  const bool insists = options.hierarchical_allreduce().value_or(false);
+  if (group->size() == 1 || group->backend() != BackendKind::kGloo) {
+    // Shared memory holds one host's ranks only; NCCL and MPI place their
+    // own collectives. Program-wide facts, so every rank returns alike.
+    DDP_CHECK(!insists, "ddp: DDPOptions::hierarchical_allreduce(true) reduces over a Gloo group spanning hosts, ",
+              "but DDP's group is ", group->size() == 1 ? "one rank" : to_string(group->backend()) + " (" +
+              std::to_string(group->size()) + " ranks)", "; drop the option (ddp then chooses)");
+    return nullptr;
+  }
+  bool cpu = true;
+  for (const auto& p : params) cpu = cpu && p.is_cpu();
+  const HierarchicalWish wish = hierarchical_wish(options.hierarchical_allreduce(), std::getenv("DDP_HIERARCHICAL"));
+  at::Tensor mine = at::tensor({host_hash(), static_cast<int64_t>(wish), int64_t{cpu ? 1 : 0}}, at::kLong);
+  std::vector<at::Tensor> all;
+  {
+    CollectiveTag tag("ddp all-reduce choice: hosts");
+    all = group->all_gather(group->to_control(mine));
+  }
+  std::vector<HierarchicalVote> votes;
+  for (const at::Tensor& vote : all) {
+    at::Tensor v = vote.cpu();
+    votes.push_back({v[0].item<int64_t>(), static_cast<HierarchicalWish>(v[1].item<int64_t>()), v[2].item<int64_t>() != 0});
+  }
+  const HierarchicalChoice choice = choose_hierarchical_allreduce(votes);
+  DDP_CHECK(choice.error.empty(), choice.error);
+  const int rank = group->rank();
+  if (!choice.hierarchical) {
+    if (choice.layout_fits && rank == 0) {
+      std::fprintf(stderr, "ddp: all-reduce flat: gloo over %d ranks on %d hosts (%s)\n", group->size(),
+                   choice.hosts, choice.why_flat.c_str());
+    }
+    return nullptr;
+  }
+  // The ranks of this host, led by the lowest; the leaders, one per host.
+  // Splits of DDP's group: a host's group gets shared memory where ddp
+  // chose the transport (ProcessGroup::split), the leaders' group Gloo.
+  std::shared_ptr<ProcessGroup> node = group->split(choice.host_of_rank[rank], rank);
+  std::shared_ptr<ProcessGroup> leaders = group->split(node->rank() == 0 ? 0 : ProcessGroup::kNoColour, rank);
+  if (rank == 0) {
+    const std::string within = node->size() > 1 ? to_string(node->backend()) : "nothing (rank 0 is alone on its host)";
+    std::fprintf(stderr, "ddp: all-reduce hierarchical: %s within each host, %s between %d hosts (%d ranks; "
+                 "DDP_HIERARCHICAL=0 for flat)\n", within.c_str(), to_string(leaders->backend()).c_str(),
+                 choice.hosts, group->size());
+  }
+  return hierarchical_allreduce_hook(std::move(node), leaders->is_member() ? leaders : nullptr, group->size());
+}
+
+}  // namespace
 
 void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
   if (value.isTensor()) {
@@ -36,6 +112,12 @@ DdpRuntime::DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<Pr
   DDP_CHECK(sparse.empty(), "ddp: parameter '", sparse.empty() ? "" : sparse.front(),
             "' would get sparse gradients (an Embedding or EmbeddingBag built with sparse(true)), but ",
             "DistributedDataParallel averages dense gradients only. Build it with sparse(false).");
+  DDP_CHECK(!(options_.carry_loss() && options_.comm_hook()), "ddp: DDPOptions::carry_loss rides on the default "
+            "all-reduce, which a comm hook replaces; drop one of them (with a hook, check the loss with "
+            "ddp::check_loss_is_finite(loss, group, ...), one small all-reduce)");
+  DDP_CHECK(!(options_.comm_hook() && options_.hierarchical_allreduce().value_or(false)),
+            "ddp: DDPOptions::hierarchical_allreduce(true) chooses DDP's own all-reduce, which a comm hook replaces; "
+            "drop one of them (or pass hierarchical_allreduce_hook(mesh) as the hook)");
   verify_replicas_match(*module_, *group_);
   broadcast_module_state(*module_, *group_, /*parameters=*/true, /*buffers=*/true);
   has_buffers_ = !module_->named_buffers().empty();
@@ -47,12 +129,13 @@ DdpRuntime::DdpRuntime(std::shared_ptr<ModuleTensors> module, std::shared_ptr<Pr
     params.push_back(p);
     names.push_back(name);
   }
+  comm_hook_ = options_.comm_hook() ? options_.comm_hook() : default_comm_hook(group_, options_, params);
   DDPOptions reducer_options = options_;
+  reducer_options.comm_hook(comm_hook_);
   if (options_.carry_loss()) {
-    DDP_CHECK(!options_.comm_hook(), "ddp: DDPOptions::carry_loss rides on the default all-reduce, which a "
-              "comm hook replaces; drop one of them (with a hook, check the loss with "
-              "ddp::check_loss_is_finite(loss, group, ...), one small all-reduce)");
-    rider_ = std::make_shared<LossRiderHook>(allreduce_hook());
+    // The rider appends its elements to the last bucket, which ddp's own
+    // all-reduce (flat or hierarchical) sums as any other.
+    rider_ = std::make_shared<LossRiderHook>(comm_hook_ ? comm_hook_ : allreduce_hook());
     reducer_options.comm_hook(rider_);
   }
   reducer_ = std::make_unique<BucketReducer>(std::move(params), std::move(names), group_, reducer_options);
@@ -123,7 +206,7 @@ const ReducedLoss& DdpRuntime::reduced_loss() const {
 }
 
 void DdpRuntime::step_in_backward(torch::optim::Optimizer* optimizer) {
-  std::shared_ptr<CommHook> hook = rider_ ? rider_ : options_.comm_hook();
+  std::shared_ptr<CommHook> hook = rider_ ? rider_ : comm_hook_;
   if (optimizer) {
     DDP_CHECK(!rider_, "ddp: step_in_backward steps the optimizer before backward returns, so a non-finite loss "
               "carried by carry_loss could no longer skip the step; drop carry_loss, or step the optimizer "

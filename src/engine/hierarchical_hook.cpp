@@ -12,19 +12,19 @@
 #include <ddp/device_mesh.h>
 #include <ddp/error.h>
 
+#include "engine/hierarchical_hook.h"
 #include "engine/hook_thread.h"
 
 #include <string>
+#include <utility>
 
 namespace ddp {
 namespace {
 
 class HierarchicalAllreduceHook : public CommHook {
  public:
-  explicit HierarchicalAllreduceHook(const DeviceMesh& mesh)
-      : node_(mesh.group(mesh.ndim() - 1)),
-        leaders_(mesh.ndim() == 2 && mesh.coordinate(mesh.dim_names()[1]) == 0 ? mesh.group(0) : nullptr),
-        mesh_size_(mesh.process_group()->size()) {}
+  HierarchicalAllreduceHook(std::shared_ptr<ProcessGroup> node, std::shared_ptr<ProcessGroup> leaders, int world_size)
+      : node_(std::move(node)), leaders_(std::move(leaders)), mesh_size_(world_size) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> run(ProcessGroup& group, GradBucket& bucket) override {
     DDP_CHECK(!bucket.scatters(), "ddp: hierarchical_allreduce_hook all-reduces DDP's buckets; FSDP reduce-scatters "
@@ -50,7 +50,21 @@ class HierarchicalAllreduceHook : public CommHook {
 }  // namespace
 
 std::shared_ptr<CommHook> hierarchical_allreduce_hook(const DeviceMesh& mesh) {
-  return std::make_shared<HierarchicalAllreduceHook>(mesh);
+  // The mesh's last dimension is this rank's node; the leaders are the
+  // nodes' first ranks, i.e. column 0's group of the first dimension.
+  const bool leader = mesh.ndim() == 2 && mesh.coordinate(mesh.dim_names()[1]) == 0;
+  return detail::hierarchical_allreduce_hook(mesh.group(mesh.ndim() - 1), leader ? mesh.group(0) : nullptr,
+                                             mesh.process_group()->size());
 }
+
+namespace detail {
+
+std::shared_ptr<CommHook> hierarchical_allreduce_hook(std::shared_ptr<ProcessGroup> node,
+                                                      std::shared_ptr<ProcessGroup> leaders, int world_size) {
+  DDP_CHECK(node && node->is_member(), "ddp: the hierarchical all-reduce needs this rank's node group");
+  return std::make_shared<HierarchicalAllreduceHook>(std::move(node), std::move(leaders), world_size);
+}
+
+}  // namespace detail
 
 }  // namespace ddp
