@@ -8,13 +8,13 @@
 #include <ddp/fault_tolerance.h>
 
 #include "fault/membership.h"
+#include "support/ft_replica_job.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <gtest/gtest.h>
 
 #include <dirent.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,94 +23,20 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <regex>
-#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
+using namespace ddp::testing;
 
-std::string worker_path() {
-  return (fs::read_symlink("/proc/self/exe").parent_path() / "ft_worker").string();
-}
-
-int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-// A c10d TCPStore served by the test process on a free port, as ddprun --fault-tolerance's
-// keeper would serve it.
-c10::intrusive_ptr<c10d::TCPStore> serve_store() {
-  c10d::TCPStoreOptions o;
-  o.port = 0;
-  o.isServer = true;
-  o.waitWorkers = false;
-  o.timeout = std::chrono::seconds(30);
-  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
-}
-
-struct StepLine {
-  int64_t step = 0, gen = 0, t_us = 0;
-  int rank = 0, size = 0;
-  std::string hash;
-  std::vector<int64_t> window, mine;
-};
-
-std::vector<int64_t> numbers(const std::string& text) {
-  std::vector<int64_t> v;
-  std::stringstream in(text);
-  for (std::string x; std::getline(in, x, ',');) v.push_back(std::stoll(x));
-  return v;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-struct Worker {
-  pid_t pid = -1;
-  std::string id, out, err;
-  int status = -1;
-  bool exited = false;
-
-  std::vector<StepLine> steps() const {
-    std::vector<StepLine> lines;
-    static const std::regex re(
-        R"(step (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+) t (\d+) window ([0-9,]*) mine ([0-9,]*))");
-    std::stringstream in(read_file(out));
-    for (std::string line; std::getline(in, line);) {
-      std::smatch m;
-      if (!std::regex_match(line, m, re)) continue;
-      StepLine s;
-      s.step = std::stoll(m[1]);
-      s.gen = std::stoll(m[2]);
-      s.rank = std::stoi(m[3]);
-      s.size = std::stoi(m[4]);
-      s.hash = m[5];
-      s.t_us = std::stoll(m[6]);
-      s.window = numbers(m[7]);
-      s.mine = numbers(m[8]);
-      lines.push_back(s);
-    }
-    return lines;
-  }
-  std::string final_hash() const {
-    static const std::regex re(R"(final ([0-9a-f]+))");
-    std::smatch m;
-    std::string text = read_file(out);
-    return std::regex_search(text, m, re) ? m[1].str() : "";
-  }
+// An ft_worker replica: its step lines, its "skipped step" lines.
+struct Worker : StepReplica {
   std::vector<std::string> skipped() const {
     std::vector<std::string> lines;
     std::stringstream in(read_file(out));
@@ -119,163 +45,27 @@ struct Worker {
     }
     return lines;
   }
-  int64_t committed() const {
-    auto s = steps();
-    return s.empty() ? -1 : s.back().step;
-  }
 };
 
-class FaultToleranceJob : public ::testing::Test {
+class FaultToleranceJob : public FtReplicaJob<Worker> {
  protected:
-  void SetUp() override {
-    if (!fs::exists(worker_path())) GTEST_SKIP() << "ft_worker was not built next to the test";
-    store_ = serve_store();
-    dir_ = fs::temp_directory_path() / ("ddp_ft_" + std::to_string(getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-
-  void TearDown() override {
-    for (auto& w : workers_) {
-      if (!w.exited && w.pid > 0) {
-        kill(-w.pid, SIGKILL);
-        waitpid(w.pid, nullptr, 0);
-      }
-    }
-    // FT_KEEP_LOGS=1 keeps the workers' output of passing tests too.
-    if (!HasFailure() && !std::getenv("FT_KEEP_LOGS")) fs::remove_all(dir_);
-  }
-
-  // A fresh store for a second job in the same test (a replay).
-  void new_store() {
-    store_ = serve_store();
-  }
+  FaultToleranceJob() : FtReplicaJob("ft_worker") {}
 
   // Starts a replica with `id` and extra environment; returns its index.
   // `argv` runs another program (its path first) instead of ft_worker.
   size_t start(const std::string& id, std::map<std::string, std::string> env = {},
                std::vector<std::string> argv = {}) {
-    Worker w;
-    w.id = id;
-    std::string safe = id;
-    std::replace(safe.begin(), safe.end(), '/', '_');
-    w.out = (dir_ / (safe + ".out")).string();
-    w.err = (dir_ / (safe + ".err")).string();
-    env["DDP_FAULT_TOLERANCE"] = "1";
-    env["DDP_FT_STORE"] = "tcp://127.0.0.1:" + std::to_string(store_->getPort());
-    env["DDP_FT_REPLICA_ID"] = id;
-    env.emplace("DDP_FT_INITIAL_REPLICAS", "3");
-    env.emplace("DDP_FT_DEADLINE_MS", "3000");
-    env["MASTER_ADDR"] = "127.0.0.1";
-    env["OMP_NUM_THREADS"] = "1";
-    if (argv.empty()) argv = {worker_path()};
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    // Everything the child needs is made before fork(): this process runs
-    // the store's server thread, so the child may only make async-signal-safe
-    // calls (a setenv or malloc there can deadlock on a lock that thread held).
-    std::vector<std::string> environment;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry = *e;
-      if (!env.count(entry.substr(0, entry.find('=')))) environment.push_back(entry);
-    }
-    for (const auto& [k, v] : env) environment.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (auto& e : environment) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    const int out = open(w.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    pid_t pid = fork();
-    if (pid == 0) {
-      setpgid(0, 0);
-      dup2(out, 1);
-      dup2(err, 2);
-      execve(args[0], args.data(), envp.data());
-      _exit(127);
-    }
-    close(out);
-    close(err);
-    setpgid(pid, pid);
-    w.pid = pid;
-    workers_.push_back(w);
-    return workers_.size() - 1;
-  }
-
-  // Waits until `pred` holds, up to `seconds`.
-  template <typename Pred>
-  bool wait_until(Pred pred, double seconds) {
-    const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-    while (Clock::now() < end) {
-      if (pred()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return pred();
-  }
-
-  bool reap(Worker& w) {
-    if (w.exited) return true;
-    int status = 0;
-    if (waitpid(w.pid, &status, WNOHANG) == w.pid) {
-      w.exited = true;
-      w.status = status;
-    }
-    return w.exited;
-  }
-
-  // Waits for workers `which` to exit; expects it within `seconds`.
-  void wait_exit(const std::vector<size_t>& which, double seconds) {
-    bool all = wait_until(
-        [&] {
-          bool done = true;
-          for (size_t i : which) done = reap(workers_[i]) && done;
-          return done;
-        },
-        seconds);
-    ASSERT_TRUE(all) << "workers did not finish in " << seconds << " s\n" << logs();
-  }
-
-  std::string logs() const {
-    std::string text;
-    for (const auto& w : workers_) {
-      text += "---- " + w.id + " stderr:\n" + read_file(w.err) + "---- " + w.id + " stdout (tail):\n";
-      std::string out = read_file(w.out);
-      text += out.size() > 3000 ? out.substr(out.size() - 3000) : out;
-    }
-    return text;
+    return launch(id, with_ft_replica_env(std::move(env), store_->getPort(), id, /*deadline_ms=*/3000),
+                  std::move(argv));
   }
 
   void kill_worker(size_t i, int sig) { kill(workers_[i].pid, sig); }
-
-  // Every member printed the same hash at every step they both committed.
-  void expect_same_weights(const std::vector<size_t>& which) {
-    std::map<int64_t, std::string> first;
-    for (size_t i : which) {
-      for (const auto& s : workers_[i].steps()) {
-        auto [it, fresh] = first.emplace(s.step, s.hash);
-        EXPECT_EQ(it->second, s.hash) << "step " << s.step << " differs on " << workers_[i].id;
-      }
-    }
-  }
-
-  // The first committed step after `t_us` at a generation newer than `gen`.
-  int64_t first_commit_after(const Worker& w, int64_t t_us) {
-    for (const auto& s : w.steps()) {
-      if (s.t_us > t_us) return s.t_us;
-    }
-    return -1;
-  }
-
-  c10::intrusive_ptr<c10d::TCPStore> store_;
-  fs::path dir_;
-  std::vector<Worker> workers_;
 };
 
 // A DDP model keeps its hook, and may outlive the FaultTolerance that made it: the hook then
 // fails with ddp's error, not a use of freed memory. One process, over a store it serves.
 TEST(FaultToleranceHook, RunAfterItsFaultToleranceIsDestroyedThrowsClearly) {
-  auto store = serve_store();
+  auto store = serve_ft_store();
   auto ft = std::make_unique<ddp::FaultTolerance>(ddp::FaultToleranceOptions()
                                                       .store("tcp://127.0.0.1:" + std::to_string(store->getPort()))
                                                       .replica_id("alone")

@@ -5,60 +5,33 @@
 // file that ddprun gives each fault-tolerant worker (issue 36, "Start-up
 // failures"): created at the first committed step.
 
+#include "support/ft_replica_job.h"
+#include "support/subprocess.h"
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <gtest/gtest.h>
 
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <regex>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
-
-extern char** environ;
 
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 
-std::string worker_path() { return (fs::read_symlink("/proc/self/exe").parent_path() / "ft_diloco_worker").string(); }
+using namespace ddp::testing;
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in in{};
-  in.sin_family = AF_INET;
-  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&in), sizeof(in));
-  socklen_t len = sizeof(in);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&in), &len);
-  close(fd);
-  return ntohs(in.sin_port);
-}
-
-struct Replica {
-  pid_t pid = -1;
-  std::string out, err;
-  bool exited = false;
-  int status = -1;
-
+// An ft_diloco_worker replica (FTD_MODE=ft) or a replica of DiLoCo over a Gloo group (group).
+struct Replica : ReplicaProcess {
   // sync index -> (skipped so far, hash)
   std::map<int64_t, std::pair<int64_t, std::string>> syncs() const {
     static const std::regex re(R"(sync (\d+) skipped (\d+) hash ([0-9a-f]+))");
@@ -70,135 +43,30 @@ struct Replica {
     }
     return found;
   }
-  std::string final_hash() const {
-    static const std::regex re(R"(final ([0-9a-f]+))");
-    std::smatch m;
-    const std::string text = read_file(out);
-    return std::regex_search(text, m, re) ? m[1].str() : "";
-  }
 };
 
-class FtDiLoCo : public ::testing::Test {
+class FtDiLoCo : public FtReplicaJob<Replica> {
  protected:
-  void SetUp() override {
-    if (!fs::exists(worker_path())) GTEST_SKIP() << "ft_diloco_worker was not built next to the test";
-    new_store();
-    dir_ = fs::temp_directory_path() / ("ddp_ftd_" + std::to_string(getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-
-  // A fresh store: a new job (a replica of an old one would wait there as a joiner).
-  void new_store() {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.waitWorkers = false;
-    o.timeout = std::chrono::seconds(30);
-    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
-  }
-
-  void TearDown() override {
-    for (auto& r : replicas_) {
-      if (!r.exited && r.pid > 0) {
-        kill(-r.pid, SIGKILL);
-        waitpid(r.pid, nullptr, 0);
-      }
-    }
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
+  FtDiLoCo() : FtReplicaJob("ft_diloco_worker") {}
 
   // A replica with `name` (its output files; under fault tolerance also its
   // replica id) and the environment on top of the test's own.
   size_t start(const std::string& name, std::map<std::string, std::string> env) {
-    Replica r;
-    r.out = (dir_ / (name + ".out")).string();
-    r.err = (dir_ / (name + ".err")).string();
     if (env["FTD_MODE"] != "group") {
       env["FTD_MODE"] = "ft";
-      env["DDP_FAULT_TOLERANCE"] = "1";
-      env["DDP_FT_STORE"] = "tcp://127.0.0.1:" + std::to_string(store_->getPort());
-      env["DDP_FT_REPLICA_ID"] = name;
-      env.emplace("DDP_FT_INITIAL_REPLICAS", "3");
-      env.emplace("DDP_FT_DEADLINE_MS", "3000");
+      env = with_ft_replica_env(std::move(env), store_->getPort(), name, /*deadline_ms=*/3000);
     }
-    env["MASTER_ADDR"] = "127.0.0.1";
-    env["OMP_NUM_THREADS"] = "1";
-    // Built before fork(): this process runs the store's server thread, so
-    // the child makes only async-signal-safe calls before exec.
-    std::vector<std::string> environment;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry = *e;
-      if (!env.count(entry.substr(0, entry.find('=')))) environment.push_back(entry);
-    }
-    for (const auto& [k, v] : env) environment.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (auto& e : environment) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::string program = worker_path();
-    char* argv[] = {program.data(), nullptr};
-    const int out = open(r.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const int err = open(r.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      setpgid(0, 0);
-      dup2(out, 1);
-      dup2(err, 2);
-      execve(argv[0], argv, envp.data());
-      _exit(127);
-    }
-    close(out);
-    close(err);
-    setpgid(pid, pid);
-    r.pid = pid;
-    replicas_.push_back(r);
-    return replicas_.size() - 1;
+    return launch(name, std::move(env));
   }
 
-  template <typename Pred>
-  bool wait_until(Pred pred, double seconds) {
-    const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-    while (Clock::now() < end) {
-      if (pred()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return pred();
-  }
-
-  bool reap(Replica& r) {
-    if (!r.exited && waitpid(r.pid, &r.status, WNOHANG) == r.pid) r.exited = true;
-    return r.exited;
-  }
-
+  // Waits for replicas `which` to exit within `seconds`; here each must also exit 0.
   void wait_exit(const std::vector<size_t>& which, double seconds) {
-    const bool all = wait_until(
-        [&] {
-          bool done = true;
-          for (size_t i : which) done = reap(replicas_[i]) && done;
-          return done;
-        },
-        seconds);
-    ASSERT_TRUE(all) << "replicas did not finish in " << seconds << " s\n" << logs();
+    ASSERT_TRUE(exit_within(which, seconds)) << "replicas did not finish in " << seconds << " s\n" << logs();
     for (size_t i : which) {
-      EXPECT_TRUE(WIFEXITED(replicas_[i].status) && WEXITSTATUS(replicas_[i].status) == 0)
-          << "replica " << i << " status " << replicas_[i].status << "\n" << logs();
+      EXPECT_TRUE(WIFEXITED(workers_[i].status) && WEXITSTATUS(workers_[i].status) == 0)
+          << "replica " << i << " status " << workers_[i].status << "\n" << logs();
     }
   }
-
-  std::string logs() const {
-    std::string text;
-    for (size_t i = 0; i < replicas_.size(); ++i) {
-      std::string out = read_file(replicas_[i].out);
-      text += "---- " + std::to_string(i) + " stderr:\n" + read_file(replicas_[i].err) + "---- stdout (tail):\n" +
-              (out.size() > 2500 ? out.substr(out.size() - 2500) : out);
-    }
-    return text;
-  }
-
-  c10::intrusive_ptr<c10d::TCPStore> store_;
-  fs::path dir_;
-  std::vector<Replica> replicas_;
 };
 
 // ddprun tells a worker that failed at start-up from one that trained by
@@ -231,11 +99,11 @@ TEST_F(FtDiLoCo, WithoutFaultsFollowsDiLoCoOverAGroupBitForBit) {
   for (int r = 0; r < 3; ++r) start("ft" + std::to_string(r), {{"FTD_SEED", "7"}, {"FTD_STEPS", "60"}});
   wait_exit({0, 1, 2, 3, 4, 5}, 120);
   if (HasFatalFailure()) return;
-  const auto reference = replicas_[0].syncs();
+  const auto reference = workers_[0].syncs();
   ASSERT_EQ(reference.size(), 12u) << logs();
   for (size_t i = 1; i < 6; ++i) {
-    EXPECT_EQ(replicas_[i].syncs(), reference) << "replica " << i << "\n" << logs();
-    EXPECT_EQ(replicas_[i].final_hash(), replicas_[0].final_hash());
+    EXPECT_EQ(workers_[i].syncs(), reference) << "replica " << i << "\n" << logs();
+    EXPECT_EQ(workers_[i].final_hash(), workers_[0].final_hash());
   }
   // The trajectory moved: not a run of unchanged weights.
   EXPECT_NE(reference.begin()->second.second, reference.rbegin()->second.second);
@@ -248,15 +116,15 @@ TEST_F(FtDiLoCo, WithoutFaultsFollowsDiLoCoOverAGroupBitForBit) {
 TEST_F(FtDiLoCo, SurvivorsGoOnAndARestartedReplicaHealsToTheSameWeights) {
   const std::map<std::string, std::string> env{{"FTD_STEPS", "150"}, {"FTD_STEP_MS", "15"}, {"FTD_H", "5"}};
   for (const char* name : {"a", "b", "c"}) start(name, env);
-  ASSERT_TRUE(wait_until([&] { return replicas_[2].syncs().count(6) > 0; }, 60)) << logs();
-  kill(replicas_[2].pid, SIGKILL);
-  waitpid(replicas_[2].pid, nullptr, 0);
-  replicas_[2].exited = true;
-  const auto killed_at = replicas_[2].syncs().rbegin()->first;
+  ASSERT_TRUE(wait_until([&] { return workers_[2].syncs().count(6) > 0; }, 60)) << logs();
+  kill(workers_[2].pid, SIGKILL);
+  waitpid(workers_[2].pid, nullptr, 0);
+  workers_[2].exited = true;
+  const auto killed_at = workers_[2].syncs().rbegin()->first;
   start("c-restarted", env);
   wait_exit({0, 1, 3}, 120);
   if (HasFatalFailure()) return;
-  const auto a = replicas_[0].syncs(), b = replicas_[1].syncs(), joiner = replicas_[3].syncs();
+  const auto a = workers_[0].syncs(), b = workers_[1].syncs(), joiner = workers_[3].syncs();
   ASSERT_EQ(a.size(), 30u) << logs();
   EXPECT_EQ(a, b) << "the survivors' syncs differ (hash or skipped count)\n" << logs();
   // At most the sync in flight at the kill is skipped.
@@ -267,9 +135,9 @@ TEST_F(FtDiLoCo, SurvivorsGoOnAndARestartedReplicaHealsToTheSameWeights) {
   EXPECT_GT(joiner.begin()->first, killed_at);
   EXPECT_LT(joiner.begin()->first, 30) << "the restarted replica never trained a round\n" << logs();
   for (const auto& [index, entry] : joiner) EXPECT_EQ(entry, a.at(index)) << "sync " << index << "\n" << logs();
-  EXPECT_EQ(replicas_[3].final_hash(), replicas_[0].final_hash());
-  EXPECT_EQ(replicas_[1].final_hash(), replicas_[0].final_hash());
-  const std::string out = read_file(replicas_[3].out);
+  EXPECT_EQ(workers_[3].final_hash(), workers_[0].final_hash());
+  EXPECT_EQ(workers_[1].final_hash(), workers_[0].final_hash());
+  const std::string out = read_file(workers_[3].out);
   EXPECT_NE(out.find("joined at "), std::string::npos);
   EXPECT_EQ(out.find("joined at 0\n"), std::string::npos) << "the restarted replica started from step 0: not healed";
   std::printf("[measure] killed after sync %lld; the restarted replica's first sync %lld; survivors skipped %lld\n",

@@ -6,6 +6,7 @@
 #include <ddp/fault_tolerance.h>
 
 #include "fault/heal_state.h"
+#include "support/ft_replica_job.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/nn/modules/activation.h>
@@ -18,7 +19,6 @@
 
 #include <gtest/gtest.h>
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -38,12 +38,9 @@
 #include <thread>
 #include <vector>
 
-extern char** environ;
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
-namespace fs = std::filesystem;
 
 // ---- pure: the plan and the split state ---------------------------------------
 
@@ -217,67 +214,10 @@ TEST(HealState, CostOfListingAndRebuildingA13MBState) {
 
 // ---- real processes ------------------------------------------------------------------
 
-std::string worker_path() { return (fs::read_symlink("/proc/self/exe").parent_path() / "ft_heal_worker").string(); }
+using namespace ddp::testing;
 
-int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-std::vector<int64_t> numbers(const std::string& text) {
-  std::vector<int64_t> v;
-  std::stringstream in(text);
-  for (std::string x; std::getline(in, x, ',');) v.push_back(std::stoll(x));
-  return v;
-}
-
-struct StepLine {
-  int64_t step = 0, gen = 0, t_us = 0;
-  int rank = 0, size = 0;
-  std::string hash;
-  std::vector<int64_t> window, mine;
-};
-
-struct Worker {
-  pid_t pid = -1;
-  std::string id, out, err;
-  int status = -1;
-  bool exited = false;
-
-  std::vector<StepLine> steps() const {
-    static const std::regex re(
-        R"(step (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+) t (\d+) window ([0-9,]*) mine ([0-9,]*))");
-    std::vector<StepLine> lines;
-    std::stringstream in(read_file(out));
-    for (std::string line; std::getline(in, line);) {
-      std::smatch m;
-      if (!std::regex_match(line, m, re)) continue;
-      StepLine s;
-      s.step = std::stoll(m[1]);
-      s.gen = std::stoll(m[2]);
-      s.rank = std::stoi(m[3]);
-      s.size = std::stoi(m[4]);
-      s.hash = m[5];
-      s.t_us = std::stoll(m[6]);
-      s.window = numbers(m[7]);
-      s.mine = numbers(m[8]);
-      lines.push_back(s);
-    }
-    return lines;
-  }
-  int64_t committed() const {
-    auto s = steps();
-    return s.empty() ? -1 : s.back().step;
-  }
-  int last_size() const {
-    auto s = steps();
-    return s.empty() ? 0 : s.back().size;
-  }
+// An ft_heal_worker replica: its step lines, and what it prints besides.
+struct Worker : StepReplica {
   std::string match(const std::string& pattern) const {
     std::smatch m;
     const std::string text = read_file(out);
@@ -291,7 +231,6 @@ struct Worker {
     for (std::sregex_iterator it(text.begin(), text.end(), re), end; it != end; ++it) last = std::stoll((*it)[1]);
     return last;
   }
-  std::string final_hash() const { return match(R"(final ([0-9a-f]+))"); }
   double heldout_accuracy() const {
     const std::string a = match(R"(heldout accuracy ([0-9.]+))");
     return a.empty() ? -1 : std::stod(a);
@@ -306,143 +245,13 @@ struct Worker {
   }
 };
 
-class HealingJob : public ::testing::Test {
+class HealingJob : public FtReplicaJob<Worker> {
  protected:
-  void SetUp() override {
-    if (!fs::exists(worker_path())) GTEST_SKIP() << "ft_heal_worker was not built next to the test";
-    new_store();
-    dir_ = fs::temp_directory_path() / ("ddp_ft_heal_" + std::to_string(getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-
-  void TearDown() override {
-    for (auto& w : workers_) {
-      if (!w.exited && w.pid > 0) {
-        kill(-w.pid, SIGKILL);
-        waitpid(w.pid, nullptr, 0);
-      }
-    }
-    if (!HasFailure() && !std::getenv("FT_KEEP_LOGS")) fs::remove_all(dir_);
-  }
-
-  void new_store() {
-    c10d::TCPStoreOptions o;
-    o.port = 0;
-    o.isServer = true;
-    o.waitWorkers = false;
-    o.timeout = std::chrono::seconds(30);
-    store_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
-  }
+  HealingJob() : FtReplicaJob("ft_heal_worker") {}
 
   size_t start(const std::string& id, std::map<std::string, std::string> env) {
-    Worker w;
-    w.id = id;
-    std::string safe = id;
-    std::replace(safe.begin(), safe.end(), '/', '_');
-    w.out = (dir_ / (safe + "_" + std::to_string(workers_.size()) + ".out")).string();
-    w.err = (dir_ / (safe + "_" + std::to_string(workers_.size()) + ".err")).string();
-    env["DDP_FAULT_TOLERANCE"] = "1";
-    env["DDP_FT_STORE"] = "tcp://127.0.0.1:" + std::to_string(store_->getPort());
-    env["DDP_FT_REPLICA_ID"] = id;
-    env.emplace("DDP_FT_INITIAL_REPLICAS", "3");
-    env.emplace("DDP_FT_DEADLINE_MS", "5000");
-    env["MASTER_ADDR"] = "127.0.0.1";
-    env["OMP_NUM_THREADS"] = "1";
-    std::string program = worker_path();
-    std::vector<char*> args{program.data(), nullptr};
-    // Everything the child needs is made before fork(): this process runs the
-    // store's server thread, so the child only execs.
-    std::vector<std::string> environment;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry = *e;
-      if (!env.count(entry.substr(0, entry.find('=')))) environment.push_back(entry);
-    }
-    for (const auto& [k, v] : env) environment.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (auto& e : environment) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    const int out = open(w.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const int err = open(w.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    pid_t pid = fork();
-    if (pid == 0) {
-      setpgid(0, 0);
-      dup2(out, 1);
-      dup2(err, 2);
-      execve(args[0], args.data(), envp.data());
-      _exit(127);
-    }
-    close(out);
-    close(err);
-    setpgid(pid, pid);
-    w.pid = pid;
-    workers_.push_back(w);
-    return workers_.size() - 1;
+    return launch(id, with_ft_replica_env(std::move(env), store_->getPort(), id, /*deadline_ms=*/5000));
   }
-
-  template <typename Pred>
-  bool wait_until(Pred pred, double seconds) {
-    const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-    while (Clock::now() < end) {
-      if (pred()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return pred();
-  }
-
-  bool reap(Worker& w) {
-    if (w.exited) return true;
-    int status = 0;
-    if (waitpid(w.pid, &status, WNOHANG) == w.pid) {
-      w.exited = true;
-      w.status = status;
-    }
-    return w.exited;
-  }
-
-  void wait_exit(const std::vector<size_t>& which, double seconds) {
-    const bool all = wait_until(
-        [&] {
-          bool done = true;
-          for (size_t i : which) done = reap(workers_[i]) && done;
-          return done;
-        },
-        seconds);
-    ASSERT_TRUE(all) << "workers did not finish in " << seconds << " s\n" << logs();
-  }
-
-  void kill_and_reap(size_t i) {
-    kill(workers_[i].pid, SIGKILL);
-    wait_exit({i}, 10);
-  }
-
-  std::string logs() const {
-    std::string text;
-    for (const auto& w : workers_) {
-      text += "---- " + w.id + " stderr:\n" + read_file(w.err) + "---- " + w.id + " stdout (tail):\n";
-      std::string out = read_file(w.out);
-      text += out.size() > 2000 ? out.substr(out.size() - 2000) : out;
-    }
-    return text;
-  }
-
-  // Every worker in `which` printed the same hash at every step they share.
-  void expect_same_weights(const std::vector<size_t>& which) {
-    std::map<int64_t, std::pair<std::string, std::string>> first;
-    for (size_t i : which) {
-      for (const auto& s : workers_[i].steps()) {
-        if (s.hash == std::string(16, '0')) continue;  // not hashed at this step
-        auto [it, fresh] = first.emplace(s.step, std::make_pair(s.hash, workers_[i].id));
-        EXPECT_EQ(it->second.first, s.hash)
-            << "step " << s.step << ": " << workers_[i].id << " differs from " << it->second.second;
-      }
-    }
-  }
-
-  c10::intrusive_ptr<c10d::TCPStore> store_;
-  fs::path dir_;
-  std::vector<Worker> workers_;
 };
 
 struct HealLine {
@@ -471,6 +280,13 @@ std::vector<HealLine> heal_lines(const std::string& err) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// "12.34, 5.678, ...": each value's first five characters.
+std::string listed(const std::vector<double>& values) {
+  std::string s;
+  for (double v : values) s += (s.empty() ? "" : ", ") + std::to_string(v).substr(0, 5);
+  return s;
 }
 
 // Three live members and a joiner, a model of 4.3 MB (13 MB with Adam's
@@ -540,21 +356,8 @@ TEST_F(HealingJob, JoinerHealsFromThreeLiveMembersEachSendingAShare) {
   }
   std::printf("[ measured ] joiner's state (13.0 MB) received: 3 senders %.1f ms median (%s), 1 sender %.1f ms "
               "median (%s); join to first step 3 senders %.0f ms, 1 sender %.0f ms\n",
-              median(transfer_ms["0"]),
-              [&] {
-                std::string s;
-                for (double v : transfer_ms["0"]) s += (s.empty() ? "" : ", ") + std::to_string(v).substr(0, 5);
-                return s;
-              }()
-                  .c_str(),
-              median(transfer_ms["1"]),
-              [&] {
-                std::string s;
-                for (double v : transfer_ms["1"]) s += (s.empty() ? "" : ", ") + std::to_string(v).substr(0, 5);
-                return s;
-              }()
-                  .c_str(),
-              median(total_ms["0"]), median(total_ms["1"]));
+              median(transfer_ms["0"]), listed(transfer_ms["0"]).c_str(), median(transfer_ms["1"]),
+              listed(transfer_ms["1"]).c_str(), median(total_ms["0"]), median(total_ms["1"]));
 }
 
 // A SIGKILLed member's share of the step in flight: every survivor's
@@ -585,7 +388,7 @@ TEST_F(HealingJob, LostMembersInFlightSamplesAreNamedAndRedone) {
     lines.push_back(m[0]);
     step = std::stoll(m[1]);
     epoch = std::stoll(m[2]);
-    named = numbers(m[3]);
+    named = split_numbers(m[3]);
     std::printf("[ measured ] %s: ...%s\n", workers_[i].id.c_str(), m[0].str().c_str());
   }
   EXPECT_EQ(lines[0], lines[1]);
@@ -705,7 +508,7 @@ class WineAccuracy : public HealingJob {
 TEST_F(WineAccuracy, FaultFreeSpreadOverSeeds) {
   const char* seeds = std::getenv("FT_SPREAD_SEEDS");
   if (!seeds) GTEST_SKIP() << "set FT_SPREAD_SEEDS=1,2,3,... to measure the spread over seeds";
-  for (int64_t seed : numbers(seeds)) {
+  for (int64_t seed : split_numbers(seeds)) {
     const WineResult r = fault_free(static_cast<int>(seed));
     std::printf("[ measured ] wine fault-free seed %lld: held-out accuracy %.4f loss %.4f\n",
                 static_cast<long long>(seed), r.accuracy, r.loss);
