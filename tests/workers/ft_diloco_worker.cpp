@@ -13,6 +13,8 @@
 #include <ddp/diloco.h>
 #include <ddp/fault_tolerance.h>
 
+#include "../support/ft_worker_common.h"
+
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -25,27 +27,11 @@
 #include <string>
 #include <thread>
 
-namespace {
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
-uint64_t hash_of(const std::vector<at::Tensor>& tensors) {
-  uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : tensors) {
-    at::Tensor t = p.detach().contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
-    for (size_t i = 0; i < static_cast<size_t>(t.nbytes()); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
-  }
-  return h;
-}
-
-}  // namespace
+using ddp::testing::env_int;
+using ddp::testing::hash_of;
 
 int main() {
-  try {
+  return ddp::testing::run_replica([] {
     const bool ft_mode = std::string(std::getenv("FTD_MODE") ? std::getenv("FTD_MODE") : "ft") == "ft";
     const int64_t steps = env_int("FTD_STEPS", 100);
     const int64_t h = env_int("FTD_H", 5);
@@ -100,11 +86,5 @@ int main() {
     if (ft) std::printf("stats %s\n", ft->stats_json().c_str());
     std::fflush(stdout);
     return 0;
-  } catch (const ddp::FencedOut& e) {
-    std::fprintf(stderr, "fenced: %s\n", e.what());
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -18,6 +18,7 @@
 #include <ddp/ddp.h>
 #include <ddp/fault_tolerance.h>
 
+#include "../support/ft_worker_common.h"
 #include "simple_nn.h"
 #include "wine_data.h"
 
@@ -33,28 +34,10 @@
 #include <string>
 #include <thread>
 
+using ddp::testing::env_int;
+using ddp::testing::hash_of;
+
 namespace {
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
-uint64_t hash_of(const torch::nn::Module& module) {
-  uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : module.parameters()) {
-    at::Tensor t = p.detach().contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
-    for (size_t i = 0; i < static_cast<size_t>(t.nbytes()); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
-  }
-  return h;
-}
-
-std::string join(const std::vector<int64_t>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
-  return s;
-}
 
 struct Data {
   at::Tensor train_x, train_y, test_x, test_y;
@@ -89,12 +72,7 @@ int train(Net net, const Data& data, bool by_epochs, int64_t length, double lr, 
       optimizer.step();
       const int64_t s = ft.step() - 1;
       const bool hashed = s % hash_every == 0 || done();
-      const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                              std::chrono::system_clock::now().time_since_epoch()).count();
-      std::printf("step %lld gen %lld rank %d/%d hash %016llx t %lld window %s mine %s\n", static_cast<long long>(s),
-                  static_cast<long long>(gen), rank, size,
-                  hashed ? static_cast<unsigned long long>(hash_of(*net)) : 0ULL, static_cast<long long>(now_us),
-                  join(window).c_str(), join(mine).c_str());
+      ddp::testing::print_step_line(s, gen, rank, size, hashed ? net.get() : nullptr, window, mine);
       if (ft.stats().heal_bytes_sent != heal_sent) {
         heal_sent = ft.stats().heal_bytes_sent;
         std::printf("heal_bytes_sent %lld\n", static_cast<long long>(heal_sent));
@@ -120,7 +98,7 @@ int train(Net net, const Data& data, bool by_epochs, int64_t length, double lr, 
 }  // namespace
 
 int main() {
-  try {
+  return ddp::testing::run_replica([] {
     const std::string kind = std::getenv("FT_MODEL") ? std::getenv("FT_MODEL") : "mlp";
     const int64_t seed = env_int("FT_SEED", 7);
     const auto data_seed = static_cast<uint64_t>(env_int("FT_DATA_SEED", 3));
@@ -143,11 +121,5 @@ int main() {
     torch::nn::Sequential net(torch::nn::Linear(16, hidden), torch::nn::ReLU(), torch::nn::Linear(hidden, hidden),
                               torch::nn::ReLU(), torch::nn::Linear(hidden, 2));
     return train(net, data, /*by_epochs=*/false, env_int("FT_STEPS", 40), 1e-3, data_seed);
-  } catch (const ddp::FencedOut& e) {
-    std::fprintf(stderr, "fenced: %s\n", e.what());
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -17,6 +17,8 @@
 #include <ddp/ddp.h>
 #include <ddp/fault_tolerance.h>
 
+#include "../support/ft_worker_common.h"
+
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -30,33 +32,11 @@
 #include <string>
 #include <thread>
 
-namespace {
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
-uint64_t hash_of(const torch::nn::Module& module) {
-  uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : module.parameters()) {
-    at::Tensor t = p.detach().contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
-    for (size_t i = 0; i < static_cast<size_t>(t.nbytes()); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
-  }
-  return h;
-}
-
-std::string join(const std::vector<int64_t>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
-  return s;
-}
-
-}  // namespace
+using ddp::testing::env_int;
+using ddp::testing::hash_of;
 
 int main() {
-  try {
+  return ddp::testing::run_replica([] {
     const int64_t steps = env_int("FT_STEPS", 60);
     const int64_t step_ms = env_int("FT_STEP_MS", 20);
     const int64_t leave_at = env_int("FT_LEAVE_AT", -1);
@@ -111,12 +91,7 @@ int main() {
         optimizer.step();
         const int64_t s = ft.step() - 1;
         if (s % quiet == 0 || ft.step() == steps) {
-          const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                                  std::chrono::system_clock::now().time_since_epoch()).count();
-          std::printf("step %lld gen %lld rank %d/%d hash %016llx t %lld window %s mine %s\n",
-                      static_cast<long long>(s), static_cast<long long>(gen), rank, size,
-                      static_cast<unsigned long long>(hash_of(*net)), static_cast<long long>(now_us),
-                      join(window).c_str(), join(mine).c_str());
+          ddp::testing::print_step_line(s, gen, rank, size, net.get(), window, mine);
           std::fflush(stdout);
         }
       } else {
@@ -128,11 +103,5 @@ int main() {
     std::printf("stats %s\n", ft.stats_json().c_str());
     std::fflush(stdout);
     return 0;
-  } catch (const ddp::FencedOut& e) {
-    std::fprintf(stderr, "fenced: %s\n", e.what());
-    return 3;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
