@@ -51,7 +51,9 @@ TEST_F(TwoNodes, FourRanksOnTwoNodesMatchFourRanksOnOne) {
         {"ip", "netns", "exec", ns_[n], bin_path("ddprun"), "--nnodes", "2", "--node-rank", std::to_string(n),
          "--nproc-per-node", "2", "--master-addr", addr_[0], "--master-port", port, bin_path("wine_ddp"), "40", "20",
          "--checkpoint-dir", dirs[n]},
-        one_rank({{"DDP_TIMEOUT_SECONDS", "60"}})));
+        // The flat all-reduce, as on one host: ddp's default across hosts is hierarchical, whose
+        // sums round differently, and the comparison is bit for bit.
+        one_rank({{"DDP_TIMEOUT_SECONDS", "60"}, {"DDP_HIERARCHICAL", "0"}})));
   }
   std::vector<ProcessResult> results;
   for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
@@ -194,7 +196,8 @@ TEST_F(TwoNodesC10d, AWorkerKilledOnNodeOneRestartsBothNodesAndTheWeightsMatchAn
     std::vector<std::string> program = {bin_path("wine_ddp")};
     program.insert(program.end(), args.begin(), args.end());
     program.insert(program.end(), {"--checkpoint-dir", dirs[n]});
-    nodes.push_back(start_agent(n, {"--nnodes", "2", "--max-restarts", "1"}, program));
+    // Flat, as the one-host reference (bit for bit; ddp's default across hosts is hierarchical).
+    nodes.push_back(start_agent(n, {"--nnodes", "2", "--max-restarts", "1"}, program, {{"DDP_HIERARCHICAL", "0"}}));
   }
   ASSERT_TRUE(wait_for_text(nodes[0].out_path, "Epoch 11,", std::chrono::seconds(60))) << file_bytes(nodes[0].err_path);
   const int victim = a_worker_in(1);
@@ -248,7 +251,9 @@ TEST_F(TwoNodesC10d, FourRanksOnTwoNodesWithoutNodeRanksMatchFourRanksOnOne) {
   std::vector<std::string> dirs = {make_temp_dir("c10d_node0"), make_temp_dir("c10d_node1")};
   std::vector<BackgroundProcess> nodes;
   for (int n = 0; n < 2; ++n) {
-    nodes.push_back(start_agent(n, {"--nnodes", "2"}, {bin_path("wine_ddp"), "40", "20", "--checkpoint-dir", dirs[n]}));
+    // Flat, as the one-host reference (bit for bit; ddp's default across hosts is hierarchical).
+    nodes.push_back(start_agent(n, {"--nnodes", "2"}, {bin_path("wine_ddp"), "40", "20", "--checkpoint-dir", dirs[n]},
+                                {{"DDP_HIERARCHICAL", "0"}}));
   }
   std::vector<ProcessResult> results;
   for (auto& node : nodes) results.push_back(wait_background(node, std::chrono::seconds(120)));
