@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -338,9 +339,10 @@ TEST(FileStore, GarbageAppendedMidRendezvousIsRefusedByEveryRankWithBoundedMemor
   expect_all_succeeded(ranks);
 }
 
-// The same after the rendezvous: the job's store is the file's for as long
-// as the job runs (subgroups, the stall reports' progress responders).
-TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperation) {
+// Runs `rank_body(group, path)` on two ranks that met through the file at `path` (60 s for the
+// rendezvous) and all-reduced once, so that both have read the file's records; then each rank
+// ends as a crash would (its store may be the one that refused the file), within `seconds`.
+void on_two_ranks_met_through_a_file(int seconds, const std::function<void(Group&, const std::string&)>& rank_body) {
   RanksTempDir dir;
   const std::string path = dir / "rdzv.store";
   auto ranks = run_on_ranks(
@@ -350,22 +352,31 @@ TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperatio
         Group group = ddp::init_process_group();
         at::Tensor one = at::ones({1});
         group->all_reduce(one);
-        const double rss_before = peak_rss_mib();
-        if (group->rank() == 0) {
-          append_a_length_claiming_200_mib(path);
-        }
-        group->all_reduce(one);  // the garbage is there for both ranks now
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the responders poll meanwhile
-        const auto start = Clock::now();
-        const std::string error = error_of([&] { group->store().check({"test/anything"}); });
-        EXPECT_NE(error.find("the rendezvous file " + path + " holds 4 bytes from byte"), std::string::npos) << error;
-        EXPECT_LT(seconds_since(start), 5.0) << error;
-        const double grew = peak_rss_mib() - rss_before;
-        EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB";
+        rank_body(group, path);
         crash_now();
       },
-      ranks_within(60));
+      ranks_within(seconds));
   expect_all_succeeded(ranks);
+}
+
+// The same after the rendezvous: the job's store is the file's for as long
+// as the job runs (subgroups, the stall reports' progress responders).
+TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperation) {
+  on_two_ranks_met_through_a_file(60, [](Group& group, const std::string& path) {
+    const double rss_before = peak_rss_mib();
+    if (group->rank() == 0) {
+      append_a_length_claiming_200_mib(path);
+    }
+    at::Tensor one = at::ones({1});
+    group->all_reduce(one);  // the garbage is there for both ranks now
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the responders poll meanwhile
+    const auto start = Clock::now();
+    const std::string error = error_of([&] { group->store().check({"test/anything"}); });
+    EXPECT_NE(error.find("the rendezvous file " + path + " holds 4 bytes from byte"), std::string::npos) << error;
+    EXPECT_LT(seconds_since(start), 5.0) << error;
+    const double grew = peak_rss_mib() - rss_before;
+    EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB";
+  });
 }
 
 // The same garbage, appended while rank 1's threads read the store without
@@ -375,43 +386,31 @@ TEST(FileStore, GarbageAppendedAfterTheRendezvousIsRefusedAtTheNextStoreOperatio
 // The store now reads no further than the size it checked, so no thread may
 // allocate what the garbage claims, and each stops with the message.
 TEST(FileStore, GarbageAppendedWhileThreadsReadIsNeverAllocated) {
-  RanksTempDir dir;
-  const std::string path = dir / "rdzv.store";
-  auto ranks = run_on_ranks(
-      2,
-      [&](const Group&) {
-        use_file(path, "60");
-        Group group = ddp::init_process_group();
-        at::Tensor one = at::ones({1});
-        group->all_reduce(one);
-        const double rss_before = peak_rss_mib();
-        if (group->rank() == 0) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's readers are busy by now
-          append_a_length_claiming_200_mib(path);
-        } else {
-          std::vector<std::string> errors(3);
-          std::vector<std::thread> readers;
-          const auto start = Clock::now();
-          for (auto& error : errors) {
-            readers.emplace_back([&group, &error, start] {
-              while (error.empty() && seconds_since(start) < 10.0) {
-                error = error_of([&] { (void)group->store().check({"test/anything"}); });
-              }
-            });
+  on_two_ranks_met_through_a_file(20, [](Group& group, const std::string& path) {
+    const double rss_before = peak_rss_mib();
+    if (group->rank() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's readers are busy by now
+      append_a_length_claiming_200_mib(path);
+    } else {
+      std::vector<std::string> errors(3);
+      std::vector<std::thread> readers;
+      const auto start = Clock::now();
+      for (auto& error : errors) {
+        readers.emplace_back([&group, &error, start] {
+          while (error.empty() && seconds_since(start) < 10.0) {
+            error = error_of([&] { (void)group->store().check({"test/anything"}); });
           }
-          for (auto& reader : readers) reader.join();
-          for (const auto& error : errors) {
-            EXPECT_NE(error.find("the rendezvous file " + path + " holds 4 bytes from byte"), std::string::npos)
-                << error;
-          }
-          EXPECT_LT(seconds_since(start), 5.0);
-          const double grew = peak_rss_mib() - rss_before;
-          EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB";
-        }
-        crash_now();
-      },
-      ranks_within(20));
-  expect_all_succeeded(ranks);
+        });
+      }
+      for (auto& reader : readers) reader.join();
+      for (const auto& error : errors) {
+        EXPECT_NE(error.find("the rendezvous file " + path + " holds 4 bytes from byte"), std::string::npos) << error;
+      }
+      EXPECT_LT(seconds_since(start), 5.0);
+      const double grew = peak_rss_mib() - rss_before;
+      EXPECT_LT(grew, 64.0) << "peak RSS grew by " << grew << " MiB";
+    }
+  });
 }
 
 // Issue 34 item 9: the file deleted while the ranks meet. c10d makes a new,
