@@ -10,6 +10,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "comm/etcd_store.h"
@@ -20,10 +21,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using ddp::testing::EtcdCluster;
-
-#define SKIP_WITHOUT_ETCD()                                                                                  \
-  if (!ddp::testing::etcd_available())                                                                       \
-  GTEST_SKIP() << "no /usr/bin/etcd or /usr/bin/setpriv (apt-get install etcd-server util-linux)"
 
 std::vector<uint8_t> bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 std::string text(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
@@ -38,12 +35,28 @@ void lose_answers(c10d::Store& store, int lost, std::function<void(int)> gap = {
   });
 }
 
-TEST(EtcdStoreDelete, ALostAnswerStillReportsTheDeleteAsThisCalls) {
-  SKIP_WITHOUT_ETCD();
-  EtcdCluster cluster;
-  ASSERT_EQ(cluster.wait_until_ready(), "");
-  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/delete", 10s);
-  auto other = ddp::detail::make_etcd_store(cluster.endpoints(), "/delete", 10s);
+// A real 3-member etcd cluster of the test's own, and the stores of clients over it.
+class EtcdStoreDelete : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!ddp::testing::etcd_available()) {
+      GTEST_SKIP() << "no /usr/bin/etcd or /usr/bin/setpriv (apt-get install etcd-server util-linux)";
+    }
+    cluster_.emplace();
+    ASSERT_EQ(cluster_->wait_until_ready(), "");
+  }
+
+  // A client's etcd store under `prefix`.
+  c10::intrusive_ptr<c10d::Store> store_under(const std::string& prefix) {
+    return ddp::detail::make_etcd_store(cluster_->endpoints(), prefix, 10s);
+  }
+
+  std::optional<EtcdCluster> cluster_;
+};
+
+TEST_F(EtcdStoreDelete, ALostAnswerStillReportsTheDeleteAsThisCalls) {
+  auto store = store_under("/delete");
+  auto other = store_under("/delete");
 
   // The delete's answer lost (and the claim's before it): the resend finds the key gone.
   store->set("a", bytes("1"));
@@ -72,12 +85,9 @@ TEST(EtcdStoreDelete, ALostAnswerStillReportsTheDeleteAsThisCalls) {
   EXPECT_FALSE(store->deleteKey("never"));
 }
 
-TEST(EtcdStoreDelete, OfTwoClientsDeletingOneKeyExactlyOneSaysItDid) {
-  SKIP_WITHOUT_ETCD();
-  EtcdCluster cluster;
-  ASSERT_EQ(cluster.wait_until_ready(), "");
-  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/race", 10s);
-  auto other = ddp::detail::make_etcd_store(cluster.endpoints(), "/race", 10s);
+TEST_F(EtcdStoreDelete, OfTwoClientsDeletingOneKeyExactlyOneSaysItDid) {
+  auto store = store_under("/race");
+  auto other = store_under("/race");
 
   // Our claim's answer is lost and, in the gap, the other client deletes the key: it finds our
   // claim, waits a slice for our delete (which cannot come: we are in the gap), then takes the
@@ -114,14 +124,11 @@ TEST(EtcdStoreDelete, OfTwoClientsDeletingOneKeyExactlyOneSaysItDid) {
   EXPECT_EQ(store->getNumKeys(), 0);
 }
 
-TEST(EtcdStoreDelete, AClaimLeftByADeadDeleterIsTakenOverAfterAWaitSlice) {
+TEST_F(EtcdStoreDelete, AClaimLeftByADeadDeleterIsTakenOverAfterAWaitSlice) {
   // A deleteKey that died between its claim and its delete leaves the key claimed (".~" after
   // the base64). Another deleteKey waits a slice for it to finish, then deletes it itself.
-  SKIP_WITHOUT_ETCD();
-  EtcdCluster cluster;
-  ASSERT_EQ(cluster.wait_until_ready(), "");
-  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/dead", 10s);
-  ddp::detail::EtcdV2Client client(cluster.endpoints(), 10s);
+  auto store = store_under("/dead");
+  ddp::detail::EtcdV2Client client(cluster_->endpoints(), 10s);
   const std::string node = "/dead/kv/k" + ddp::detail::base64_encode("orphan", /*url_safe=*/true);
   ASSERT_TRUE(client.set(node, ddp::detail::base64_encode("v") + ".~0123456789abcdef7").ok());
   EXPECT_EQ(text(store->get("orphan")), "v");
@@ -133,12 +140,9 @@ TEST(EtcdStoreDelete, AClaimLeftByADeadDeleterIsTakenOverAfterAWaitSlice) {
   EXPECT_FALSE(store->check({"orphan"}));
 }
 
-TEST(EtcdStoreDelete, ReadersNeverSeeTheClaimAndWhatItCosts) {
-  SKIP_WITHOUT_ETCD();
-  EtcdCluster cluster;
-  ASSERT_EQ(cluster.wait_until_ready(), "");
-  auto store = ddp::detail::make_etcd_store(cluster.endpoints(), "/cost", 10s);
-  auto other = ddp::detail::make_etcd_store(cluster.endpoints(), "/cost", 10s);
+TEST_F(EtcdStoreDelete, ReadersNeverSeeTheClaimAndWhatItCosts) {
+  auto store = store_under("/cost");
+  auto other = store_under("/cost");
 
   // The claim leaves the bytes as they were: a reader between the claim and the delete sees
   // them unchanged (get() strips the claim's nonce).
@@ -148,7 +152,7 @@ TEST(EtcdStoreDelete, ReadersNeverSeeTheClaimAndWhatItCosts) {
   EXPECT_EQ(other->add("n", 1), 1);
 
   // What the exact delete costs against a plain one, on this cluster (median of 20 each).
-  ddp::detail::EtcdV2Client client(cluster.endpoints(), 10s);
+  ddp::detail::EtcdV2Client client(cluster_->endpoints(), 10s);
   std::vector<double> exact, plain;
   for (int i = 0; i < 20; ++i) {
     store->set("t", bytes("x"));
