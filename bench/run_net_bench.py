@@ -72,13 +72,14 @@ VARIANTS = {
     "python-bucket-5-fused-optim": ("py", ["--mode", "ddp", "--bucket-cap-mb", "5", "--optimizer-in-backward"]),
     # Several ranks per node (--nproc-per-node): which transport carries what.
     # --backend auto leaves the choice to ddp (ddp_bench's own default pins gloo).
-    "flat-gloo": ("cpp", ["--mode", "ddp", "--backend", "auto"]),  # DDP_SHM=0 (VARIANT_ENV)
+    "flat-gloo": ("cpp", ["--mode", "ddp", "--backend", "auto"]),  # DDP_SHM=0 DDP_HIERARCHICAL=0 (VARIANT_ENV)
     "hier-shm": ("cpp", ["--mode", "ddp", "--backend", "auto", "--comm-hook", "hierarchical"]),
     "hier-gloo": ("cpp", ["--mode", "ddp", "--backend", "auto", "--comm-hook", "hierarchical"]),  # DDP_SHM=0
     "ddp-auto": ("cpp", ["--mode", "ddp", "--backend", "auto"]),
 }
 # What a variant adds to the environment of every rank.
-VARIANT_ENV = {"flat-gloo": {"DDP_SHM": "0"}, "hier-gloo": {"DDP_SHM": "0"}}
+# flat-gloo: DDP_HIERARCHICAL=0 too, since ddp's default across hosts is now hierarchical.
+VARIANT_ENV = {"flat-gloo": {"DDP_SHM": "0", "DDP_HIERARCHICAL": "0"}, "hier-gloo": {"DDP_SHM": "0"}}
 # Run in every round; the others only in the first `extra_rounds`.
 CORE = ["ddp", "python", "no-overlap", "ddp-mpi"]
 LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted buckets)",
@@ -93,10 +94,10 @@ LABELS = {"python": "Python DDP (torchrun)", "ddp": "ddp defaults (link-fitted b
           "bucket-5-step-in-backward": "ddp, 5 MB buckets, optimizer stepped in backward",
           "python-bucket-5": "Python DDP, 5 MB buckets",
           "python-bucket-5-fused-optim": "Python DDP, 5 MB buckets, _register_fused_optim",
-          "flat-gloo": "(a) ddp, flat Gloo over all ranks (DDP_SHM=0)",
+          "flat-gloo": "(a) ddp, flat Gloo over all ranks (DDP_SHM=0 DDP_HIERARCHICAL=0)",
           "hier-shm": "(b) ddp, hierarchical_allreduce_hook: shared memory in the node, Gloo between leaders",
           "hier-gloo": "ddp, hierarchical_allreduce_hook, Gloo in the node too (DDP_SHM=0)",
-          "ddp-auto": "(c) ddp's default (--backend auto, no hook)"}
+          "ddp-auto": "(c) ddp's default (--backend auto, no hook, no flag)"}
 ORDER = ["flat-gloo", "hier-shm", "hier-gloo", "ddp-auto", "python", "ddp", "no-overlap", "ddp-mpi", "bucket-1", "bucket-2", "bucket-3", "bucket-5", "bucket-8", "bucket-25", "bucket-100", "fp16", "bf16",
          "python-bf16", "powersgd-4", "python-powersgd-4", "step-in-backward", "python-bucket-5",
          "bucket-5-step-in-backward", "python-bucket-5-fused-optim"]
@@ -257,7 +258,7 @@ class Runner:
                 raise RuntimeError(f"{name} {model}: node {node} failed ({p.returncode}):\n{out}\n{err[-3000:]}")
         # ddp's fitted buckets, with the figures they were fitted to (DDP_LOG_BUCKETS=1 in the environment),
         # and the transport rank 0 announces for the whole group.
-        transport = None
+        transport = allreduce = None
         for _, err in outs:
             for line in err.splitlines():
                 if "buckets fitted to the link" in line:
@@ -265,6 +266,9 @@ class Runner:
                 found = re.search(r"ddp: transport (\S+ \(.*\))", line)
                 if found:
                     transport = found.group(1)
+                chosen = re.search(r"ddp: all-reduce (.*)$", line)
+                if chosen:
+                    allreduce = chosen.group(1)
         # Rank 0 prints it: the c10d rendezvous need not make node 0 rank 0.
         for out, _ in outs:
             match = re.search(r"(\{.*\"step_ms_median\".*\})", out)
@@ -272,6 +276,8 @@ class Runner:
                 result = json.loads(match.group(1))
                 if transport:
                     result["transport"] = transport
+                if allreduce:
+                    result["allreduce"] = allreduce  # DDP's own choice, when it printed one
                 return result, [a - b for a, b in zip(after, before)]
         raise RuntimeError(f"{name} {model}: no result on any node:\n" +
                            "\n".join(f"{out}\n{err[-3000:]}" for out, err in outs))
@@ -356,6 +362,8 @@ def measure(args, runner, selected):
                             e["buckets"] = long_.get("buckets")
                             if long_.get("transport"):
                                 e["transport"] = long_["transport"]
+                            if long_.get("allreduce"):
+                                e["allreduce"] = long_["allreduce"]
                             per_node = [(l - b) / s / 1e6 for l, b in zip(bl, bs)]
                             print(f"{rate} {model} {name}: {short['step_ms_median']:.1f} / {long_['step_ms_median']:.1f}"
                                   f" ms, {sum(per_node):.2f} MB/step, busiest node {max(per_node):.2f}"
@@ -385,7 +393,8 @@ def summarize(results, rates, nodes=2):
                 per_node = [statistics.median(v) for k, v in e.items() if k.startswith("bytes_node")]
                 rows[name] = {"ms": statistics.median(e["ms"]), "mb_per_step": sum(per_node) / 1e6,
                               "mb_per_node": max(per_node) / 1e6, "buckets": e["buckets"],
-                              "runs": len(e["ms"]), "transport": e.get("transport")}
+                              "runs": len(e["ms"]), "transport": e.get("transport"),
+                              "allreduce": e.get("allreduce")}
             # Every node sends its share of the ring on its own link, all at
             # once: the wire time is the busiest link's bytes / rate. ddp's
             # measured bytes (2 (N - 1) / N of the gradients plus TCP/IP
@@ -719,7 +728,7 @@ def render_ranks(args, results, summary, rates, facts, runner, elapsed):
         "told otherwise; `auto` is what a program gets that does not choose). Python DDP: one torchrun per node, "
         "`bench/python_ddp_bench.py`, backend gloo, PyTorch's defaults. Every rank: `GLOO_SOCKET_IFNAME=eth0 "
         "OMP_NUM_THREADS=1`, one intra-op thread, the same model, data, seeds, batch (transformer 8 per rank) and Adam.",
-        "- Variants: **(a) flat-gloo**: DDP over all ranks with `DDP_SHM=0`, so every group is Gloo; "
+        "- Variants: **(a) flat-gloo**: DDP over all ranks with `DDP_SHM=0 DDP_HIERARCHICAL=0`, so every group is Gloo and the all-reduce flat; "
         "**(b) hier-shm**: DDP with `ddp::hierarchical_allreduce_hook(DeviceMesh::from_launcher(group))` "
         "(`--comm-hook hierarchical`): each bucket is reduced to the node's first rank over the node's group, "
         "all-reduced between the node leaders, broadcast back in the node; the node groups are shared memory "

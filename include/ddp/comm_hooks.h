@@ -116,7 +116,9 @@ class DeviceMesh;
 /// holds each node's ranks) over DDP's own group. The three steps run in
 /// order on a thread of the hook's own, so buckets still overlap backward.
 /// The result equals the flat all-reduce's within float rounding (the sum is
-/// taken in another order).
+/// taken in another order). DDP with no comm hook takes this path by itself
+/// when its Gloo group spans hosts with several ranks on one, grouping the
+/// ranks by host (DDPOptions::hierarchical_allreduce, DDP_HIERARCHICAL=0).
 ///
 ///   auto mesh = ddp::DeviceMesh::from_launcher(group);
 ///   ddp::DistributedDataParallel model(
