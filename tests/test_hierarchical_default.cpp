@@ -6,7 +6,7 @@
 //    default takes the hierarchical path, bit for bit the explicit
 //    hierarchical_allreduce_hook over DeviceMesh::from_launcher, within float
 //    rounding the flat all-reduce and one process on the whole batch; rank 0
-//    says so in one line; DDP_HIERARCHICAL=0 (on every rank or on some) and
+//    says so in one line; so do hosts of 3 and 1 ranks, and interleaved ones; DDP_HIERARCHICAL=0 (on every rank or on some) and
 //    hierarchical_allreduce(false) give the flat all-reduce bit for bit; one
 //    host is unchanged and prints nothing; insisting where the layout cannot
 //    take it, or a bad DDP_HIERARCHICAL, fails on every rank alike;
@@ -51,7 +51,8 @@ const std::string kHierarchicalLine = "ddp: all-reduce hierarchical: shm within 
 
 // ---------------------------------------------------------------- the choice
 
-std::vector<HierarchicalVote> layout(const std::vector<int64_t>& hosts, HierarchicalWish wish = HierarchicalWish::kAuto) {
+std::vector<HierarchicalVote> layout(const std::vector<int64_t>& hosts,
+                                     HierarchicalWish wish = HierarchicalWish::kAuto) {
   std::vector<HierarchicalVote> votes;
   for (int64_t host : hosts) votes.push_back({host, wish, true});
   return votes;
@@ -218,7 +219,8 @@ TEST(HierarchicalDefaultRanks, TwoHostsTakeItByDefaultBitForBitTheExplicitHookAn
     ASSERT_EQ(world->backend(), ddp::BackendKind::kGloo);
     const at::Tensor by_default = train(world, {});
     auto mesh = ddp::DeviceMesh::from_launcher(world);
-    const at::Tensor explicit_hook = train(world, {ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh))});
+    const at::Tensor explicit_hook =
+        train(world, {ddp::DDPOptions().comm_hook(ddp::hierarchical_allreduce_hook(mesh))});
     const at::Tensor flat = train(world, {ddp::DDPOptions().hierarchical_allreduce(false)});
     // carry_loss rides on it, step_in_backward continues it, buckets as .grad.
     const at::Tensor carrying = train(world, {ddp::DDPOptions().carry_loss(true).gradient_as_bucket_view(true)});
@@ -236,11 +238,38 @@ TEST(HierarchicalDefaultRanks, TwoHostsTakeItByDefaultBitForBitTheExplicitHookAn
   // Default, carrying, stepping and insisted: one line each, on rank 0 only.
   EXPECT_EQ(count_of(ranks[0].err, kHierarchicalLine + " (4 ranks; DDP_HIERARCHICAL=0 for flat)\n"), 4)
       << describe_ranks(ranks);
-  EXPECT_EQ(count_of(ranks[0].err,
-                     "ddp: all-reduce flat: gloo over 4 ranks on 2 hosts (DDPOptions::hierarchical_allreduce(false))\n"),
-            1)
+  const std::string flat_line =
+      "ddp: all-reduce flat: gloo over 4 ranks on 2 hosts (DDPOptions::hierarchical_allreduce(false))\n";
+  EXPECT_EQ(count_of(ranks[0].err, flat_line), 1)
       << describe_ranks(ranks);
   for (int r = 1; r < 4; ++r) EXPECT_EQ(ranks[r].err.find("ddp: all-reduce"), std::string::npos) << ranks[r].err;
+}
+
+// Hosts that hold different numbers of ranks, or ranks that are not
+// consecutive per host: no 2-D mesh fits, but the ranks are grouped by host.
+void expect_hierarchical_on(const char* (*host_of)(int rank)) {
+  RanksOptions options;
+  options.no_group();
+  auto ranks = run_on_ranks(4, [host_of](const Group&) {
+    ::setenv("DDP_SHM_HOST_ID", host_of(std::stoi(std::getenv("RANK"))), 1);
+    auto world = ddp::init_process_group();
+    const at::Tensor by_default = train(world, {});
+    const at::Tensor flat = train(world, {ddp::DDPOptions().hierarchical_allreduce(false)});
+    expect_close(by_default, flat, "default against flat");
+    expect_close(by_default, train_alone(), "default against one process on the whole batch");
+    world->shutdown();
+  }, options);
+  expect_all_succeeded(ranks);
+  EXPECT_EQ(count_of(ranks[0].err, kHierarchicalLine + " (4 ranks; DDP_HIERARCHICAL=0 for flat)\n"), 1)
+      << describe_ranks(ranks);
+}
+
+TEST(HierarchicalDefaultRanks, ThreeRanksOnOneHostAndOneOnAnotherTakeIt) {
+  expect_hierarchical_on([](int rank) { return rank < 3 ? "node-a" : "node-b"; });
+}
+
+TEST(HierarchicalDefaultRanks, HostsWhoseRanksInterleaveTakeIt) {
+  expect_hierarchical_on([](int rank) { return rank % 2 == 0 ? "node-a" : "node-b"; });
 }
 
 TEST(HierarchicalDefaultRanks, DdpHierarchicalZeroGivesTheFlatAllReduceBitForBit) {

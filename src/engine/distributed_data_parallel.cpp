@@ -62,7 +62,8 @@ std::shared_ptr<CommHook> default_comm_hook(const std::shared_ptr<ProcessGroup>&
   std::vector<HierarchicalVote> votes;
   for (const at::Tensor& vote : all) {
     at::Tensor v = vote.cpu();
-    votes.push_back({v[0].item<int64_t>(), static_cast<HierarchicalWish>(v[1].item<int64_t>()), v[2].item<int64_t>() != 0});
+    votes.push_back(
+        {v[0].item<int64_t>(), static_cast<HierarchicalWish>(v[1].item<int64_t>()), v[2].item<int64_t>() != 0});
   }
   const HierarchicalChoice choice = choose_hierarchical_allreduce(votes);
   DDP_CHECK(choice.error.empty(), choice.error);
@@ -80,7 +81,8 @@ std::shared_ptr<CommHook> default_comm_hook(const std::shared_ptr<ProcessGroup>&
   std::shared_ptr<ProcessGroup> node = group->split(choice.host_of_rank[rank], rank);
   std::shared_ptr<ProcessGroup> leaders = group->split(node->rank() == 0 ? 0 : ProcessGroup::kNoColour, rank);
   if (rank == 0) {
-    const std::string within = node->size() > 1 ? to_string(node->backend()) : "nothing (rank 0 is alone on its host)";
+    // Every host's group gets the same transport; rank 0 alone on its host sees none.
+    const std::string within = node->size() > 1 ? to_string(node->backend()) : "reduced";
     std::fprintf(stderr, "ddp: all-reduce hierarchical: %s within each host, %s between %d hosts (%d ranks; "
                  "DDP_HIERARCHICAL=0 for flat)\n", within.c_str(), to_string(leaders->backend()).c_str(),
                  choice.hosts, group->size());
