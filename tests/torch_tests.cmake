@@ -167,7 +167,7 @@ gtest_discover_tests(ddp_bucket_sizing_tests PROPERTIES LABELS "unit;multiproces
 
 # Per-step fault tolerance (include/ddp/fault_tolerance.h): three ft_worker
 # replicas over a TCPStore served by the test, killed, stopped and restarted.
-add_executable(ft_worker workers/ft_worker.cpp)
+add_executable(ft_worker workers/ft_worker.cpp workers/ft_vote_seams.cpp)
 target_link_libraries(ft_worker PRIVATE ddp_internal)
 ddp_reuse_precompiled_header(ft_worker)
 add_executable(ddp_fault_tolerance_tests test_fault_tolerance.cpp)
@@ -295,3 +295,10 @@ ddp_reuse_precompiled_header(ddp_hierarchical_default_tests)
 add_dependencies(ddp_hierarchical_default_tests ddprun ddp_worker)
 gtest_discover_tests(ddp_hierarchical_default_tests PROPERTIES LABELS "multiprocess" TIMEOUT 300
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# FaultTolerance's vote (issue 36, the per-step cost): no store operation without a fault; a
+# member whose vote's answer was lost learns the verdict from the store (ft_vote_seams.cpp).
+add_executable(ddp_ft_vote_tests test_ft_vote.cpp)
+target_link_libraries(ddp_ft_vote_tests PRIVATE ddp_test_support GTest::gtest_main)
+add_dependencies(ddp_ft_vote_tests ddprun ddp_ft_store ft_worker)
+gtest_discover_tests(ddp_ft_vote_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)

@@ -110,8 +110,9 @@ struct FaultToleranceStats {
   int64_t membership_changes = 0;  ///< generations this member went through after its first
   int64_t heal_bytes_sent = 0;     ///< state sent to joiners by this member (its share, when several send)
   int64_t heal_bytes_received = 0; ///< state received when this member joined
-  /// Store operations of this member's training thread per committed step
-  /// (the vote and the deletion of old keys), measured.
+  /// Store operations of this member's vote per committed step, measured: 0
+  /// without faults (the vote is the group's own all-reduce); a skipped step,
+  /// or a vote whose answer was lost, costs one or two.
   double store_ops_per_step = 0;
   /// The last recovery: from the step's failure to the new group's being ready.
   double last_recovery_ms = 0;

@@ -102,6 +102,9 @@ class EtcdStore : public c10d::Store {
           DDP_CHECK(false, "ddp: etcd store key '", key, "' holds '", text,
                     "', not a number, so add() cannot count on it");
         }
+        // add(key, 0) reads a counter (the watchers poll the joiners' count so):
+        // a write would cost a raft commit on every member for nothing.
+        if (delta == 0) return next;
       }
       if (write_if_unchanged(key, current, std::to_string(next), "add")) return next;
     }

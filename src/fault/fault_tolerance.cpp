@@ -7,7 +7,8 @@
 //   q/<g>/dead/<id>       <id>'s connections hung up (crash) or it left, before it came
 //   abort/<g>             generation g failed: every member drops its group
 //   pg/<g>/...            the Gloo group of generation g; socks/<g>/<id> its members' socket addresses
-//   s/<g>/<step>/ok, /v   a step's vote: members that finished it, and the verdict
+//   s/<g>/<step>/v        a step's verdict, written only when a member's vote over the
+//                         group failed (should_commit): the rare path
 //   join_seq, join/<k>    joiners, in order of arrival; hb/<id> heartbeats
 //
 // A step is attempted at most once per generation (a failure ends the
@@ -22,6 +23,7 @@
 #include "fault/heal_state.h"
 #include "fault/membership.h"
 #include "fault/socket_watch.h"
+#include "launch/test_seams.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -83,7 +85,6 @@ std::string k_arrived(int64_t g, const std::string& id) { return "ft/q/" + std::
 std::string k_dead(int64_t g, const std::string& id) { return "ft/q/" + std::to_string(g) + "/dead/" + id; }
 std::string k_abort(int64_t g) { return "ft/abort/" + std::to_string(g); }
 std::string k_socks(int64_t g, const std::string& id) { return "ft/socks/" + std::to_string(g) + "/" + id; }
-std::string k_ok(int64_t g, int64_t s) { return "ft/s/" + std::to_string(g) + "/" + std::to_string(s) + "/ok"; }
 std::string k_verdict(int64_t g, int64_t s) { return "ft/s/" + std::to_string(g) + "/" + std::to_string(s) + "/v"; }
 std::string k_join_seq() { return "ft/join_seq"; }
 std::string k_join(int64_t k) { return "ft/join/" + std::to_string(k); }
@@ -183,6 +184,27 @@ struct FaultTolerance::Impl {
   std::atomic<bool> hold{false};
   std::atomic<bool> stop{false};
   std::atomic<bool> destroyed{false};  // the FaultTolerance is gone; only hooks hold this
+
+  // The vote (should_commit). Guarded by `mutex`. Once this member has sent
+  // its vote of (vote_gen, vote_step) over the group, another member may
+  // have committed that step on the group's answer, so this one must never
+  // declare it skipped on its own (abort_generation).
+  int64_t vote_gen = -1;
+  int64_t vote_step = -1;
+  // This member's last step committed on the group's answer, published to
+  // the store when the generation ends, for a member whose own vote failed
+  // and who asks the store (should_commit's rare path).
+  struct LastCommit {
+    int64_t g = -1;
+    int64_t step = -1;
+    std::string verdict;
+    bool publishing = false;
+    bool published = false;
+  } last_commit;
+  std::condition_variable published_cv;
+  // Set when a published commit found "skip" already decided: this member
+  // applied a step the others dropped, and must leave (start_step throws).
+  std::atomic<bool> diverged{false};
   std::thread watcher;
 
   // Groups to destroy off the training thread (one stuck in a send to a dead
@@ -310,9 +332,12 @@ struct FaultTolerance::Impl {
     return Clock::now() - it->second.second > options.heartbeat_timeout();
   }
 
+  static constexpr std::chrono::milliseconds kAbortPoll{50};
+
   void watch() {
     int64_t beat = 0;
     auto next_beat = Clock::now();
+    auto next_abort_poll = Clock::now();
     while (!stop) {
       std::shared_ptr<Generation> gen;
       bool failed = false;
@@ -376,8 +401,11 @@ struct FaultTolerance::Impl {
                                                std::to_string(options.deadline().count()) + " ms", {});
           } else if (failed) {
             abort_generation(*wstore, gen, "", {});
-          } else if (wstore->check({k_abort(gen->g)})) {
-            abort_generation(*wstore, gen, "another member failed", {});
+          } else if (Clock::now() >= next_abort_poll) {
+            // A backstop: an abort shuts the group's sockets, which the
+            // members see at once above; over etcd each poll is a request.
+            next_abort_poll = Clock::now() + kAbortPoll;
+            if (wstore->check({k_abort(gen->g)})) abort_generation(*wstore, gen, "another member failed", {});
           }
         }
       } catch (const std::exception& e) {
@@ -428,12 +456,17 @@ struct FaultTolerance::Impl {
       std::fprintf(stderr, "ddp: ft debug: %s aborts generation %lld: %s [%s]\n", id.c_str(),
                    static_cast<long long>(gen->g), cause.c_str(), peers.c_str());
     }
+    publish_last_commit(s, gen->g);
+    if (diverged) leave_diverged(s, gen->g);
+    bool voted;
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (gen->aborted) return;
+      voted = vote_gen == gen->g && vote_step == current_step.load();
     }
     const int64_t next = gen->g + 1;
     bool timed_out = cause.find("imed out") != std::string::npos;
+    const bool ahead = diverged;
     {
       std::lock_guard<std::mutex> lock(mutex);
       timed_out = timed_out || failure_cause.find("imed out") != std::string::npos;
@@ -445,10 +478,11 @@ struct FaultTolerance::Impl {
       // compareSet: a member that left cleanly said so first.
       if (!who.empty() && !s.check({k_arrived(next, who)})) s.compareSet(k_dead(next, who), {}, bytes_of("crash"));
     }
-    s.set(k_arrived(next, id), bytes_of("1"));
+    if (!ahead) s.set(k_arrived(next, id), bytes_of("1"));
     s.set(k_abort(gen->g), bytes_of("1"));
-    // A member waiting for the verdict of the step in flight learns it now.
-    s.compareSet(k_verdict(gen->g, current_step.load()), {}, bytes_of("S"));
+    // A member waiting for the verdict of the step in flight learns it now,
+    // unless this member voted on it: then only the group's answer decides.
+    if (!voted) s.compareSet(k_verdict(gen->g, current_step.load()), {}, bytes_of("S"));
     std::vector<std::shared_ptr<PendingBucket>> give_back;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -465,6 +499,105 @@ struct FaultTolerance::Impl {
     }
     detail::shutdown_sockets(gen->sockets);
     for (auto& p : give_back) p->finish(false);
+  }
+
+  // Tells a member whose vote over generation g failed what this member
+  // decided on the group's answer. compareSet: if that member found no
+  // answer in time and wrote "skip", this member applied a step that the
+  // others dropped, and must leave the job (start_step throws FencedOut).
+  // Returns once the commit is published (by this call or by another
+  // thread's), so `diverged` is known before this member takes part in a
+  // new generation.
+  void publish_last_commit(c10d::Store& s, int64_t g) {
+    LastCommit c;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (last_commit.g != g) return;
+      if (last_commit.publishing) {
+        const int64_t step_published = last_commit.step;
+        published_cv.wait(lock, [&] { return last_commit.published || last_commit.step != step_published; });
+        return;
+      }
+      if (last_commit.published) return;
+      last_commit.publishing = true;
+      c = last_commit;
+    }
+    bool agreed = false;
+    try {
+      std::this_thread::sleep_for(detail::test_seams().ft_publish_commit_delay);
+      agreed = text_of(s.compareSet(k_verdict(c.g, c.step), {}, bytes_of(c.verdict))) == c.verdict;
+    } catch (...) {
+      // Unpublished: a member waiting for it decides "skip" after the
+      // grace, so this member must take itself for a step ahead.
+    }
+    if (!agreed) diverged = true;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      // A later commit of the same generation may have replaced it meanwhile: that one is unpublished.
+      if (last_commit.g == c.g && last_commit.step == c.step) last_commit.published = true;
+    }
+    published_cv.notify_all();
+  }
+
+  // A member a step ahead of the job leaves generation `g` as one that left
+  // cleanly, so nobody waits for it to come to the next quorum.
+  void leave_diverged(c10d::Store& s, int64_t g) {
+    s.compareSet(k_dead(g + 1, id), {}, bytes_of("left"));
+    s.set(k_abort(g), bytes_of("1"));
+  }
+
+  void throw_if_diverged() {
+    if (!diverged) return;
+    throw FencedOut(c10::str("ddp: replica ", id, " committed step ", last_commit.step, " of generation ",
+                             last_commit.g, " on the group's answer, but a member whose vote failed found no answer "
+                             "within ", vote_grace().count(), " ms and the step was skipped: this replica's state is "
+                             "one step ahead of the job's. Exit and let the launcher restart it (it heals from a "
+                             "live member)"));
+  }
+
+  // How long a member whose vote failed waits for one that got the group's
+  // answer to publish it (publish_last_commit, on that member's watcher, at
+  // most one poll after the generation's end) before deciding "skip".
+  std::chrono::milliseconds vote_grace() const {
+    return std::min(options.deadline(), std::max(std::chrono::milliseconds(500), 5 * options.heartbeat_interval()));
+  }
+
+  // The step's vote: one small all-reduce over the group, after every bucket
+  // of this member finished. It completes only with every member's vote in,
+  // and a member votes only once all its buckets finished, so completing it
+  // is the proof that the step's gradients are whole everywhere: "commit".
+  // No store operation on this path. Its second entry lets joiners in when
+  // every member asks to (a member holding them never does). A member whose
+  // vote failed (the group broke during the vote) cannot tell whether
+  // another got the answer, and asks the store.
+  std::string vote(const std::shared_ptr<Generation>& gen, const std::shared_ptr<PendingBucket>& p) {
+    all_reduce_into(*gen, p);
+    p->out->wait();
+    bool answered = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
+    if (answered && detail::test_seams().ft_vote_answer_lost_at_step == step) {
+      detail::test_seams().ft_vote_answer_lost_at_step = -1;
+      answered = false;
+      note_failure(gen->g, "collective failed: the vote's answer was dropped (test seam)");
+    }
+    if (answered) {
+      const std::string verdict = p->result[1].item<int64_t>() == gen->size() ? "CJ" : "C";
+      std::lock_guard<std::mutex> lock(mutex);
+      last_commit = LastCommit{gen->g, step, verdict, false, false};
+      return verdict;
+    }
+    const std::string key = k_verdict(gen->g, step);
+    keys_of_old_generations.push_back(key);
+    store_ops += 2;
+    try {
+      store->wait({key}, vote_grace());
+      return text_of(store->get(key));
+    } catch (const FencedOut&) {
+      throw;
+    } catch (const std::exception&) {
+      // Nobody published an answer: nobody got one (or its member missed
+      // the grace, and leaves on finding "skip").
+      return text_of(store->compareSet(key, {}, bytes_of("S")));
+    }
   }
 
   void reap() {
@@ -1060,6 +1193,12 @@ struct FaultTolerance::Impl {
       old = current;
     }
     DDP_CHECK(old, "ddp: fault tolerance has no generation to leave");
+    publish_last_commit(*store, old->g);
+    if (diverged) {
+      leave_diverged(*store, old->g);
+      return;  // start_step throws
+    }
+    keys_of_old_generations.push_back(k_verdict(old->g, step - 1));
     // Come to the next quorum before closing anything (see abort_generation).
     store->set(k_arrived(old->g + 1, id), bytes_of("1"));
     std::vector<std::shared_ptr<PendingBucket>> give_back;
@@ -1184,6 +1323,7 @@ void FaultTolerance::manage_state(std::function<void(torch::serialize::OutputArc
 void FaultTolerance::start_step() {
   auto& d = *impl_;
   DDP_CHECK(!d.left, "ddp: this replica left the job; make a new FaultTolerance to rejoin");
+  d.throw_if_diverged();
   if (!d.joined) {
     d.join();
   }
@@ -1195,6 +1335,7 @@ void FaultTolerance::start_step() {
     }
     if (d.reconfigure == Reconfigure::kNone && !aborted) break;
     d.reconfigure_now(d.reconfigure == Reconfigure::kJoin ? "joiners let in" : "the last step failed");
+    d.throw_if_diverged();
   }
   {
     // The last step's buckets are all done: backward waited for them.
@@ -1221,37 +1362,31 @@ bool FaultTolerance::should_commit() {
   std::shared_ptr<Generation> gen;
   bool ok;
   std::string cause;
+  auto ballot = std::make_shared<PendingBucket>();
   {
     std::lock_guard<std::mutex> lock(d.mutex);
     gen = d.current;
     ok = gen && !gen->aborted && !d.step_failed;
     cause = d.failure_cause;
+    if (ok) {
+      // Voting and the watcher's abort exclude each other here: see vote_gen.
+      const bool let_in = !d.hold && d.join_seq_seen.load() > d.joined_upto.load();
+      ballot->result = at::tensor({int64_t{1}, int64_t{let_in ? 1 : 0}}, at::kLong);
+      ballot->fallback = at::zeros({2}, at::kLong);
+      d.vote_gen = gen->g;
+      d.vote_step = d.step;
+      d.pending.push_back(ballot);  // under the deadline, and given back by an abort
+    }
   }
   DDP_CHECK(gen, "ddp: should_commit() before start_step()");
-  const std::string verdict_key = k_verdict(gen->g, d.step);
   std::string verdict;
   int64_t ops = 0;
   try {
     if (ok) {
-      const int64_t finished = d.store->add(k_ok(gen->g, d.step), 1);
-      ++ops;
-      if (finished == gen->size()) {
-        const bool let_in = !d.hold && d.join_seq_seen.load() > d.joined_upto.load();
-        verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of(let_in ? "CJ" : "C")));
-        ++ops;
-      } else {
-        try {
-          d.store->wait({verdict_key}, d.options.deadline());
-          verdict = text_of(d.store->get(verdict_key));
-          ops += 2;
-        } catch (const std::exception&) {
-          // A member neither voted nor failed within the deadline: hung.
-          verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of("S")));
-          ++ops;
-        }
-      }
+      verdict = d.vote(gen, ballot);
     } else {
-      verdict = text_of(d.store->compareSet(verdict_key, {}, bytes_of("S")));
+      // This member's vote was never sent, so nobody can have committed the step.
+      verdict = text_of(d.store->compareSet(k_verdict(gen->g, d.step), {}, bytes_of("S")));
       ++ops;
     }
   } catch (const FencedOut&) {
@@ -1270,25 +1405,18 @@ bool FaultTolerance::should_commit() {
       const int fd = ::open(progress, O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
       if (fd >= 0) ::close(fd);
     }
-    if (gen->rank == 0 && d.step > 0) {
-      d.store->deleteKey(k_ok(gen->g, d.step - 1));
-      d.store->deleteKey(k_verdict(gen->g, d.step - 1));
-      ops += 2;
-    }
     d.store_ops += ops;
     d.store_ops_counted_steps += 1;
     d.step += 1;
     d.current_step = d.step;
     if (verdict == "CJ") d.reconfigure = Reconfigure::kJoin;
-    // The keys of this attempt go with its generation.
-    d.keys_of_old_generations.push_back(k_ok(gen->g, d.step - 1));
-    d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step - 1));
     return true;
   }
   // Skipped by every member: the generation is over; whoever has not yet
-  // dropped it does so now, so nobody waits on it.
-  d.keys_of_old_generations.push_back(k_ok(gen->g, d.step));
+  // dropped it does so now, so nobody waits on it. Its verdict keys (this
+  // step's, and the last commit's that a member may have published) go with it.
   d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step));
+  if (d.step > 0) d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step - 1));
   d.abort_generation(*d.store, gen, cause.empty() ? "step skipped" : cause, {});
   d.stats.skipped_steps += 1;
   d.stats.seconds_lost += ms_since(d.step_started) / 1000.0;
@@ -1305,6 +1433,7 @@ void FaultTolerance::leave() {
     gen = d.current;
   }
   if (gen) {
+    d.publish_last_commit(*d.store, gen->g);
     d.store->set(k_dead(gen->g + 1, d.id), bytes_of("left"));
     d.store->set(k_abort(gen->g), bytes_of("1"));
     d.store->compareSet(k_verdict(gen->g, d.step), {}, bytes_of("S"));

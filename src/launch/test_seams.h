@@ -19,6 +19,13 @@ struct TestSeams {
   /// Rank 0 waits this long before it commits a distributed checkpoint, with
   /// the directory's lock held, so that a second job's save surely meets it.
   std::chrono::milliseconds checkpoint_commit_delay{0};
+  /// FaultTolerance: the group's answer to this member's vote of this step
+  /// is dropped once (as if the group broke right after the vote was sent),
+  /// so the member must learn the verdict from the store. -1: never.
+  long long ft_vote_answer_lost_at_step = -1;
+  /// FaultTolerance: a member waits this long before it publishes its last
+  /// commit at the end of a generation (a slow store, a stalled watcher).
+  std::chrono::milliseconds ft_publish_commit_delay{0};
 };
 
 /// This process's seams. Defined in the library, not inline, so a test and
