@@ -7,8 +7,14 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <fcntl.h>
+
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "comm/etcd_store.h"
@@ -270,3 +276,79 @@ TEST(EtcdStore, AWriteAfterTheLeadersDeathSucceedsWithinThreeSeconds) {
 }
 
 }  // namespace
+
+namespace {
+
+// This process's TCP connections to `port` (any state, TIME_WAIT included), by socket inode
+// (0 for those no longer held by an fd), from /proc/self/net/tcp{,6}.
+std::vector<unsigned long> connections_to(int port) {
+  std::vector<unsigned long> inodes;
+  char wanted[8];
+  std::snprintf(wanted, sizeof wanted, ":%04X", port);
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout;
+      unsigned long inode = 0;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (remote.size() >= 5 && remote.compare(remote.size() - 5, 5, wanted) == 0) inodes.push_back(inode);
+    }
+  }
+  return inodes;
+}
+
+// 1 when this process holds socket `inode` in a close-on-exec fd, 0 when in another fd, -1 when
+// no fd of this process holds it (the namespace's table lists etcd's own connections too).
+int socket_closes_on_exec(unsigned long inode) {
+  const std::string link = "socket:[" + std::to_string(inode) + "]";
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    if (std::filesystem::read_symlink(entry.path(), error).string() != link) continue;
+    std::ifstream info("/proc/self/fdinfo/" + entry.path().filename().string());
+    for (std::string key, value; info >> key >> value;) {
+      if (key == "flags:") return (std::stoul(value, nullptr, 8) & O_CLOEXEC) != 0 ? 1 : 0;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+// A fault-tolerant job polls its store several times a second per worker: the client keeps its
+// connections alive instead of opening one per request (each left a TIME_WAIT socket behind and
+// cost both ends a handshake), and they close on exec, so a launcher's workers never inherit
+// them. add(key, 0), how the workers read the joiners' count, reads without writing.
+TEST(EtcdStore, RequestsReuseTheirConnectionsWhichCloseOnExecAndAddingZeroWritesNothing) {
+  SKIP_WITHOUT_ETCD();
+  EtcdCluster cluster;
+  ASSERT_EQ(cluster.wait_until_ready(), "");
+  // One member, so that every connection this client makes is to that port.
+  auto store = ddp::detail::make_etcd_store({cluster.endpoint(0)}, "/reuse", 10s);
+  const int port = std::stoi(cluster.endpoint(0).substr(cluster.endpoint(0).rfind(':') + 1));
+  const size_t before = connections_to(port).size();  // etcd's own gateway connects there too
+  store->set("counter", bytes("3"));
+  for (int i = 0; i < 100; ++i) {
+    EXPECT_TRUE(store->check({"counter"}));
+    if (i % 10 == 0) store->set("other", bytes(std::to_string(i)));
+  }
+  const std::vector<unsigned long> after = connections_to(port);
+  EXPECT_LE(after.size(), before + 2) << "111 requests left " << after.size() - before << " connections";
+  size_t held = 0;
+  for (unsigned long inode : after) {
+    const int closes_on_exec = socket_closes_on_exec(inode);
+    if (closes_on_exec < 0) continue;
+    ++held;
+    EXPECT_EQ(closes_on_exec, 1) << "socket " << inode << " would leak into a child";
+  }
+  EXPECT_GE(held, 1u) << "no connection kept alive";
+
+  ddp::detail::EtcdV2Client client({cluster.endpoint(1)}, 10s);
+  const auto index_before = client.get("/any").etcd_index;
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(store->add("counter", 0), 3);
+  EXPECT_EQ(client.get("/any").etcd_index, index_before) << "add(key, 0) wrote to the cluster";
+  EXPECT_EQ(store->add("counter", 2), 5);
+  EXPECT_GT(client.get("/any").etcd_index, index_before);
+}

@@ -188,7 +188,10 @@ class DDP_API FaultTolerance {
   std::shared_ptr<CommHook> comm_hook();
   /// `base` with comm_hook() and the settings every member must share:
   /// buckets never rebuilt (a joiner's first step must bucket as the
-  /// others' do).
+  /// others' do), so not fitted to the link either; without a
+  /// bucket_cap_mb in `base` the cap is 2 MiB, which overlaps the
+  /// all-reduce with backward where PyTorch's 25 MiB would leave a small
+  /// model in one or two buckets.
   DDPOptions ddp_options(DDPOptions base = {});
 
   /// What a joiner receives from a live member, with the step number and the

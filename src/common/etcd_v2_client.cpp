@@ -1,6 +1,8 @@
 #include "common/etcd_v2_client.h"
 
 #include <curl/curl.h>
+
+#include <sys/socket.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -84,7 +86,16 @@ void flatten(const nlohmann::json& json, std::vector<EtcdNode>& out) {
 
 std::string millis(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
 
+// The connections a handle keeps alive must not leak into the processes a launcher starts.
+curl_socket_t open_close_on_exec(void* /*unused*/, curlsocktype /*purpose*/, struct curl_sockaddr* address) {
+  return ::socket(address->family, address->socktype | SOCK_CLOEXEC, address->protocol);
+}
+
 }  // namespace
+
+EtcdV2Client::~EtcdV2Client() {
+  for (void* handle : idle_handles_) curl_easy_cleanup(static_cast<CURL*>(handle));
+}
 
 EtcdV2Client::EtcdV2Client(std::vector<std::string> endpoints, std::chrono::milliseconds request_timeout)
     : request_timeout_(request_timeout) {
@@ -119,8 +130,22 @@ std::string EtcdV2Client::current_endpoint() const { return endpoints_[preferred
 EtcdResponse EtcdV2Client::request(const std::string& method, const std::string& key, const std::string& query,
                                    const std::string& body, std::chrono::milliseconds timeout, bool is_wait) {
   const Clock::time_point deadline = Clock::now() + timeout;
-  std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), curl_easy_cleanup);
-  if (!curl) throw std::runtime_error("ddp: curl_easy_init failed (out of memory?)");
+  // A pooled handle, back to the pool when this request ends however it ends.
+  CURL* handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(idle_mutex_);
+    if (!idle_handles_.empty()) {
+      handle = static_cast<CURL*>(idle_handles_.back());
+      idle_handles_.pop_back();
+    }
+  }
+  if (handle == nullptr) handle = curl_easy_init();
+  if (handle == nullptr) throw std::runtime_error("ddp: curl_easy_init failed (out of memory?)");
+  auto give_back = [this](CURL* h) {
+    std::lock_guard<std::mutex> lock(idle_mutex_);
+    idle_handles_.push_back(h);
+  };
+  std::unique_ptr<CURL, decltype(give_back)> curl(handle, give_back);
   const std::string path = "/v2/keys" + escape_path(curl.get(), key) + (query.empty() ? "" : "?" + query);
   // What each member said last, for the error if none answers.
   std::vector<std::string> failures(endpoints_.size());
@@ -139,6 +164,7 @@ EtcdResponse EtcdV2Client::request(const std::string& method, const std::string&
     const std::string url = endpoints_[index] + path;
     curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
     curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(curl.get(), CURLOPT_OPENSOCKETFUNCTION, open_close_on_exec);
     curl_easy_setopt(curl.get(), CURLOPT_CUSTOMREQUEST, method.c_str());
     curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(budget.count()));
     curl_easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,

@@ -20,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <stdexcept>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,9 @@ class EtcdV2Client {
   // endpoints: "HOST:PORT" or "http(s)://HOST:PORT" each. request_timeout bounds one call,
   // failovers included.
   EtcdV2Client(std::vector<std::string> endpoints, std::chrono::milliseconds request_timeout);
+  ~EtcdV2Client();
+  EtcdV2Client(const EtcdV2Client&) = delete;
+  EtcdV2Client& operator=(const EtcdV2Client&) = delete;
 
   // "h1:p1,h2:p2" as a list; throws std::invalid_argument on an empty entry or a missing port.
   static std::vector<std::string> parse_endpoints(const std::string& comma_list);
@@ -112,6 +116,11 @@ class EtcdV2Client {
   std::atomic<size_t> preferred_{0};
   std::atomic<int> drop_write_replies_{0};
   std::function<void()> in_the_gap_;
+  // Idle curl handles, each keeping its connections to the members alive between requests: a
+  // fault-tolerant job polls the store several times a second per worker, and a new TCP
+  // connection per request cost the members and the workers more CPU than the requests did.
+  std::mutex idle_mutex_;
+  std::vector<void*> idle_handles_;
 };
 
 }  // namespace ddp::detail

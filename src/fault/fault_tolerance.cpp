@@ -131,6 +131,8 @@ enum class Reconfigure { kNone, kFailure, kJoin };
 
 }  // namespace
 
+constexpr double kFaultTolerantBucketMb = 2.0;
+
 bool fault_tolerance_requested() { return env_or("DDP_FAULT_TOLERANCE", "0") == "1"; }
 
 FaultToleranceOptions::FaultToleranceOptions() {
@@ -1305,6 +1307,11 @@ std::shared_ptr<CommHook> FaultTolerance::comm_hook() {
 }
 
 DDPOptions FaultTolerance::ddp_options(DDPOptions base) {
+  // Buckets are never rebuilt here, so never fitted to the link either: without a cap they
+  // would stay at 25 MiB, and a model of a few buckets' size would all-reduce after backward
+  // with nothing to overlap (docs/fault_tolerance.md, "Buckets"). A small fixed cap, alike on
+  // every member and joiner, overlaps as the fitted one does.
+  if (!base.bucket_cap_mb()) base.bucket_cap_mb(kFaultTolerantBucketMb);
   return base.comm_hook(comm_hook()).rebuild_buckets(false);
 }
 
