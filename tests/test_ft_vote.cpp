@@ -1,10 +1,14 @@
-// FaultTolerance's per-step vote (src/fault/fault_tolerance.cpp, should_commit): one small
+// FaultTolerance's per-step vote and beats (src/fault/fault_tolerance.cpp): one small
 // all-reduce over the group decides "commit" with no store operation, and a member whose vote's
 // answer was lost learns the verdict from the store, where the members that got the answer
 // publish it when the generation ends. Three ft_worker replicas under ddprun --fault-tolerance,
 // real processes over real sockets; the seams (tests/workers/ft_vote_seams.cpp) drop one
-// member's answer, and delay the others' publishing.
+// member's answer, and delay the others' publishing. The members' beats go over their liveness
+// connections, so a stalled store makes nobody look hung.
+#include <signal.h>
+
 #include <regex>
+#include <thread>
 
 #include "support/ddprun_fixtures.h"
 #include "support/ft_jobs.h"
@@ -108,3 +112,88 @@ TEST(FtVote, ACommitPublishedTooLateFencesItsMembersWhoHealFromTheOneThatSkipped
 }
 
 }  // namespace
+
+namespace {
+
+// The store keeper's pid, from ddprun's "(ddp_ft_store, pid N)" line; -1 until it is printed.
+int keeper_pid(const std::string& err) {
+  std::smatch match;
+  static const std::regex kKeeper(R"(ddp_ft_store, pid (\d+)\))");
+  return std::regex_search(err, match, kKeeper) ? std::stoi(match[1]) : -1;
+}
+
+}  // namespace
+
+// The store itself stops answering for 2.5 s (its keeper SIGSTOPped; longer than the heartbeat
+// timeout) and rank 2 is killed meanwhile: once the store answers again, the survivors form the
+// next generation together, ddprun's restarted rank 2 heals, and all end with equal weights.
+TEST(FtBeats, AStoreStalledLongerThanTheHeartbeatTimeoutWhileAMemberDiesEndsNoOther) {
+  RunOptions options = run_options({{"FT_STEPS", "150"}, {"FT_STEP_MS", "20"}, {"OMP_NUM_THREADS", "1"}});
+  options.timeout = 120s;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "1",
+                   bin_path("ft_worker")}),
+      options);
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (ddp::testing::last_step_in(ddp::testing::read_text_file(job.out_path)) < 10 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(20ms);
+  }
+  const int keeper = keeper_pid(ddp::testing::read_text_file(job.err_path));
+  const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
+  ASSERT_GT(keeper, 0) << ddp::testing::read_text_file(job.err_path);
+  ASSERT_GT(victim, 0) << ddp::testing::read_text_file(job.err_path);
+  ASSERT_EQ(::kill(keeper, SIGSTOP), 0);
+  std::this_thread::sleep_for(1500ms);
+  ::kill(victim, SIGKILL);
+  std::this_thread::sleep_for(1000ms);
+  ASSERT_EQ(::kill(keeper, SIGCONT), 0);
+  ProcessResult result = ddp::testing::wait_background(job, 120s);
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.err.find("fenced"), std::string::npos) << result.describe();
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank"), 1u) << "only rank 2 failed: " << result.describe();
+  EXPECT_EQ(result.err.find("no heartbeat"), std::string::npos) << "a member was taken for hung: "
+                                                                << result.describe();
+  expect_equal_finals(result);
+}
+
+// Members' beats travel over their liveness connections, not through the store. Rank 2 is
+// killed, and rank 1's own store operations then stall for 2.5 s (both its connections; what
+// an etcd member that dies as the leader does to its clients): rank 1 comes to the next quorum
+// late. Its beats keep coming to rank 0, so rank 0 waits for it (up to the deadline) instead of
+// taking it for hung. With heartbeats in the store, rank 1's stopped with its store, and rank 0
+// left it out as "no heartbeat for 1000 ms (hung)": a healthy member fenced out.
+TEST(FtBeats, AMemberWhoseStoreStallsIsNotTakenForHungWhileItsBeatsCome) {
+  RunOptions options = run_options({{"FT_STEPS", "150"},
+                                    {"FT_STEP_MS", "20"},
+                                    {"OMP_NUM_THREADS", "1"},
+                                    {"FT_TEST_STALL_STORE_MS", "2500"},
+                                    {"FT_TEST_STALL_RANK", "1"}});
+  options.timeout = 120s;
+  BackgroundProcess job = ddp::testing::start_background(
+      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "1",
+                   bin_path("ft_worker")}),
+      options);
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (ddp::testing::last_step_in(ddp::testing::read_text_file(job.out_path)) < 10 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(20ms);
+  }
+  const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
+  ASSERT_GT(victim, 0) << ddp::testing::read_text_file(job.err_path);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  ProcessResult result = ddp::testing::wait_background(job, 120s);
+  ASSERT_EQ(result.exit_code, 0) << result.describe();
+  EXPECT_EQ(result.err.find("fenced"), std::string::npos) << result.describe();
+  EXPECT_EQ(result.err.find("no heartbeat"), std::string::npos) << "rank 1 was taken for hung: " << result.describe();
+  EXPECT_EQ(count_of(result.err, "fault tolerance: rank"), 1u) << "only rank 2 failed: " << result.describe();
+  // The survivors' change waited for rank 1: about the stall, not the 5 s deadline.
+  // (ddprun's restart of rank 2 may join in the same change.)
+  static const std::regex kChange(
+      R"(\[rank0\]: ddp: membership: replica \S+ left \(crash: connection closed\)[^\n]*; recovered in (\d+) ms; 3 -> [23] replicas)");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(result.err, match, kChange)) << result.describe();
+  EXPECT_GT(std::stoi(match[1]), 2000) << result.describe();
+  EXPECT_LT(std::stoi(match[1]), 5000) << result.describe();
+  expect_equal_finals(result);
+}

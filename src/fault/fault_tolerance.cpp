@@ -9,7 +9,8 @@
 //   pg/<g>/...            the Gloo group of generation g; socks/<g>/<id> its members' socket addresses
 //   s/<g>/<step>/v        a step's verdict, written only when a member's vote over the
 //                         group failed (should_commit): the rare path
-//   join_seq, join/<k>    joiners, in order of arrival; hb/<id> heartbeats
+//   join_seq, join/<k>    joiners, in order of arrival; hb/<id> a joiner's heartbeats (a
+//                         member's beats go over its liveness connections)
 //
 // A step is attempted at most once per generation (a failure ends the
 // generation), so (generation, step) names an attempt.
@@ -37,17 +38,20 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
 
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 namespace ddp {
@@ -168,16 +172,40 @@ struct FaultTolerance::Impl {
   Clock::time_point failure_time;
   bool wake = false;
   std::condition_variable wake_cv;
-  // Heartbeats seen: value and when it last changed, per replica watched.
+  // Heartbeats seen in the store: value and when it last changed, per
+  // replica watched. A joiner's only, and a member's until its beats come
+  // over its liveness connection (`beats`).
   std::map<std::string, std::pair<std::string, Clock::time_point>> heartbeats;
   std::set<std::string> watched;
+  // When each peer's beat last came over its liveness connection.
+  std::map<std::string, Clock::time_point> beats;
 
-  // Liveness connections (socket_watch.h): the watcher's only.
+  // Liveness connections (socket_watch.h), one each way between every two
+  // members: this member's to each peer's listener (live_out) carries
+  // "hello <id>" once, then a beat "b" every heartbeat interval; the
+  // peers' to this one (live_in) are read for theirs. Beats travel there,
+  // not through the store: over etcd a store heartbeat was a raft commit on
+  // every member ten times a second per worker (a third of a core in the
+  // churn benchmark), and a stalled store stopped them all at once, so that
+  // healthy members took each other for hung. The beater thread sends,
+  // receives, accepts and watches hang-ups; the watcher only connects (it
+  // looks the address up in the store). Guarded by live_mutex.
+  struct Inbound {
+    int fd = -1;
+    std::string who;   // from its hello
+    std::string text;  // an incomplete line
+  };
+  std::mutex live_mutex;
   int live_listener = -1;
   std::map<std::string, int> live_out;
-  std::set<std::string> live_tried;
-  std::vector<int> live_in;
+  std::vector<Inbound> live_in;
+  std::set<std::string> live_tried;  // the watcher's only
   std::set<std::string> exited;  // peers whose liveness connection hung up; guarded by mutex
+  std::thread beater;
+  // Since when this member has had a connection to every other member of
+  // its generation (the watcher's only): a heartbeat_timeout later its
+  // beats have reached them all, and it stops writing them to the store.
+  std::optional<Clock::time_point> connected_to_all_since;
 
   std::atomic<int64_t> join_seq_seen{0};
   std::atomic<int64_t> joined_upto{0};
@@ -245,6 +273,7 @@ struct FaultTolerance::Impl {
   void start_threads() {
     watcher = std::thread([this] { watch(); });
     reaper = std::thread([this] { reap(); });
+    beater = std::thread([this] { beat(); });
   }
 
   void stop_threads() {
@@ -257,9 +286,11 @@ struct FaultTolerance::Impl {
     reap_cv.notify_all();
     if (watcher.joinable()) watcher.join();
     if (reaper.joinable()) reaper.join();
+    if (beater.joinable()) beater.join();
   }
 
   void note_failure(int64_t g, const std::string& cause) {
+    if (const auto& seen = detail::test_seams().ft_on_failure_seen) seen();
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (!current || current->g != g || step_failed) return;
@@ -276,50 +307,109 @@ struct FaultTolerance::Impl {
     return exited.count(who) > 0;
   }
 
-  // Connects to the members not connected yet, accepts their connections,
-  // and notes those whose connection hung up: their process is gone.
-  void watch_liveness(const std::shared_ptr<Generation>& gen) {
+  // Connects to the members not connected yet, and says hello on each new
+  // connection. Whether this member still needs to write its heartbeat to
+  // the store: until its beats have had time to reach every other member.
+  bool watch_liveness(const std::shared_ptr<Generation>& gen) {
     // New sockets only while no group is being made (its sockets are found
-    // by diffing); never wait for that, which can take a deadline, or the
-    // heartbeats would stop and the others take this replica for hung.
+    // by diffing); never wait for that, which can take a deadline.
     std::unique_lock<std::mutex> tracking(detail::socket_tracking_mutex(), std::try_to_lock);
-    if (tracking.owns_lock()) {
-      for (int fd : detail::accept_pending(live_listener)) live_in.push_back(fd);
-      if (gen) {
-        for (const auto& who : gen->membership.ids) {
-          if (who == id || live_tried.count(who) || !wstore->check({k_live(who)})) continue;
-          live_tried.insert(who);
-          int fd = detail::connect_for_liveness(text_of(wstore->get(k_live(who))));
-          if (fd >= 0) live_out[who] = fd;
-        }
+    if (tracking.owns_lock() && gen) {
+      for (const auto& who : gen->membership.ids) {
+        if (who == id || live_tried.count(who) || !wstore->check({k_live(who)})) continue;
+        live_tried.insert(who);
+        const int fd = detail::connect_for_liveness(text_of(wstore->get(k_live(who))));
+        if (fd < 0) continue;
+        const std::string hello = "hello " + id + "\n";
+        (void)::send(fd, hello.data(), hello.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        std::lock_guard<std::mutex> live(live_mutex);
+        live_out[who] = fd;
       }
-      tracking.unlock();
     }
-    for (auto it = live_out.begin(); it != live_out.end();) {
-      if (detail::peer_hung_up(it->second)) {
+    tracking.unlock();
+    bool all = gen != nullptr;
+    {
+      std::lock_guard<std::mutex> live(live_mutex);
+      for (const auto& who : gen ? gen->membership.ids : std::vector<std::string>{}) {
+        all = all && (who == id || live_out.count(who) > 0);
+      }
+    }
+    if (!all) {
+      connected_to_all_since.reset();
+      return true;
+    }
+    if (!connected_to_all_since) connected_to_all_since = Clock::now();
+    return Clock::now() - *connected_to_all_since < options.heartbeat_timeout();
+  }
+
+  // The beater thread: beats on every outgoing connection each heartbeat
+  // interval, and reads the incoming ones. It never touches the store, so a
+  // stalled store never stops this member's beats.
+  void beat() {
+    auto next_beat = Clock::now();
+    char buffer[4096];
+    while (!stop) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const auto now = Clock::now();
+      std::vector<std::string> seen, gone;
+      {
+        std::lock_guard<std::mutex> live(live_mutex);
         {
-          std::lock_guard<std::mutex> lock(mutex);
-          exited.insert(it->first);
+          std::unique_lock<std::mutex> tracking(detail::socket_tracking_mutex(), std::try_to_lock);
+          if (tracking.owns_lock()) {
+            for (int fd : detail::accept_pending(live_listener)) live_in.push_back(Inbound{fd, "", ""});
+          }
         }
-        ::close(it->second);
-        it = live_out.erase(it);
-      } else {
-        ++it;
+        if (now >= next_beat) {
+          next_beat = now + options.heartbeat_interval();
+          for (const auto& [who, fd] : live_out) (void)::send(fd, "b\n", 2, MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
+        for (auto it = live_in.begin(); it != live_in.end();) {
+          bool closed = false, heard = false;
+          while (true) {
+            const ssize_t n = ::recv(it->fd, buffer, sizeof buffer, MSG_DONTWAIT);
+            if (n > 0) {
+              it->text.append(buffer, static_cast<size_t>(n));
+              heard = true;
+              continue;
+            }
+            closed = n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+            break;
+          }
+          for (size_t end; (end = it->text.find('\n')) != std::string::npos; it->text.erase(0, end + 1)) {
+            const std::string line = it->text.substr(0, end);
+            if (line.rfind("hello ", 0) == 0) it->who = line.substr(6);
+          }
+          if (it->text.size() > 4096) closed = true;  // not a peer of this job
+          // Any line counts: a beat, or the hello that starts the clock.
+          if (heard && !it->who.empty()) seen.push_back(it->who);
+          if (closed) {
+            ::close(it->fd);
+            it = live_in.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        for (auto it = live_out.begin(); it != live_out.end();) {
+          if (detail::peer_hung_up(it->second)) {
+            gone.push_back(it->first);
+            ::close(it->second);
+            it = live_out.erase(it);
+          } else {
+            ++it;
+          }
+        }
       }
-    }
-    for (auto it = live_in.begin(); it != live_in.end();) {
-      if (detail::peer_hung_up(*it)) {
-        ::close(*it);
-        it = live_in.erase(it);
-      } else {
-        ++it;
-      }
+      std::lock_guard<std::mutex> lock(mutex);
+      for (const auto& who : gone) exited.insert(who);
+      for (const auto& who : seen) beats[who] = now;
     }
   }
 
   void close_liveness() {
+    std::lock_guard<std::mutex> live(live_mutex);
     for (auto& [who, fd] : live_out) ::close(fd);
-    for (int fd : live_in) ::close(fd);
+    for (const auto& in : live_in) ::close(in.fd);
     if (live_listener >= 0) ::close(live_listener);
     live_out.clear();
     live_in.clear();
@@ -329,17 +419,20 @@ struct FaultTolerance::Impl {
   bool heartbeat_stale(const std::string& who) {
     std::lock_guard<std::mutex> lock(mutex);
     watched.insert(who);
+    const auto now = Clock::now();
+    if (auto b = beats.find(who); b != beats.end()) return now - b->second > options.heartbeat_timeout();
     auto it = heartbeats.find(who);
     if (it == heartbeats.end()) return false;  // not seen yet: the watcher looks within one interval
     return Clock::now() - it->second.second > options.heartbeat_timeout();
   }
 
-  static constexpr std::chrono::milliseconds kAbortPoll{50};
+  static constexpr std::chrono::milliseconds kAbortPoll{250};
 
   void watch() {
     int64_t beat = 0;
     auto next_beat = Clock::now();
     auto next_abort_poll = Clock::now();
+    bool store_beat = true;
     while (!stop) {
       std::shared_ptr<Generation> gen;
       bool failed = false;
@@ -354,12 +447,16 @@ struct FaultTolerance::Impl {
       try {
         if (Clock::now() >= next_beat) {
           next_beat = Clock::now() + options.heartbeat_interval();
-          wstore->set(k_heartbeat(id), bytes_of(std::to_string(++beat)));
-          if (wstore->check({k_join_seq()})) join_seq_seen = wstore->add(k_join_seq(), 0);
+          if (store_beat) wstore->set(k_heartbeat(id), bytes_of(std::to_string(++beat)));
+          // One read (join() counts itself in before it needs a member's
+          // vote, so a missing key only means no joiner yet).
+          join_seq_seen = wstore->add(k_join_seq(), 0);
           std::set<std::string> ids;
           {
             std::lock_guard<std::mutex> lock(mutex);
-            ids = watched;
+            for (const auto& who : watched) {
+              if (beats.count(who) == 0) ids.insert(who);  // beats come over its connection instead
+            }
           }
           for (const auto& who : ids) {
             if (who == id || !wstore->check({k_heartbeat(who)})) continue;
@@ -369,7 +466,7 @@ struct FaultTolerance::Impl {
             if (it == heartbeats.end() || it->second.first != value) heartbeats[who] = {value, Clock::now()};
           }
         }
-        watch_liveness(gen);
+        store_beat = watch_liveness(gen);
         bool aborted = false;
         {
           std::lock_guard<std::mutex> lock(mutex);
@@ -458,6 +555,7 @@ struct FaultTolerance::Impl {
       std::fprintf(stderr, "ddp: ft debug: %s aborts generation %lld: %s [%s]\n", id.c_str(),
                    static_cast<long long>(gen->g), cause.c_str(), peers.c_str());
     }
+    if (const auto& seen = detail::test_seams().ft_on_failure_seen) seen();
     publish_last_commit(s, gen->g);
     if (diverged) leave_diverged(s, gen->g);
     bool voted;
@@ -1234,6 +1332,10 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
   impl_->id = o.replica_id();
   impl_->store = detail::open_ft_store(o.store(), o.deadline());
   impl_->wstore = detail::open_ft_store(o.store(), o.deadline());
+  if (const auto& wrap = detail::test_seams().ft_wrap_store) {
+    impl_->store = wrap(impl_->store);
+    impl_->wstore = wrap(impl_->wstore);
+  }
   impl_->store_addresses = detail::ft_store_addresses(o.store());
   {
     std::string address;

@@ -7,7 +7,10 @@
 // outside a test can steer a production program through them. All zero by
 // default.
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include <chrono>
+#include <functional>
 
 namespace ddp::detail {
 
@@ -26,6 +29,11 @@ struct TestSeams {
   /// FaultTolerance: a member waits this long before it publishes its last
   /// commit at the end of a generation (a slow store, a stalled watcher).
   std::chrono::milliseconds ft_publish_commit_delay{0};
+  /// FaultTolerance: wraps each store connection the member opens (so a test
+  /// can stall this member's store operations only), and is told when the
+  /// member first sees a step fail. Unset: neither happens.
+  std::function<c10::intrusive_ptr<c10d::Store>(c10::intrusive_ptr<c10d::Store>)> ft_wrap_store;
+  std::function<void()> ft_on_failure_seen;
 };
 
 /// This process's seams. Defined in the library, not inline, so a test and
