@@ -302,3 +302,13 @@ add_executable(ddp_ft_vote_tests test_ft_vote.cpp)
 target_link_libraries(ddp_ft_vote_tests PRIVATE ddp_test_support GTest::gtest_main)
 add_dependencies(ddp_ft_vote_tests ddprun ddp_ft_store ft_worker)
 gtest_discover_tests(ddp_ft_vote_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180 DISCOVERY_TIMEOUT 30)
+
+# FaultTolerance keeps buffers in step (issue 36, helper B4): BatchNorm statistics equal on every
+# member at every step boundary through a crash and a rejoin, drifting apart without the
+# broadcast, and a stopped rank 0 costing the deadline, not a hang (ft_worker FT_BATCHNORM=1).
+add_executable(ddp_ft_buffers_tests test_ft_buffers.cpp)
+target_link_libraries(ddp_ft_buffers_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_ft_buffers_tests)
+add_dependencies(ddp_ft_buffers_tests ft_worker)
+gtest_discover_tests(ddp_ft_buffers_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

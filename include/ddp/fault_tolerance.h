@@ -98,6 +98,16 @@ struct DDP_API FaultToleranceOptions {
   /// 1 is the single-sender path (rank 0 sends everything). Default:
   /// DDP_FT_HEAL_SENDERS, else 0.
   TORCH_ARG(int, heal_senders) = 0;
+  /// Make the managed module's buffers (BatchNorm's statistics, say) equal
+  /// on every member at each start_step(): the generation's rank 0 sends
+  /// its own, as DDP's broadcast_buffers does before each forward (the
+  /// local group DDP is built on has only this process). One broadcast of
+  /// all the buffers' bytes, under the step's deadline; a failure skips the
+  /// step like a bucket's. A module without buffers pays nothing. Off: each
+  /// member keeps its own, and only joiners receive rank 0's.
+  ///
+  ///   ddp::FaultToleranceOptions().broadcast_buffers(false)
+  TORCH_ARG(bool, broadcast_buffers) = true;
   /// Print one line per membership change on stderr.
   TORCH_ARG(bool, log_membership) = true;
 };
@@ -206,7 +216,9 @@ class DDP_API FaultTolerance {
 
   /// Call before each step's forward. The first call joins the job (the first
   /// quorum, or as a joiner healed from a live member); later calls form a
-  /// new group first when the last step failed or a joiner waits.
+  /// new group first when the last step failed or a joiner waits. Then the
+  /// managed module's buffers become rank 0's on every member
+  /// (FaultToleranceOptions::broadcast_buffers).
   void start_step();
   /// Sums `tensor` in place over the current step's members, for state that
   /// is not a DDP bucket (DiLoCo's pseudo-gradient). Call between

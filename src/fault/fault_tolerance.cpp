@@ -250,6 +250,13 @@ struct FaultTolerance::Impl {
   int64_t step = 0;
   at::Tensor rng_before_step;
   Clock::time_point step_started;
+  // The managed module's buffers at the start of the step's attempt
+  // (broadcast_buffers), packed: each tensor's bytes at its offset.
+  struct SavedBuffers {
+    std::vector<at::Tensor> tensors;
+    std::vector<int64_t> offsets;
+    at::Tensor bytes;
+  } step_buffers;
   FaultToleranceStats stats;
   int64_t store_ops = 0;
   int64_t store_ops_counted_steps = 0;
@@ -747,9 +754,23 @@ struct FaultTolerance::Impl {
   // Sums p->result over `gen`'s members; a failure marks the step failed
   // rather than throwing, and either way `p` is finished once.
   void all_reduce_into(Generation& gen, const std::shared_ptr<PendingBucket>& p) {
+    collective_into(gen, p, [&](std::vector<at::Tensor>& tensors) { return gen.backend->allreduce(tensors); });
+  }
+
+  // Replaces p->result with rank 0's on `gen`'s members, as all_reduce_into sums.
+  void broadcast_into(Generation& gen, const std::shared_ptr<PendingBucket>& p) {
+    collective_into(gen, p, [&](std::vector<at::Tensor>& tensors) {
+      c10d::BroadcastOptions o;
+      o.rootRank = 0;
+      return gen.backend->broadcast(tensors, o);
+    });
+  }
+
+  template <typename Issue>
+  void collective_into(Generation& gen, const std::shared_ptr<PendingBucket>& p, Issue issue) {
     try {
       std::vector<at::Tensor> tensors{p->result};
-      auto work = gen.backend->allreduce(tensors);
+      auto work = issue(tensors);
       const int64_t g = gen.g;
       work->getFuture()->addCallback([this, p, g](c10::ivalue::Future& f) {
         if (f.hasError()) note_failure(g, "collective failed: " + f.tryRetrieveErrorMessage());
@@ -785,6 +806,75 @@ struct FaultTolerance::Impl {
     }
     tensor.detach().copy_(p->result);
     return true;
+  }
+
+  // Rank 0's buffers on every member at the step boundary: DDP's
+  // broadcast_buffers, which on the one-process local group does nothing.
+  // All of them go as one flat tensor of bytes (each at a 16-byte offset,
+  // so that it can be viewed back as its dtype), whatever their dtypes: one
+  // collective per step, and integer buffers (num_batches_tracked) arrive
+  // exact. Like sum_now, it receives into a tensor of its own and writes
+  // back only what completed, since the group may be abandoned with the
+  // operation in flight; a failure fails the step (skipped by every
+  // member), and the deadline bounds it as it bounds a bucket (it is in
+  // `pending`). What the step starts from is kept, for a skip to restore.
+  void broadcast_buffers() {
+    step_buffers = {};
+    if (!options.broadcast_buffers() || !module) return;
+    for (const auto& b : module->buffers()) {
+      if (b.defined() && b.numel() > 0) step_buffers.tensors.push_back(b.detach());
+    }
+    if (step_buffers.tensors.empty()) return;
+    int64_t total = 0;
+    for (const auto& b : step_buffers.tensors) {
+      total = (total + 15) / 16 * 16;
+      step_buffers.offsets.push_back(total);
+      total += static_cast<int64_t>(b.nbytes());
+    }
+    step_buffers.bytes = at::zeros({total}, at::kByte);
+    for (size_t i = 0; i < step_buffers.tensors.size(); ++i) {
+      const at::Tensor bytes = step_buffers.tensors[i].contiguous().reshape({-1}).view(at::kByte);
+      step_buffers.bytes.narrow(0, step_buffers.offsets[i], bytes.numel()).copy_(bytes);
+    }
+    auto p = std::make_shared<PendingBucket>();
+    p->fallback = at::empty({0}, at::kByte);
+    std::shared_ptr<Generation> gen;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      gen = current;
+      if (!gen || gen->aborted || step_failed || gen->size() == 1) return;
+      pending.push_back(p);
+    }
+    // Rank 0 sends its own (never written to); the others receive into a copy.
+    p->result = gen->rank == 0 ? step_buffers.bytes : at::empty({total}, at::kByte);
+    broadcast_into(*gen, p);
+    p->out->wait();
+    const bool ok = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!ok || gen->aborted || step_failed) return;
+    }
+    if (gen->rank == 0) return;
+    step_buffers.bytes = p->result;
+    write_buffers(step_buffers);
+  }
+
+  // The buffers as `saved` holds them.
+  static void write_buffers(const SavedBuffers& saved) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < saved.tensors.size(); ++i) {
+      at::Tensor b = saved.tensors[i];
+      b.copy_(saved.bytes.narrow(0, saved.offsets[i], static_cast<int64_t>(b.nbytes()))
+                  .view(b.scalar_type())
+                  .view(b.sizes()));
+    }
+  }
+
+  // A skipped step leaves the buffers as it found them (after its
+  // broadcast), as it leaves the weights and the random generator: its
+  // forward updated BatchNorm's statistics with a batch that is redone.
+  void restore_buffers() {
+    if (step_buffers.bytes.defined()) write_buffers(step_buffers);
   }
 
   // ---- generations -----------------------------------------------------------
@@ -1454,6 +1544,8 @@ void FaultTolerance::start_step() {
   d.rng_before_step = cpu_generator().get_state();
   d.step_started = Clock::now();
   d.current_step = d.step;
+  // After any heal, under this step's deadline and counted in its time.
+  d.broadcast_buffers();
 }
 
 bool FaultTolerance::all_reduce_sum(at::Tensor& tensor) {
@@ -1530,6 +1622,7 @@ bool FaultTolerance::should_commit() {
   d.stats.skipped_steps += 1;
   d.stats.seconds_lost += ms_since(d.step_started) / 1000.0;
   cpu_generator().set_state(d.rng_before_step);
+  d.restore_buffers();
   d.reconfigure = Reconfigure::kFailure;
   return false;
 }

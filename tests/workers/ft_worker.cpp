@@ -12,7 +12,15 @@
 //   FT_SEED         the seed of the initial weights (default 7)
 //   FT_STATE_MB     a frozen buffer of this many MiB in the model (default 0): a
 //                   joiner's heal then carries that much state while the steps
-//                   stay as cheap (buffers travel to joiners, never in a step)
+//                   stay as cheap: the buffers' per-step broadcast is off unless
+//                   FT_BROADCAST_BUFFERS=1 says otherwise
+//   FT_BATCHNORM    1: a BatchNorm1d after the first layer, and a line right after
+//                   each start_step():
+//                     buffers <step> gen <g> rank <r>/<n> hash <buffers' hash>
+//   FT_BROADCAST_BUFFERS  0: FaultToleranceOptions::broadcast_buffers(false)
+//   FT_STOP_RANK0_BEFORE_STEP  the member that is rank 0 when this step comes up
+//                   prints "stopping before step <s>" and stops itself (SIGSTOP)
+//                   before start_step(), so the others wait in the buffers' broadcast
 
 #include <ddp/ddp.h>
 #include <ddp/fault_tolerance.h>
@@ -23,8 +31,10 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -52,12 +62,20 @@ int main() {
     // Replicas may start from different weights (FT_SEED): the first quorum's
     // rank 0 gives everyone its own, and a joiner receives the members'.
     torch::manual_seed(env_int("FT_SEED", 7));
-    torch::nn::Sequential net(torch::nn::Linear(16, 64), torch::nn::ReLU(), torch::nn::Linear(64, 2));
-    if (const int64_t mb = env_int("FT_STATE_MB", 0); mb > 0) {
-      net->register_buffer("ballast", torch::randn({mb * 1024 * 1024 / 4}));
+    const bool batchnorm = env_int("FT_BATCHNORM", 0) == 1;
+    torch::nn::Sequential net(torch::nn::Linear(16, 64));
+    if (batchnorm) net->push_back(torch::nn::BatchNorm1d(64));
+    net->push_back(torch::nn::ReLU());
+    net->push_back(torch::nn::Linear(64, 2));
+    const int64_t state_mb = env_int("FT_STATE_MB", 0);
+    if (state_mb > 0) {
+      net->register_buffer("ballast", torch::randn({state_mb * 1024 * 1024 / 4}));
     }
+    const int64_t stop_before = env_int("FT_STOP_RANK0_BEFORE_STEP", -1);
+    bool stopped = false;  // once: the attempt it broke is skipped, and comes up again
 
-    ddp::FaultTolerance ft;
+    ddp::FaultTolerance ft(
+        ddp::FaultToleranceOptions().broadcast_buffers(env_int("FT_BROADCAST_BUFFERS", state_mb > 0 ? 0 : 1) != 0));
     ddp::DistributedDataParallel<torch::nn::Sequential> model(net, ft.local_group(), ft.ddp_options());
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
     ddp::FaultTolerantSampler sampler(dataset_size, batch, /*seed=*/3);
@@ -72,7 +90,19 @@ int main() {
         return 0;
       }
       if (admit_at >= 0 && ft.step() >= admit_at) ft.hold_joiners(false);
+      if (ft.step() == stop_before && ft.rank() == 0 && !stopped) {
+        stopped = true;
+        std::printf("stopping before step %lld\n", static_cast<long long>(ft.step()));
+        std::fflush(stdout);
+        std::raise(SIGSTOP);
+      }
       ft.start_step();
+      if (batchnorm) {
+        std::printf("buffers %lld gen %lld rank %d/%d hash %016llx\n", static_cast<long long>(ft.step()),
+                    static_cast<long long>(ft.generation()), ft.rank(), ft.size(),
+                    static_cast<unsigned long long>(hash_of(net->buffers())));
+        std::fflush(stdout);
+      }
       if (admit_at >= 0 && ft.step() == admit_at && ft.size() < 3) {
         // The scripted sequence lets the joiner in at exactly this step.
         while (!ft.join_pending()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
