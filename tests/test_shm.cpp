@@ -442,7 +442,9 @@ TEST(ShmChoice, TwoHostsGetGlooBetweenAndSharedMemoryInside) {
       torch::manual_seed(5);
       return torch::nn::Sequential(torch::nn::Linear(6, 32), torch::nn::Tanh(), torch::nn::Linear(32, 2));
     };
-    ddp::DistributedDataParallel<torch::nn::Sequential> flat(make(), world, ddp::DDPOptions().bucket_cap_mb(0.001));
+    // Flat by choice: without a hook, DDP across hosts is hierarchical by default.
+    ddp::DistributedDataParallel<torch::nn::Sequential> flat(
+        make(), world, ddp::DDPOptions().bucket_cap_mb(0.001).hierarchical_allreduce(false));
     ddp::DistributedDataParallel<torch::nn::Sequential> hierarchical(
         make(), world, ddp::DDPOptions().bucket_cap_mb(0.001).comm_hook(ddp::hierarchical_allreduce_hook(mesh)));
     auto generator = at::make_generator<at::CPUGeneratorImpl>(11 + rank);
