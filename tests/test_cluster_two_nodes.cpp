@@ -27,15 +27,9 @@ namespace {
 
 // Two network namespaces, each a "node" with its own address, joined by a
 // veth pair: ddprun on each node, rank 0's store on node 0's address.
-class TwoNodes : public ::testing::Test {
+class TwoNodes : public TwoNodeTest {
  protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root";
-    const std::string why = network_.build();
-    if (!why.empty()) GTEST_SKIP() << why;
-  }
-  void TearDown() override { network_.remove(); }
-  TwoNodeNetwork network_{"ddp_", "10.213.77"};
+  TwoNodes() : TwoNodeTest("ddp_", "10.213.77") {}
   // A third node's namespace, added to ns_, goes with the others.
   std::vector<std::string>& ns_ = network_.ns;
   std::vector<std::string>& veth_ = network_.veth;

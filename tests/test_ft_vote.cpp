@@ -122,13 +122,13 @@ int keeper_pid(const std::string& err) {
   return std::regex_search(err, match, kKeeper) ? std::stoi(match[1]) : -1;
 }
 
-}  // namespace
-
-// The store itself stops answering for 2.5 s (its keeper SIGSTOPped; longer than the heartbeat
-// timeout) and rank 2 is killed meanwhile: once the store answers again, the survivors form the
-// next generation together, ddprun's restarted rank 2 heals, and all end with equal weights.
-TEST(FtBeats, AStoreStalledLongerThanTheHeartbeatTimeoutWhileAMemberDiesEndsNoOther) {
-  RunOptions options = run_options({{"FT_STEPS", "150"}, {"FT_STEP_MS", "20"}, {"OMP_NUM_THREADS", "1"}});
+// Three ft_worker replicas under ddprun --fault-tolerance (150 steps of 20 ms, one restart),
+// started in the background; returns once one of them printed step 10.
+BackgroundProcess start_job_at_step_ten(EnvAssignments env) {
+  env.emplace_back("FT_STEPS", "150");
+  env.emplace_back("FT_STEP_MS", "20");
+  env.emplace_back("OMP_NUM_THREADS", "1");
+  RunOptions options = run_options(std::move(env));
   options.timeout = 120s;
   BackgroundProcess job = ddp::testing::start_background(
       ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "1",
@@ -139,6 +139,16 @@ TEST(FtBeats, AStoreStalledLongerThanTheHeartbeatTimeoutWhileAMemberDiesEndsNoOt
          std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(20ms);
   }
+  return job;
+}
+
+}  // namespace
+
+// The store itself stops answering for 2.5 s (its keeper SIGSTOPped; longer than the heartbeat
+// timeout) and rank 2 is killed meanwhile: once the store answers again, the survivors form the
+// next generation together, ddprun's restarted rank 2 heals, and all end with equal weights.
+TEST(FtBeats, AStoreStalledLongerThanTheHeartbeatTimeoutWhileAMemberDiesEndsNoOther) {
+  BackgroundProcess job = start_job_at_step_ten({});
   const int keeper = keeper_pid(ddp::testing::read_text_file(job.err_path));
   const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
   ASSERT_GT(keeper, 0) << ddp::testing::read_text_file(job.err_path);
@@ -164,21 +174,7 @@ TEST(FtBeats, AStoreStalledLongerThanTheHeartbeatTimeoutWhileAMemberDiesEndsNoOt
 // taking it for hung. With heartbeats in the store, rank 1's stopped with its store, and rank 0
 // left it out as "no heartbeat for 1000 ms (hung)": a healthy member fenced out.
 TEST(FtBeats, AMemberWhoseStoreStallsIsNotTakenForHungWhileItsBeatsCome) {
-  RunOptions options = run_options({{"FT_STEPS", "150"},
-                                    {"FT_STEP_MS", "20"},
-                                    {"OMP_NUM_THREADS", "1"},
-                                    {"FT_TEST_STALL_STORE_MS", "2500"},
-                                    {"FT_TEST_STALL_RANK", "1"}});
-  options.timeout = 120s;
-  BackgroundProcess job = ddp::testing::start_background(
-      ddprun_argv({"--standalone", "--fault-tolerance", "--nproc-per-node", "3", "--max-restarts", "1",
-                   bin_path("ft_worker")}),
-      options);
-  const auto give_up = std::chrono::steady_clock::now() + 60s;
-  while (ddp::testing::last_step_in(ddp::testing::read_text_file(job.out_path)) < 10 &&
-         std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(20ms);
-  }
+  BackgroundProcess job = start_job_at_step_ten({{"FT_TEST_STALL_STORE_MS", "2500"}, {"FT_TEST_STALL_RANK", "1"}});
   const int victim = ddp::testing::child_with_rank(job.pid, "ft_worker", 2);
   ASSERT_GT(victim, 0) << ddp::testing::read_text_file(job.err_path);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);

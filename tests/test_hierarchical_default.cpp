@@ -367,14 +367,9 @@ TEST(HierarchicalDefaultRanks, ABadDdpHierarchicalOnOneRankFailsOnEveryRankNamin
 
 // ------------------------------------- 2 network namespaces x 2 ranks (root)
 
-class HierarchicalTwoNodes : public ::testing::Test {
+class HierarchicalTwoNodes : public TwoNodeTest {
  protected:
-  void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root";
-    const std::string why = network_.build();
-    if (!why.empty()) GTEST_SKIP() << why;
-  }
-  void TearDown() override { network_.remove(); }
+  HierarchicalTwoNodes() : TwoNodeTest("ddph", "10.213.81") {}
 
   // ddp_worker's DDP training (support/fsdp_trainers.h: 6 Adam steps, rank r
   // takes rows r, r + 4, ... of each 12-row global batch, DDP with default
@@ -395,7 +390,6 @@ class HierarchicalTwoNodes : public ::testing::Test {
     return results;
   }
 
-  TwoNodeNetwork network_{"ddph", "10.213.81"};
 };
 
 TEST_F(HierarchicalTwoNodes, FourRanksTakeItByDefaultAndMatchTheFlatAllReduceAndOneProcess) {

@@ -7,6 +7,7 @@
 
 #include <support/launch.h>
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -68,6 +69,20 @@ class TwoNodeNetwork {
 
  private:
   bool built_ = false;
+};
+
+/// A test on two such nodes: skipped, with the reason, without root or when the
+/// namespaces cannot be built; they go after each test.
+class TwoNodeTest : public ::testing::Test {
+ protected:
+  TwoNodeTest(const std::string& prefix, const std::string& subnet_prefix) : network_(prefix, subnet_prefix) {}
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root";
+    const std::string why = network_.build();
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+  void TearDown() override { network_.remove(); }
+  TwoNodeNetwork network_;
 };
 
 }  // namespace ddp::testing
