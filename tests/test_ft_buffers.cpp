@@ -34,8 +34,9 @@ struct BufferLine {
 };
 
 struct Worker : StepReplica {
-  std::vector<BufferLine> buffers() const {
-    static const std::regex re(R"(buffers (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+))");
+  // `what`: "buffers" (right after start_step()) or "after" (after backward).
+  std::vector<BufferLine> buffers(const std::string& what = "buffers") const {
+    const std::regex re(what + R"( (\d+) gen (\d+) rank (\d+)/(\d+) hash ([0-9a-f]+))");
     std::vector<BufferLine> lines;
     std::stringstream in(read_file(out));
     for (std::string line; std::getline(in, line);) {
@@ -156,6 +157,24 @@ TEST_F(FtBuffers, EqualOnEveryMemberAtEveryCommittedStepThroughACrashAndARejoin)
   std::printf("[ measured ] %zu skipped attempt(s), %d with shared buffers compared with their redo\n",
               skipped.size(), redone);
   EXPECT_GE(redone, 1) << logs();
+
+  // DDP's semantics: a step starts from what rank 0's forward made of the buffers in the step
+  // before (its own batch's statistics), within a generation.
+  std::map<std::pair<int64_t, int64_t>, std::string> rank0_after;
+  for (size_t i : {size_t(0), size_t(1), size_t(2), joiner}) {
+    for (const auto& b : workers_[i].buffers("after")) {
+      if (b.rank == 0 && by_attempt.count({b.step, b.gen})) rank0_after[{b.step, b.gen}] = b.hash;
+    }
+  }
+  int followed = 0;
+  for (const auto& [attempt, hashes] : by_attempt) {
+    auto before = rank0_after.find({attempt.first - 1, attempt.second});
+    if (before == rank0_after.end()) continue;
+    EXPECT_EQ(hashes.begin()->second, before->second)
+        << "step " << attempt.first << " gen " << attempt.second << " does not start from rank 0's buffers";
+    followed += 1;
+  }
+  EXPECT_GE(followed, 35) << logs();
 }
 
 // The control: with broadcast_buffers(false) each member's statistics follow its own batches and

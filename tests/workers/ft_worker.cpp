@@ -17,6 +17,7 @@
 //   FT_BATCHNORM    1: a BatchNorm1d after the first layer, and a line right after
 //                   each start_step():
 //                     buffers <step> gen <g> rank <r>/<n> hash <buffers' hash>
+//                   and "after ..." alike after backward (what the step's forward made of them)
 //   FT_BROADCAST_BUFFERS  0: FaultToleranceOptions::broadcast_buffers(false)
 //   FT_STOP_RANK0_BEFORE_STEP  the member that is rank 0 when this step comes up
 //                   prints "stopping before step <s>" and stops itself (SIGSTOP)
@@ -117,6 +118,11 @@ int main() {
                                                        labels.index_select(0, index));
       loss.backward();
       const int64_t gen = ft.generation();
+      if (batchnorm) {
+        // What this member's forward made of them: rank 0's is what DDP's next broadcast sends.
+        std::printf("after %lld gen %lld rank %d/%d hash %016llx\n", static_cast<long long>(ft.step()),
+                    static_cast<long long>(gen), rank, size, static_cast<unsigned long long>(hash_of(net->buffers())));
+      }
       if (ft.should_commit()) {
         optimizer.step();
         const int64_t s = ft.step() - 1;
