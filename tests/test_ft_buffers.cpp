@@ -240,8 +240,10 @@ TEST_F(FtBuffers, RankZeroStoppedBeforeTheBroadcastCostsTheDeadlineNotAHang) {
   const double ms = (recovered_at - stopped_at) / 1000.0;
   std::printf("[ measured ] rank 0 stopped before the broadcast -> step 8 committed at 2: %.0f ms (deadline %d ms)\n",
               ms, deadline_ms);
-  EXPECT_GT(ms, deadline_ms - 100.0) << logs();
-  EXPECT_LT(ms, deadline_ms + 1000.0) << logs();
+  // Not before the deadline, and well before Gloo's own timeout (2 x deadline + 5 s), which
+  // bounds the broadcast when the deadline does not (seen: 8047 ms).
+  EXPECT_GT(ms, deadline_ms - 300.0) << logs();
+  EXPECT_LT(ms, deadline_ms + 1500.0) << logs();
   kill(workers_[stopped].pid, SIGCONT);
   wait_exit({stopped}, 20);
   EXPECT_TRUE(WIFEXITED(workers_[stopped].status) && WEXITSTATUS(workers_[stopped].status) == 3) << logs();
