@@ -39,16 +39,7 @@ namespace fs = std::filesystem;
 using namespace ddp::testing;
 
 // An ft_worker replica: its step lines, its "skipped step" lines.
-struct Worker : StepReplica {
-  std::vector<std::string> skipped() const {
-    std::vector<std::string> lines;
-    std::stringstream in(read_file(out));
-    for (std::string line; std::getline(in, line);) {
-      if (line.rfind("skipped", 0) == 0) lines.push_back(line);
-    }
-    return lines;
-  }
-};
+using Worker = StepReplica;
 
 class FaultToleranceJob : public FtReplicaJob<Worker> {
  protected:

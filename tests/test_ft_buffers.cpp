@@ -46,14 +46,6 @@ struct Worker : StepReplica {
     }
     return lines;
   }
-  std::vector<std::string> skipped() const {
-    std::vector<std::string> lines;
-    std::stringstream in(read_file(out));
-    for (std::string line; std::getline(in, line);) {
-      if (line.rfind("skipped", 0) == 0) lines.push_back(line);
-    }
-    return lines;
-  }
 };
 
 class FtBuffers : public FtReplicaJob<Worker> {

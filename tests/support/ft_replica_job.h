@@ -133,6 +133,15 @@ struct StepReplica : ReplicaProcess {
     const auto s = steps();
     return s.empty() ? -1 : s.back().step;
   }
+  // Its "skipped step <s> gen <g>" lines.
+  std::vector<std::string> skipped() const {
+    std::vector<std::string> lines;
+    std::stringstream in(read_file(out));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("skipped", 0) == 0) lines.push_back(line);
+    }
+    return lines;
+  }
 };
 
 // `env` plus what ddprun --fault-tolerance gives replica `id` of the job whose store listens on
