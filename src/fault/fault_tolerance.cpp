@@ -129,6 +129,8 @@ struct PendingBucket {
     if (done.exchange(true)) return;
     out->markCompleted(ok ? result : fallback);
   }
+  /// Once `out` is ready: whether the operation completed (else it failed or was given back).
+  bool completed() const { return out->value().toTensor().unsafeGetTensorImpl() == result.unsafeGetTensorImpl(); }
 };
 
 enum class Reconfigure { kNone, kFailure, kJoin };
@@ -250,13 +252,10 @@ struct FaultTolerance::Impl {
   int64_t step = 0;
   at::Tensor rng_before_step;
   Clock::time_point step_started;
-  // The managed module's buffers at the start of the step's attempt
-  // (broadcast_buffers), packed: each tensor's bytes at its offset.
-  struct SavedBuffers {
-    std::vector<at::Tensor> tensors;
-    std::vector<int64_t> offsets;
-    at::Tensor bytes;
-  } step_buffers;
+  // The managed module's buffers (broadcast_buffers), and what they were at
+  // the start of the step's attempt, packed as heal_state.h packs a shard.
+  detail::HealTensors step_buffers;
+  at::Tensor step_buffers_at_start;
   FaultToleranceStats stats;
   int64_t store_ops = 0;
   int64_t store_ops_counted_steps = 0;
@@ -680,7 +679,7 @@ struct FaultTolerance::Impl {
   std::string vote(const std::shared_ptr<Generation>& gen, const std::shared_ptr<PendingBucket>& p) {
     all_reduce_into(*gen, p);
     p->out->wait();
-    bool answered = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
+    bool answered = p->completed();
     if (answered && detail::test_seams().ft_vote_answer_lost_at_step == step) {
       detail::test_seams().ft_vote_answer_lost_at_step = -1;
       answered = false;
@@ -799,7 +798,7 @@ struct FaultTolerance::Impl {
     p->result = tensor.detach().clone();
     all_reduce_into(*gen, p);
     p->out->wait();
-    const bool ok = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
+    const bool ok = p->completed();
     {
       std::lock_guard<std::mutex> lock(mutex);
       if (!ok || gen->aborted || step_failed) return false;
@@ -810,32 +809,22 @@ struct FaultTolerance::Impl {
 
   // Rank 0's buffers on every member at the step boundary: DDP's
   // broadcast_buffers, which on the one-process local group does nothing.
-  // All of them go as one flat tensor of bytes (each at a 16-byte offset,
-  // so that it can be viewed back as its dtype), whatever their dtypes: one
-  // collective per step, and integer buffers (num_batches_tracked) arrive
-  // exact. Like sum_now, it receives into a tensor of its own and writes
-  // back only what completed, since the group may be abandoned with the
-  // operation in flight; a failure fails the step (skipped by every
-  // member), and the deadline bounds it as it bounds a bucket (it is in
-  // `pending`). What the step starts from is kept, for a skip to restore.
+  // All of them go as one shard of bytes, packed as a heal packs its share
+  // (whatever their dtypes, so integer buffers such as num_batches_tracked
+  // arrive exact, and a member with other buffers is refused by the
+  // shard's fingerprint): one collective per step. Like sum_now, it
+  // receives into a tensor of its own and writes back only what completed,
+  // since the group may be abandoned with the operation in flight; a
+  // failure fails the step (skipped by every member), and the deadline
+  // bounds it as it bounds a bucket (it is in `pending`). What the step
+  // starts from is kept, for a skip to restore.
   void broadcast_buffers() {
-    step_buffers = {};
+    step_buffers_at_start = at::Tensor();
     if (!options.broadcast_buffers() || !module) return;
-    for (const auto& b : module->buffers()) {
-      if (b.defined() && b.numel() > 0) step_buffers.tensors.push_back(b.detach());
-    }
+    step_buffers = detail::module_buffers(*module);
     if (step_buffers.tensors.empty()) return;
-    int64_t total = 0;
-    for (const auto& b : step_buffers.tensors) {
-      total = (total + 15) / 16 * 16;
-      step_buffers.offsets.push_back(total);
-      total += static_cast<int64_t>(b.nbytes());
-    }
-    step_buffers.bytes = at::zeros({total}, at::kByte);
-    for (size_t i = 0; i < step_buffers.tensors.size(); ++i) {
-      const at::Tensor bytes = step_buffers.tensors[i].contiguous().reshape({-1}).view(at::kByte);
-      step_buffers.bytes.narrow(0, step_buffers.offsets[i], bytes.numel()).copy_(bytes);
-    }
+    const std::vector<int> everything_from_rank0(step_buffers.tensors.size(), 0);
+    step_buffers_at_start = detail::pack_shard(step_buffers, everything_from_rank0, 0);
     auto p = std::make_shared<PendingBucket>();
     p->fallback = at::empty({0}, at::kByte);
     std::shared_ptr<Generation> gen;
@@ -846,35 +835,25 @@ struct FaultTolerance::Impl {
       pending.push_back(p);
     }
     // Rank 0 sends its own (never written to); the others receive into a copy.
-    p->result = gen->rank == 0 ? step_buffers.bytes : at::empty({total}, at::kByte);
+    p->result = gen->rank == 0 ? step_buffers_at_start : at::empty_like(step_buffers_at_start);
     broadcast_into(*gen, p);
     p->out->wait();
-    const bool ok = p->out->value().toTensor().unsafeGetTensorImpl() == p->result.unsafeGetTensorImpl();
     {
       std::lock_guard<std::mutex> lock(mutex);
-      if (!ok || gen->aborted || step_failed) return;
+      if (!p->completed() || gen->aborted || step_failed) return;
     }
     if (gen->rank == 0) return;
-    step_buffers.bytes = p->result;
-    write_buffers(step_buffers);
-  }
-
-  // The buffers as `saved` holds them.
-  static void write_buffers(const SavedBuffers& saved) {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < saved.tensors.size(); ++i) {
-      at::Tensor b = saved.tensors[i];
-      b.copy_(saved.bytes.narrow(0, saved.offsets[i], static_cast<int64_t>(b.nbytes()))
-                  .view(b.scalar_type())
-                  .view(b.sizes()));
-    }
+    step_buffers_at_start = p->result;
+    detail::unpack_shard(step_buffers_at_start, step_buffers, everything_from_rank0, 0, gen->membership.ids[0]);
   }
 
   // A skipped step leaves the buffers as it found them (after its
   // broadcast), as it leaves the weights and the random generator: its
   // forward updated BatchNorm's statistics with a batch that is redone.
   void restore_buffers() {
-    if (step_buffers.bytes.defined()) write_buffers(step_buffers);
+    if (!step_buffers_at_start.defined()) return;
+    detail::unpack_shard(step_buffers_at_start, step_buffers, std::vector<int>(step_buffers.tensors.size(), 0), 0,
+                         id);
   }
 
   // ---- generations -----------------------------------------------------------

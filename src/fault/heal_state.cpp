@@ -117,18 +117,22 @@ void finish(HealTensors& h) {
   h.fingerprint = fingerprint_of(h);
 }
 
-void add_module(torch::nn::Module& module, HealTensors& h, bool copy) {
-  for (const auto& p : module.named_parameters()) {
-    h.names.push_back("model|" + p.key());
-    h.tensors.push_back(copy ? p.value().detach().contiguous() : p.value().detach());
-    h.raw_paths.emplace_back();
-  }
+void add_buffers(torch::nn::Module& module, HealTensors& h, bool copy) {
   for (const auto& b : module.named_buffers()) {
     if (!b.value().defined()) continue;
     h.names.push_back("model|" + b.key() + "|buffer");
     h.tensors.push_back(copy ? b.value().detach().contiguous() : b.value().detach());
     h.raw_paths.emplace_back();
   }
+}
+
+void add_module(torch::nn::Module& module, HealTensors& h, bool copy) {
+  for (const auto& p : module.named_parameters()) {
+    h.names.push_back("model|" + p.key());
+    h.tensors.push_back(copy ? p.value().detach().contiguous() : p.value().detach());
+    h.raw_paths.emplace_back();
+  }
+  add_buffers(module, h, copy);
 }
 
 }  // namespace
@@ -182,6 +186,13 @@ HealTensors list_heal_tensors(torch::nn::Module* module, torch::optim::Optimizer
   return h;
 }
 
+HealTensors module_buffers(torch::nn::Module& module) {
+  HealTensors h;
+  add_buffers(module, h, /*copy=*/false);
+  finish(h);
+  return h;
+}
+
 HealTensors joiner_heal_tensors(torch::nn::Module* module, torch::serialize::InputArchive* skeleton,
                                 const std::vector<std::string>& names, const std::vector<std::string>& raw_paths) {
   DDP_CHECK(names.size() == raw_paths.size(), "ddp: the state for joiners lists ", names.size(), " names but ",
@@ -225,7 +236,7 @@ at::Tensor pack_shard(const HealTensors& held, const std::vector<int>& plan, int
   for (size_t i = 0; i < held.tensors.size(); ++i) {
     if (plan[i] != sender) continue;
     const size_t n = held.tensors[i].nbytes();
-    if (n > 0) std::memcpy(out + offset, held.tensors[i].data_ptr(), n);
+    if (n > 0) std::memcpy(out + offset, held.tensors[i].contiguous().data_ptr(), n);
     offset += n;
   }
   return shard;
@@ -237,7 +248,7 @@ void unpack_shard(const at::Tensor& shard, HealTensors& into, const std::vector<
   uint64_t theirs = 0;
   std::memcpy(&theirs, in, 8);
   DDP_CHECK(theirs == into.fingerprint, "ddp: replica ", sender_id, " holds a state of other tensors (names, shapes "
-            "or dtypes) than this joiner expects; every replica must run the same model and optimizer");
+            "or dtypes) than this replica expects; every replica must run the same model and optimizer");
   size_t offset = 8;
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < into.tensors.size(); ++i) {

@@ -54,6 +54,11 @@ struct HealTensors {
 HealTensors list_heal_tensors(torch::nn::Module* module, torch::optim::Optimizer* optimizer,
                               torch::serialize::OutputArchive* skeleton);
 
+/// The module's buffers alone, as the tensors the module holds (packing them
+/// reads them, unpacking writes into them): what FaultTolerance makes equal
+/// on every member at each step boundary, from rank 0's.
+HealTensors module_buffers(torch::nn::Module& module);
+
 /// The joiner's side: its own module's tensors, and the skeleton's
 /// placeholders for the optimizer's state given storage of their shape, in
 /// place (`names`, `raw_paths`: the sender's canonical names and raw paths
@@ -63,7 +68,8 @@ HealTensors joiner_heal_tensors(torch::nn::Module* module, torch::serialize::Inp
                                 const std::vector<std::string>& names, const std::vector<std::string>& raw_paths);
 
 /// Copies the tensors assigned to `sender` into one buffer (an 8-byte
-/// fingerprint first), and back out of it.
+/// fingerprint first), and back out of it; unpacking refuses a buffer of
+/// another fingerprint, naming `sender_id`.
 at::Tensor pack_shard(const HealTensors& held, const std::vector<int>& plan, int sender);
 int64_t shard_bytes(const HealTensors& held, const std::vector<int>& plan, int sender);
 void unpack_shard(const at::Tensor& shard, HealTensors& into, const std::vector<int>& plan, int sender,
