@@ -11,7 +11,7 @@ CTEST_ARGS ?=
 # per machine in ~/.cache/ddp (or $DDP_CACHE_DIR, or uses $DDP_VENV).
 VENV_FILE := $(BUILD_DIR)/.venv-path
 
-.PHONY: all configure build setup run test bench bench-net clean install plot
+.PHONY: sanitize all configure build setup run test bench bench-net clean install plot
 
 all: build
 
@@ -39,6 +39,15 @@ run: configure
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j 2 --timeout 300 $(CTEST_ARGS)
+
+# The torch-free parsers of untrusted bytes (the liveness connection's reader) under
+# AddressSanitizer and UndefinedBehaviorSanitizer, with hostile and random input.
+sanitize:
+	@mkdir -p $(BUILD_DIR)/sanitize
+	g++ -std=c++17 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -Isrc \
+	  tests/test_liveness_inbound.cpp src/fault/socket_watch.cpp -lgtest -lgtest_main -pthread \
+	  -o $(BUILD_DIR)/sanitize/liveness_inbound
+	$(BUILD_DIR)/sanitize/liveness_inbound
 
 # Loss and accuracy curves of --metrics files: make plot METRICS="a.jsonl b.jsonl" OUT=curves.png
 OUT ?= curves.png

@@ -17,7 +17,10 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -381,6 +384,43 @@ int64_t rss_kb(pid_t pid) {
 
 // 20 kills and rejoins: a survivor's descriptors, threads and memory, and the
 // store's keys, stay flat (abandoned groups are destroyed, old keys deleted).
+// Anyone who can reach a member's liveness port can connect: hostile bytes there (an endless
+// line, binary junk, a flood of beats claiming another member's name) must not crash the
+// member, hold up its beats or change the membership. The job trains on and ends equal.
+TEST_F(FaultToleranceJob, HostileBytesOnALivenessPortChangeNothing) {
+  std::map<std::string, std::string> env{{"FT_STEPS", "60"}, {"FT_STEP_MS", "15"}};
+  for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);
+  ASSERT_TRUE(wait_until([&] { return workers_[0].committed() >= 10; }, 40)) << logs();
+  const std::string address(reinterpret_cast<const char*>(store_->get("ft/live/w0/inc0").data()),
+                            store_->get("ft/live/w0/inc0").size());
+  const size_t colon = address.rfind(':');
+  std::vector<int> hostile;
+  for (int k = 0; k < 3; ++k) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in in{};
+    in.sin_family = AF_INET;
+    in.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+    ASSERT_EQ(inet_pton(AF_INET, address.substr(0, colon).c_str(), &in.sin_addr), 1) << address;
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&in), sizeof in), 0) << address;
+    hostile.push_back(fd);
+  }
+  std::string junk(200000, '\0');
+  for (size_t i = 0; i < junk.size(); ++i) junk[i] = static_cast<char>((i * 7919) % 251);
+  const std::string endless(100000, 'x');
+  std::string impostor = "hello w1/inc0\n";
+  for (int i = 0; i < 20000; ++i) impostor += "b\n";
+  (void)::send(hostile[0], endless.data(), endless.size(), MSG_NOSIGNAL);
+  (void)::send(hostile[1], junk.data(), junk.size(), MSG_NOSIGNAL);
+  (void)::send(hostile[2], impostor.data(), impostor.size(), MSG_NOSIGNAL);
+  wait_exit({0, 1, 2}, 60);
+  for (int fd : hostile) ::close(fd);
+  for (size_t i : {0, 1, 2}) ASSERT_EQ(workers_[i].status, 0) << logs();
+  EXPECT_TRUE(workers_[0].skipped().empty()) << logs();
+  EXPECT_EQ(read_file(workers_[0].err).find("membership:"), std::string::npos) << logs();
+  expect_same_weights({0, 1, 2});
+  EXPECT_EQ(workers_[0].final_hash(), workers_[2].final_hash());
+}
+
 TEST_F(FaultToleranceJob, TwentyKillRejoinCyclesLeakNothing) {
   std::map<std::string, std::string> env{{"FT_STEPS", "1000000"}, {"FT_STEP_MS", "5"}, {"FT_QUIET_STEPS", "1"}};
   for (int i = 0; i < 3; ++i) start("w" + std::to_string(i) + "/inc0", env);

@@ -312,3 +312,9 @@ ddp_reuse_precompiled_header(ddp_ft_buffers_tests)
 add_dependencies(ddp_ft_buffers_tests ft_worker)
 gtest_discover_tests(ddp_ft_buffers_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# The liveness connection's reader (src/fault/socket_watch.h), against hostile bytes; torch-free,
+# so `make sanitize` builds it under ASan and UBSan too.
+add_executable(ddp_liveness_inbound_tests test_liveness_inbound.cpp)
+target_link_libraries(ddp_liveness_inbound_tests PRIVATE ddp_internal GTest::gtest_main)
+gtest_discover_tests(ddp_liveness_inbound_tests PROPERTIES LABELS "unit" TIMEOUT 60 DISCOVERY_TIMEOUT 30)

@@ -194,8 +194,7 @@ struct FaultTolerance::Impl {
   // looks the address up in the store). Guarded by live_mutex.
   struct Inbound {
     int fd = -1;
-    std::string who;   // from its hello
-    std::string text;  // an incomplete line
+    detail::LivenessInbound lines;
   };
   std::mutex live_mutex;
   int live_listener = -1;
@@ -363,7 +362,7 @@ struct FaultTolerance::Impl {
         {
           std::unique_lock<std::mutex> tracking(detail::socket_tracking_mutex(), std::try_to_lock);
           if (tracking.owns_lock()) {
-            for (int fd : detail::accept_pending(live_listener)) live_in.push_back(Inbound{fd, "", ""});
+            for (int fd : detail::accept_pending(live_listener)) live_in.push_back(Inbound{fd, {}});
           }
         }
         if (now >= next_beat) {
@@ -372,23 +371,19 @@ struct FaultTolerance::Impl {
         }
         for (auto it = live_in.begin(); it != live_in.end();) {
           bool closed = false, heard = false;
-          while (true) {
+          // A bounded read per round: a flooding connection cannot hold the beats back.
+          for (int reads = 0; !closed && reads < 16; ++reads) {
             const ssize_t n = ::recv(it->fd, buffer, sizeof buffer, MSG_DONTWAIT);
             if (n > 0) {
-              it->text.append(buffer, static_cast<size_t>(n));
               heard = true;
+              closed = !it->lines.feed(buffer, static_cast<size_t>(n));  // not a peer of this job
               continue;
             }
             closed = n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
             break;
           }
-          for (size_t end; (end = it->text.find('\n')) != std::string::npos; it->text.erase(0, end + 1)) {
-            const std::string line = it->text.substr(0, end);
-            if (line.rfind("hello ", 0) == 0) it->who = line.substr(6);
-          }
-          if (it->text.size() > 4096) closed = true;  // not a peer of this job
           // Any line counts: a beat, or the hello that starts the clock.
-          if (heard && !it->who.empty()) seen.push_back(it->who);
+          if (heard && !it->lines.who.empty()) seen.push_back(it->lines.who);
           if (closed) {
             ::close(it->fd);
             it = live_in.erase(it);

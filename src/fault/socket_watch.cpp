@@ -190,4 +190,15 @@ bool peer_hung_up(int fd) {
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
 }
 
+bool LivenessInbound::feed(const char* data, size_t n) {
+  text.append(data, n);
+  size_t start = 0;
+  for (size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+    if (end - start > kMaxLine) return false;
+    if (text.compare(start, 6, "hello ") == 0 && end - start > 6) who = text.substr(start + 6, end - start - 6);
+  }
+  text.erase(0, start);
+  return text.size() <= kMaxLine;
+}
+
 }  // namespace ddp::detail

@@ -63,4 +63,17 @@ std::vector<int> accept_pending(int listener);
 /// Whether the peer of connected socket `fd` closed or reset it.
 bool peer_hung_up(int fd);
 
+/// What arrives on a liveness connection from a peer: "hello <id>\n" once,
+/// then a beat "b\n" every heartbeat interval. Fed the bytes as they come,
+/// in any pieces. Anyone who can reach the port can connect, so nothing
+/// here trusts the bytes: a line longer than kMaxLine ends the connection,
+/// and other lines only count as a sign of life.
+struct LivenessInbound {
+  static constexpr size_t kMaxLine = 4096;
+  std::string who;   ///< from the hello; empty before it
+  std::string text;  ///< an incomplete line
+  /// Takes `n` bytes; false when the connection is to be dropped.
+  bool feed(const char* data, size_t n);
+};
+
 }  // namespace ddp::detail
