@@ -216,19 +216,9 @@ TEST_F(FtBuffers, RankZeroStoppedBeforeTheBroadcastCostsTheDeadlineNotAHang) {
   for (size_t i : {0, 1, 2}) {
     if (i != stopped) survivors.push_back(i);
   }
-  int64_t recovered_at = 0;
-  ASSERT_TRUE(wait_until(
-      [&] {
-        for (const auto& s : workers_[survivors[0]].steps()) {
-          if (s.step == 8 && s.size == 2) {
-            recovered_at = s.t_us;
-            return true;
-          }
-        }
-        return false;
-      },
-      30))
-      << logs();
+  const int64_t recovered_at =
+      first_step_time(workers_[survivors[0]], [](const StepLine& s) { return s.step == 8 && s.size == 2; }, 30);
+  ASSERT_GE(recovered_at, 0) << logs();
   const double ms = (recovered_at - stopped_at) / 1000.0;
   std::printf("[ measured ] rank 0 stopped before the broadcast -> step 8 committed at 2: %.0f ms (deadline %d ms)\n",
               ms, deadline_ms);

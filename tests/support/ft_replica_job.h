@@ -144,6 +144,25 @@ struct StepReplica : ReplicaProcess {
   }
 };
 
+// The time (its "t", microseconds) of the first step line of `replica` that `match` accepts,
+// waiting up to `seconds` for one; -1 if none came.
+template <typename Match>
+int64_t first_step_time(const StepReplica& replica, Match match, double seconds) {
+  int64_t found = -1;
+  wait_until(
+      [&] {
+        for (const auto& s : replica.steps()) {
+          if (match(s)) {
+            found = s.t_us;
+            return true;
+          }
+        }
+        return false;
+      },
+      seconds);
+  return found;
+}
+
 // `env` plus what ddprun --fault-tolerance gives replica `id` of the job whose store listens on
 // `store_port`. `env` may set its own DDP_FT_INITIAL_REPLICAS (else 3) and DDP_FT_DEADLINE_MS
 // (else `deadline_ms`).
