@@ -238,11 +238,15 @@ TEST(FaultTolerance, EtcdV2AndFaultToleranceFlagsAreChecked) {
 
 TEST(FaultTolerance, WithoutItRestartModeIsUnchanged) {
   // Rank 1 kills itself on the first attempt: every worker is stopped and started again, and
-  // none sees a fault-tolerance variable.
+  // none sees a fault-tolerance variable. Rank 1 waits (at most 10 s) for rank 0 to have said
+  // its line first, or rank 0 could be stopped before its shell printed anything.
+  TempDir dir;
   ProcessResult result = ddprun(
       {"--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "/bin/sh", "-c",
        "echo \"FT=${DDP_FAULT_TOLERANCE:-unset} STORE=${DDP_FT_STORE:-unset} ID=${DDP_FT_REPLICA_ID:-unset} "
-       "RC=$TORCHELASTIC_RESTART_COUNT\"; if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then kill -9 $$; "
+       "RC=$TORCHELASTIC_RESTART_COUNT\"; touch \"" + dir.file("said.$RANK.$TORCHELASTIC_RESTART_COUNT") + "\"; "
+       "if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then "
+       "for i in $(seq 100); do [ -e \"" + dir.file("said.0.0") + "\" ] && break; sleep 0.1; done; kill -9 $$; "
        "fi; sleep 1"});
   ASSERT_EQ(result.exit_code, 0) << result.describe();
   EXPECT_EQ(count_of(result.out, "FT=unset STORE=unset ID=unset RC=0"), 2u) << result.describe();
