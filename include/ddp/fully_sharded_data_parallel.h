@@ -166,6 +166,26 @@ struct FSDPOptions {
   /// with reduce_dtype. At one rank there is nothing to reduce: neither the
   /// hook nor a compression runs.
   TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  /// HSDP's across-replica stage through a hook, for replicas whose
+  /// membership changes between steps (ddp::FaultTolerance::comm_hook()), so
+  /// that FSDP holds no replicate group: build FSDP over one replica's ranks
+  /// (a process group, or a 1-D mesh) and give the hook. After a unit's
+  /// reduction in that group, whose gradient FSDP divides by that group's
+  /// size only, the hook gets a GradBucket whose buffer() is the unit's
+  /// reduced shard (the whole unit under kNoShard, or on a group of one
+  /// rank) in the reduce dtype, index() its place in the pass's launch order
+  /// and is_last() on the pass's last unit; it never scatters(). Its run()
+  /// is given the group FSDP was built over. The future's value (a tensor,
+  /// or a list whose first is it) must be that shard averaged across the
+  /// replicas: the hook divides by their number itself. It lands in the
+  /// shard's gradient as HSDP's all-reduce across replicas does, and a
+  /// future that fails fails the backward with an error naming the unit.
+  /// Hooks run in launch order, one per unit on every rank, also for a unit
+  /// whose reduction failed on this rank (on zeros). Not combinable with a
+  /// mesh or hybrid strategy that already replicates over several ranks.
+  ///
+  ///   ddp::FSDPOptions().replicate_hook(fault_tolerance.comm_hook())
+  TORCH_ARG(std::shared_ptr<CommHook>, replicate_hook) = nullptr;
 };
 
 /// A torch::nn::Sequential given as one factory per child, for

@@ -21,7 +21,8 @@
 //
 // What varies with the options is chosen once, at construction, as objects:
 // how a unit is gathered (UnitGather), how its gradient is reduced
-// (UnitReduce, with HSDP's ReplicateStage around it), and its dtypes
+// (UnitReduce, with HSDP's ReplicateStage around it: the replicate group or
+// FSDPOptions::replicate_hook), and its dtypes
 // (UnitPrecision, from FSDPOptions' MixedPrecisionPolicy).
 
 #include <ddp/fully_sharded_data_parallel.h>
@@ -282,6 +283,10 @@ std::unique_ptr<UnitReduce> local_reduce();
 /// the shard group is done, its shard is all-reduced across `replicate`.
 std::unique_ptr<UnitReduce> then_across_replicas(std::unique_ptr<UnitReduce> shard_reduce,
                                                  std::shared_ptr<ProcessGroup> replicate);
+/// The same stage through FSDPOptions::replicate_hook, which averages across
+/// replicas FSDP does not know; its run() is given `group`.
+std::unique_ptr<UnitReduce> then_replicate_hook(std::unique_ptr<UnitReduce> shard_reduce,
+                                                std::shared_ptr<CommHook> hook, std::shared_ptr<ProcessGroup> group);
 
 /// The groups FSDP runs over. Units are sharded over `shard`; under HSDP
 /// each shard's gradient is then all-reduced over `replicate` (null
@@ -408,7 +413,9 @@ class FsdpRuntime : private ReductionPolicy {
   MixedPrecisionPolicy precision_;
   ShardingStrategy strategy_in_force_ = ShardingStrategy::kFullShard;
   std::unique_ptr<UnitReduce> reduce_;
-  /// Gradients are averaged over every rank that holds a unit: shard x replicate.
+  /// What FSDP divides gradients by: the ranks it knows to hold a unit,
+  /// shard x replicate (the shard group alone with a replicate_hook, which
+  /// averages over its replicas itself).
   int64_t data_parallel_size_ = 1;
   // requires_grad false: not sharded. Their values in their own dtype (the
   // module's tensors themselves, or their originals under param_dtype).

@@ -274,7 +274,68 @@ class LocalReduce : public UnitReduce {
   std::string tag() const override { return "all-reduce"; }
 };
 
-// HSDP: the engine waits for the shard's all-reduce across the replicas,
+// How ReplicateStage sends a unit's shard across the replicas.
+class AcrossReplicas {
+ public:
+  virtual ~AcrossReplicas() = default;
+  /// Starts the exchange of `wire` (the shard in the reduce dtype); the
+  /// future completes once result() may be read from it.
+  virtual c10::intrusive_ptr<c10::ivalue::Future> send(at::Tensor wire, size_t position, bool is_last) = 0;
+  /// The shard across the replicas, once `done` completed without an error.
+  virtual at::Tensor result(const c10::ivalue::Future& done, const at::Tensor& wire) const = 0;
+  /// For the collective trace and the stage's tag.
+  virtual std::string what() const = 0;
+};
+
+// HSDP's replicate group: an all-reduce in place. FSDP divided by every
+// replica already, so the sum is the average.
+class ReplicateAllReduce : public AcrossReplicas {
+ public:
+  explicit ReplicateAllReduce(std::shared_ptr<ProcessGroup> replicate) : replicate_(std::move(replicate)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> send(at::Tensor wire, size_t /*position*/, bool /*is_last*/) override {
+    return replicate_->all_reduce_async(wire)->getFuture();
+  }
+  at::Tensor result(const c10::ivalue::Future& /*done*/, const at::Tensor& wire) const override { return wire; }
+  std::string what() const override { return "all-reduce across replicas"; }
+
+ private:
+  std::shared_ptr<ProcessGroup> replicate_;
+};
+
+// FSDPOptions::replicate_hook: the replicas are the hook's business, and it
+// averages over them itself.
+class ReplicateHook : public AcrossReplicas {
+ public:
+  ReplicateHook(std::shared_ptr<CommHook> hook, std::shared_ptr<ProcessGroup> group)
+      : hook_(std::move(hook)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> send(at::Tensor wire, size_t position, bool is_last) override {
+    GradBucket bucket(position, std::move(wire), is_last);
+    try {
+      return hook_->run(*group_, bucket);
+    } catch (...) {
+      // As a failed future: the units after this one must still be sent.
+      auto failed = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+      failed->setError(std::current_exception());
+      return failed;
+    }
+  }
+  at::Tensor result(const c10::ivalue::Future& done, const at::Tensor& /*wire*/) const override {
+    const c10::IValue& value = done.constValue();
+    DDP_CHECK(value.isTensor() || (value.isTensorList() && !value.toTensorList().empty()),
+              "ddp: FSDPOptions::replicate_hook's future must hold a tensor (or a list of them), got ",
+              value.tagKind());
+    return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+  }
+  std::string what() const override { return "replicate hook"; }
+
+ private:
+  std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+// HSDP: the engine waits for the shard's exchange across the replicas,
 // which starts once the shard group's reduction is done. Only the autograd
 // thread starts them, always in launch order: a unit whose reduction is done
 // waits for the ones before it. Starting them from the reductions'
@@ -282,13 +343,13 @@ class LocalReduce : public UnitReduce {
 // ranks.
 class ReplicateStage : public UnitReduce {
  public:
-  ReplicateStage(std::unique_ptr<UnitReduce> shard_reduce, std::shared_ptr<ProcessGroup> replicate)
-      : shard_reduce_(std::move(shard_reduce)), replicate_(std::move(replicate)) {}
+  ReplicateStage(std::unique_ptr<UnitReduce> shard_reduce, std::shared_ptr<AcrossReplicas> across)
+      : shard_reduce_(std::move(shard_reduce)), across_(std::move(across)) {}
 
   void before_flatten() override { shard_reduce_->before_flatten(); }
   c10::intrusive_ptr<c10::ivalue::Future> launch(FsdpUnit& unit, at::Tensor flat, size_t position,
                                                 bool is_last) override {
-    Pending pending{&unit, shard_reduce_->launch(unit, std::move(flat), position, is_last), {}};
+    Pending pending{&unit, position, is_last, shard_reduce_->launch(unit, std::move(flat), position, is_last), {}};
     const auto& device = unit.shard.device();
     pending.replicated = device.is_cpu() ? c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get())
                                          : c10::make_intrusive<c10::ivalue::Future>(
@@ -307,17 +368,19 @@ class ReplicateStage : public UnitReduce {
     awaiting_.clear();
   }
   std::string collectives() const override { return shard_reduce_->collectives(); }
-  std::string tag() const override { return shard_reduce_->tag() + " (then across replicas)"; }
+  std::string tag() const override { return shard_reduce_->tag() + " (then " + across_->what() + ")"; }
 
  private:
   struct Pending {
     FsdpUnit* unit;
+    size_t position;
+    bool is_last;
     c10::intrusive_ptr<c10::ivalue::Future> scattered;   // the shard group's reduction
     c10::intrusive_ptr<c10::ivalue::Future> replicated;  // what the engine waits for
   };
 
-  // Starts the all-reduces of units whose shard-group reduction has
-  // finished, up to the first unfinished one; with `wait_for_all`, of every unit.
+  // Sends the shards of units whose shard-group reduction has finished, up
+  // to the first unfinished one; with `wait_for_all`, of every unit.
   void launch_in_order(bool wait_for_all) {
     size_t done = 0;
     for (; done < awaiting_.size(); ++done) {
@@ -325,33 +388,42 @@ class ReplicateStage : public UnitReduce {
       if (!wait_for_all && !pending.scattered->completed()) break;
       pending.scattered->wait();
       const FsdpUnit& unit = *pending.unit;
-      CollectiveTag tag("fsdp unit '" + unit.name + "' all-reduce across replicas");
+      CollectiveTag tag("fsdp unit '" + unit.name + "' " + across_->what());
       if (pending.scattered->hasError()) {
-        // Every rank still issues the all-reduce: the other replicas' would
+        // Every rank still sends: the other replicas' exchange would
         // otherwise wait for this one until the timeout.
         pending.replicated->setError(pending.scattered->exception_ptr());
         at::Tensor zeros = at::zeros({unit.shard.numel()}, unit.shard.options().dtype(unit.precision.reduce));
-        replicate_->all_reduce_async(zeros);
+        across_->send(zeros, pending.position, pending.is_last);
         continue;
       }
       const c10::IValue& value = pending.scattered->value();
       at::Tensor shard = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
       at::Tensor wire = shard.scalar_type() == unit.precision.reduce ? shard : shard.to(unit.precision.reduce);
-      auto work = replicate_->all_reduce_async(wire);
-      work->getFuture()->addCallback([replicated = pending.replicated, wire, shard](c10::ivalue::Future& all_reduced) {
-        if (all_reduced.hasError()) {
-          replicated->setError(all_reduced.exception_ptr());
-          return;
-        }
-        if (!wire.is_same(shard)) shard.copy_(wire);
-        replicated->markCompleted(shard);
-      });
+      across_->send(wire, pending.position, pending.is_last)
+          ->addCallback([across = across_, replicated = pending.replicated, wire, shard,
+                         name = unit.name](c10::ivalue::Future& exchanged) {
+            if (exchanged.hasError()) {
+              replicated->setError(exchanged.exception_ptr());
+              return;
+            }
+            try {
+              const at::Tensor averaged = across->result(exchanged, wire);
+              DDP_CHECK(averaged.numel() == shard.numel(), "ddp: FSDPOptions::replicate_hook returned ",
+                        averaged.numel(), " elements for FSDP unit '", name, "', whose shard has ", shard.numel());
+              if (!averaged.is_same(shard)) shard.copy_(averaged.reshape({-1}));
+              replicated->markCompleted(shard);
+            } catch (...) {
+              replicated->setError(std::current_exception());
+            }
+          });
     }
     awaiting_.erase(awaiting_.begin(), awaiting_.begin() + static_cast<std::ptrdiff_t>(done));
   }
 
   std::unique_ptr<UnitReduce> shard_reduce_;
-  std::shared_ptr<ProcessGroup> replicate_;
+  // Shared with the callbacks: a hook's future may complete after the stage is gone.
+  std::shared_ptr<AcrossReplicas> across_;
   std::vector<Pending> awaiting_;  // launched in the shard group, not yet across the replicas; in launch order
 };
 
@@ -366,7 +438,13 @@ std::unique_ptr<UnitReduce> all_reduce(std::shared_ptr<ProcessGroup> group) {
 std::unique_ptr<UnitReduce> local_reduce() { return std::make_unique<LocalReduce>(); }
 std::unique_ptr<UnitReduce> then_across_replicas(std::unique_ptr<UnitReduce> shard_reduce,
                                                  std::shared_ptr<ProcessGroup> replicate) {
-  return std::make_unique<ReplicateStage>(std::move(shard_reduce), std::move(replicate));
+  return std::make_unique<ReplicateStage>(std::move(shard_reduce),
+                                          std::make_shared<ReplicateAllReduce>(std::move(replicate)));
+}
+std::unique_ptr<UnitReduce> then_replicate_hook(std::unique_ptr<UnitReduce> shard_reduce,
+                                                std::shared_ptr<CommHook> hook, std::shared_ptr<ProcessGroup> group) {
+  return std::make_unique<ReplicateStage>(std::move(shard_reduce),
+                                          std::make_shared<ReplicateHook>(std::move(hook), std::move(group)));
 }
 
 // --- forward -------------------------------------------------------------------

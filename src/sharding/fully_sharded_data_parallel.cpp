@@ -155,6 +155,11 @@ void FsdpRuntime::check_options() {
   }
   // One replica: plain FSDP over the shard group.
   if (replicate_group_ && replicate_group_->size() == 1) replicate_group_.reset();
+  DDP_CHECK(!(options_.replicate_hook() && replicate_group_), "ddp: FSDPOptions::replicate_hook was given with a ",
+            "mesh (or a hybrid strategy's launcher nodes) that already replicates across ",
+            replicate_group_ ? replicate_group_->size() : 0, " ranks; each is the across-replica stage, so keep one: ",
+            "build FSDP over one replica's ranks (mesh.group(\"shard\"), or a 1-D mesh; a plain strategy, not a ",
+            "hybrid one) with the hook, or drop replicate_hook");
   // One rank has nothing to shard with: gathering would only copy. PyTorch
   // makes the same switch.
   if (group_->size() == 1) options_.sharding_strategy(ShardingStrategy::kNoShard);
@@ -181,7 +186,11 @@ void FsdpRuntime::check_options() {
   }
   data_parallel_size_ = group_->size();
   strategy_in_force_ = strategy;
-  if (replicate_group_) {
+  if (options_.replicate_hook()) {
+    // The hook averages across the replicas: FSDP divides by the shard
+    // group alone, and its state dicts speak for this replica only.
+    reduce_ = then_replicate_hook(std::move(reduce_), options_.replicate_hook(), group_);
+  } else if (replicate_group_) {
     reduce_ = then_across_replicas(std::move(reduce_), replicate_group_);
     data_parallel_size_ *= replicate_group_->size();
     if (strategy != ShardingStrategy::kNoShard) {
