@@ -318,3 +318,12 @@ gtest_discover_tests(ddp_ft_buffers_tests PROPERTIES LABELS "multiprocess" TIMEO
 add_executable(ddp_liveness_inbound_tests test_liveness_inbound.cpp)
 target_link_libraries(ddp_liveness_inbound_tests PRIVATE ddp_internal GTest::gtest_main)
 gtest_discover_tests(ddp_liveness_inbound_tests PROPERTIES LABELS "unit" TIMEOUT 60 DISCOVERY_TIMEOUT 30)
+
+# FSDPOptions::replicate_hook (HSDP's across-replica stage through a CommHook): 4 real ranks,
+# 2 replicas x 2 shards, against HSDP on the 2-D mesh; a failing hook, a failed shard reduction,
+# a mesh that already replicates.
+add_executable(ddp_fsdp_replicate_hook_tests test_fsdp_replicate_hook.cpp)
+target_link_libraries(ddp_fsdp_replicate_hook_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_fsdp_replicate_hook_tests)
+gtest_discover_tests(ddp_fsdp_replicate_hook_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
