@@ -274,15 +274,23 @@ class LocalReduce : public UnitReduce {
   std::string tag() const override { return "all-reduce"; }
 };
 
+// A hook's result: a tensor, or a list whose first is it.
+at::Tensor first_tensor(const c10::IValue& value) {
+  DDP_CHECK(value.isTensor() || (value.isTensorList() && !value.toTensorList().empty()),
+            "ddp: FSDPOptions::replicate_hook's future must hold a tensor (or a list of them), got ", value.tagKind());
+  return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+}
+
 // How ReplicateStage sends a unit's shard across the replicas.
 class AcrossReplicas {
  public:
   virtual ~AcrossReplicas() = default;
   /// Starts the exchange of `wire` (the shard in the reduce dtype); the
-  /// future completes once result() may be read from it.
+  /// future completes when the result is there (see in_place()).
   virtual c10::intrusive_ptr<c10::ivalue::Future> send(at::Tensor wire, size_t position, bool is_last) = 0;
-  /// The shard across the replicas, once `done` completed without an error.
-  virtual at::Tensor result(const c10::ivalue::Future& done, const at::Tensor& wire) const = 0;
+  /// Whether the result is `wire` itself (reduced in place), not the
+  /// future's value.
+  virtual bool in_place() const = 0;
   /// For the collective trace and the stage's tag.
   virtual std::string what() const = 0;
 };
@@ -296,7 +304,7 @@ class ReplicateAllReduce : public AcrossReplicas {
   c10::intrusive_ptr<c10::ivalue::Future> send(at::Tensor wire, size_t /*position*/, bool /*is_last*/) override {
     return replicate_->all_reduce_async(wire)->getFuture();
   }
-  at::Tensor result(const c10::ivalue::Future& /*done*/, const at::Tensor& wire) const override { return wire; }
+  bool in_place() const override { return true; }
   std::string what() const override { return "all-reduce across replicas"; }
 
  private:
@@ -321,13 +329,7 @@ class ReplicateHook : public AcrossReplicas {
       return failed;
     }
   }
-  at::Tensor result(const c10::ivalue::Future& done, const at::Tensor& /*wire*/) const override {
-    const c10::IValue& value = done.constValue();
-    DDP_CHECK(value.isTensor() || (value.isTensorList() && !value.toTensorList().empty()),
-              "ddp: FSDPOptions::replicate_hook's future must hold a tensor (or a list of them), got ",
-              value.tagKind());
-    return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
-  }
+  bool in_place() const override { return false; }
   std::string what() const override { return "replicate hook"; }
 
  private:
@@ -343,7 +345,7 @@ class ReplicateHook : public AcrossReplicas {
 // ranks.
 class ReplicateStage : public UnitReduce {
  public:
-  ReplicateStage(std::unique_ptr<UnitReduce> shard_reduce, std::shared_ptr<AcrossReplicas> across)
+  ReplicateStage(std::unique_ptr<UnitReduce> shard_reduce, std::unique_ptr<AcrossReplicas> across)
       : shard_reduce_(std::move(shard_reduce)), across_(std::move(across)) {}
 
   void before_flatten() override { shard_reduce_->before_flatten(); }
@@ -401,14 +403,16 @@ class ReplicateStage : public UnitReduce {
       at::Tensor shard = value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
       at::Tensor wire = shard.scalar_type() == unit.precision.reduce ? shard : shard.to(unit.precision.reduce);
       across_->send(wire, pending.position, pending.is_last)
-          ->addCallback([across = across_, replicated = pending.replicated, wire, shard,
+          // Tensors only: the callback outlives the stage on a collective's own
+          // thread, where the last reference to a process group must not die.
+          ->addCallback([in_place = across_->in_place(), replicated = pending.replicated, wire, shard,
                          name = unit.name](c10::ivalue::Future& exchanged) {
             if (exchanged.hasError()) {
               replicated->setError(exchanged.exception_ptr());
               return;
             }
             try {
-              const at::Tensor averaged = across->result(exchanged, wire);
+              const at::Tensor averaged = in_place ? wire : first_tensor(exchanged.constValue());
               DDP_CHECK(averaged.numel() == shard.numel(), "ddp: FSDPOptions::replicate_hook returned ",
                         averaged.numel(), " elements for FSDP unit '", name, "', whose shard has ", shard.numel());
               if (!averaged.is_same(shard)) shard.copy_(averaged.reshape({-1}));
@@ -422,8 +426,7 @@ class ReplicateStage : public UnitReduce {
   }
 
   std::unique_ptr<UnitReduce> shard_reduce_;
-  // Shared with the callbacks: a hook's future may complete after the stage is gone.
-  std::shared_ptr<AcrossReplicas> across_;
+  std::unique_ptr<AcrossReplicas> across_;
   std::vector<Pending> awaiting_;  // launched in the shard group, not yet across the replicas; in launch order
 };
 
@@ -439,12 +442,12 @@ std::unique_ptr<UnitReduce> local_reduce() { return std::make_unique<LocalReduce
 std::unique_ptr<UnitReduce> then_across_replicas(std::unique_ptr<UnitReduce> shard_reduce,
                                                  std::shared_ptr<ProcessGroup> replicate) {
   return std::make_unique<ReplicateStage>(std::move(shard_reduce),
-                                          std::make_shared<ReplicateAllReduce>(std::move(replicate)));
+                                          std::make_unique<ReplicateAllReduce>(std::move(replicate)));
 }
 std::unique_ptr<UnitReduce> then_replicate_hook(std::unique_ptr<UnitReduce> shard_reduce,
                                                 std::shared_ptr<CommHook> hook, std::shared_ptr<ProcessGroup> group) {
   return std::make_unique<ReplicateStage>(std::move(shard_reduce),
-                                          std::make_shared<ReplicateHook>(std::move(hook), std::move(group)));
+                                          std::make_unique<ReplicateHook>(std::move(hook), std::move(group)));
 }
 
 // --- forward -------------------------------------------------------------------
