@@ -324,15 +324,13 @@ TEST(FsdpReplicateHook, AFailedHookFailsTheBackwardNamingTheUnitOnItsRankOnly) {
 
 // Rank 0's reduce-scatter of unit '1-2' fails: its backward fails naming the
 // unit, and its replicate hook still runs for that unit, on zeros, so rank 2
-// (the other replica of its shard) completes instead of waiting. Over Gloo's
-// TCP transport, which fails rank 2 when rank 0 skips that hook (the next
-// unit's all-reduce arrives in its place, of another size); the shared-memory
-// transport was seen to let rank 2 complete then, so it would not tell.
+// (the other replica of its shard) completes. Were that hook skipped, the
+// next unit's all-reduce (of another size) would meet rank 2's, and rank 2
+// would fail on the mismatch.
 TEST(FsdpReplicateHook, AFailedShardReductionStillRunsTheHookOnZeros) {
   RanksOptions options;
   options.timeout = std::chrono::seconds(60);
   options.collective_timeout_seconds = 10;
-  options.env = {{"DDP_SHM", "0"}};
   expect_all_succeeded(run_on_ranks(4, [](const Group& group) {
     ddp::DeviceMesh mesh(group, kMesh, {"replicate", "shard"});
     auto hook = std::make_shared<AverageOverReplicas>(mesh.group("replicate"));
