@@ -327,3 +327,13 @@ target_link_libraries(ddp_fsdp_replicate_hook_tests PRIVATE ddp_internal ddp_tes
 ddp_reuse_precompiled_header(ddp_fsdp_replicate_hook_tests)
 gtest_discover_tests(ddp_fsdp_replicate_hook_tests PROPERTIES LABELS "multiprocess" TIMEOUT 240
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# ddprun --ft-replica-size (fault-tolerant HSDP, helper R): replica groups of S consecutive local
+# ranks share one DDP_FT_REPLICA_ID and fail and restart as one unit, for one restart; S = 1 is
+# today's behaviour. Shell-script workers; no torch in the jobs.
+add_executable(ddprun_ft_replica_groups_tests test_ddprun_ft_replica_groups.cpp)
+target_link_libraries(ddprun_ft_replica_groups_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddprun_ft_replica_groups_tests)
+add_dependencies(ddprun_ft_replica_groups_tests ddprun ddp_ft_store)
+gtest_discover_tests(ddprun_ft_replica_groups_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

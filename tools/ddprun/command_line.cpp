@@ -71,6 +71,7 @@ constexpr FlagSpec kFlags[] = {
     // Per-step fault tolerance; PET_ defaults like torchrun's own flags.
     {"fault-tolerance", FlagKind::kSwitch, EnvDefault::kPet, 0},
     {"ft-deadline", FlagKind::kValue, EnvDefault::kPet, 0},
+    {"ft-replica-size", FlagKind::kValue, EnvDefault::kPet, 0},
     {"ft-store-port", FlagKind::kValue, EnvDefault::kNone, 0},
 };
 

@@ -287,6 +287,9 @@ void apply_value(LaunchOptions& options, const std::string& canonical, const std
   } else if (canonical == "ft-deadline") {
     options.ft_deadline_seconds = parse_seconds(label, value);
     if (!(options.ft_deadline_seconds > 0)) bad_value(label, value, "expected a number of seconds > 0");
+  } else if (canonical == "ft-replica-size") {
+    options.ft_replica_size = parse_int(label, value, 1, std::numeric_limits<int>::max(),
+                                        "expected a positive integer, the workers in one replica group");
   } else if (canonical == "ft-store-port") {
     options.ft_store_port = parse_int(label, value, 1, 65535, "expected a port in 1..65535");
   } else if (canonical == "rdzv-conf") {

@@ -332,10 +332,15 @@ bool took_part_in_training(const Worker& worker) {
 
 }  // namespace
 
-// --fault-tolerance: a failed worker is started again alone, as a new replica, while the
-// others train on; nobody else is stopped. Each failure is one line.
+// --fault-tolerance: a failed worker is started again, as a new replica, while the others train
+// on. With --ft-replica-size S its replica group (S consecutive local ranks sharing one replica
+// id) cannot go on without it: the group's other members are killed at once and all S start
+// again as the group's next incarnation, for one restart. Each failure is one line.
 void Job::handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed) {
   for (Worker* worker : newly_failed) {
+    // A member of a group that an earlier failure of this round already stopped: ddprun's own
+    // doing, or a failure of its own that the group's restart already answers.
+    if (worker->stopped_with_group) continue;
     if (first_failed_ == nullptr) first_failed_ = worker;
     for (LineForwarder& stream : worker->streams) stream.read_available();
     // Its children go with it, and its zombie at once: a job that restarts workers for days
@@ -349,27 +354,82 @@ void Job::handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed) 
       end_after_startup_failure(*worker);
       return;
     }
+    const std::vector<Worker*> siblings = group_siblings(*worker);
+    for (Worker* sibling : siblings) stop_with_its_group(*sibling);
     const std::string step = last_step_named(*worker);
     int running = 0;
     for (const Worker& other : workers_) running += other.exited ? 0 : 1;
+    const int first = group_first_local_rank(worker->local_rank);
+    const std::string group = "its replica group (local ranks " + std::to_string(first) + "-" +
+                              std::to_string(first + options_.ft_replica_size - 1) + ")";
+    const bool grouped = options_.ft_replica_size > 1;
     std::string line = "fault tolerance: " + worker->label() + " failed: " +
                        describe_exit(worker->exit_code, worker->term_signal) +
                        (step.empty() ? "" : " (its last step: " + step + ")");
     if (fault_restarts_used_ < options_.max_restarts) {
       ++fault_restarts_used_;
-      worker->replaced = true;
-      const std::string next_id = assignment_.ft_node_id + "/" + std::to_string(worker->local_rank) + "/inc" +
-                                  std::to_string(worker->incarnation + 1);
-      say(line + "; restarting it alone as replica " + next_id + " (restart " + std::to_string(fault_restarts_used_) +
-          " of " + std::to_string(options_.max_restarts) + "); " + std::to_string(running) +
-          " other worker(s) of this node go on");
-      restart_alone(*worker, at_startup ? worker->exit_code : -1);
+      say(line + (grouped ? "; restarting " + group : "; restarting it alone") + " as replica " +
+          replica_id_for(worker->local_rank, worker->incarnation + 1) + " (restart " +
+          std::to_string(fault_restarts_used_) + " of " + std::to_string(options_.max_restarts) + "); " +
+          std::to_string(running) + " other worker(s) of this node go on");
+      // The group's start-up failure is each new member's to repeat: whichever of them fails at
+      // start-up alike, the group would never train.
+      const int startup_exit_code = at_startup ? worker->exit_code : -1;
+      std::vector<Worker*> members = siblings;
+      members.push_back(worker);
+      std::sort(members.begin(), members.end(),
+                [](const Worker* a, const Worker* b) { return a->local_rank < b->local_rank; });
+      for (Worker* member : members) {
+        member->replaced = true;
+        restart_as_next_incarnation(*member, startup_exit_code);
+      }
     } else {
       worker->given_up = true;
-      say(line + "; not restarting it (--max-restarts " + std::to_string(options_.max_restarts) + " used up); " +
-          std::to_string(running) + " other worker(s) of this node go on");
+      for (Worker* sibling : siblings) sibling->given_up = true;
+      say(line + "; not restarting it (--max-restarts " + std::to_string(options_.max_restarts) + " used up)" +
+          (grouped ? "; stopped the rest of " + group + " too" : "") + "; " + std::to_string(running) +
+          " other worker(s) of this node go on");
     }
   }
+}
+
+std::vector<Worker*> Job::group_siblings(const Worker& failed) {
+  std::vector<Worker*> siblings;
+  if (options_.ft_replica_size == 1) return siblings;
+  const int first = group_first_local_rank(failed.local_rank);
+  for (Worker& other : workers_) {
+    // The current incarnation of each other local rank of the group: earlier ones were
+    // replaced, and a group given up stays given up.
+    if (&other == &failed || other.replaced || other.given_up || other.stopped_with_group) continue;
+    if (group_first_local_rank(other.local_rank) != first) continue;
+    siblings.push_back(&other);
+  }
+  return siblings;
+}
+
+void Job::stop_with_its_group(Worker& sibling) {
+  sibling.stopped_with_group = true;
+  // Its children too, if it had exited already (finished, or failed in the same instant).
+  ::killpg(sibling.pid, SIGKILL);
+  if (!sibling.exited) {
+    sibling.sigkilled_by_launcher = true;
+    // As reap() does, keeping how it ended: it never failed in collect_exits()'s eyes.
+    watchdog_.forget(sibling.pid);
+    int status = 0;
+    pid_t reaped = -1;
+    while ((reaped = ::waitpid(sibling.pid, &status, 0)) < 0 && errno == EINTR) {
+    }
+    sibling.exited = true;
+    sibling.reaped = true;
+    if (reaped == sibling.pid && WIFEXITED(status)) {
+      sibling.exit_code = WEXITSTATUS(status);
+    } else {
+      sibling.term_signal = reaped == sibling.pid && WIFSIGNALED(status) ? WTERMSIG(status) : SIGKILL;
+    }
+  } else {
+    reap(sibling);
+  }
+  for (LineForwarder& stream : sibling.streams) stream.read_available();
 }
 
 // --fault-tolerance: `worker` failed at start-up as its previous incarnation did, with the
@@ -389,8 +449,10 @@ void Job::end_after_startup_failure(Worker& worker) {
   }
   std::string exit_text = describe_exit(worker.exit_code, worker.term_signal);
   if (worker.exit_code == 127) exit_text += " (the program could not be executed?)";
-  say("fault tolerance: " + worker.label() + " failed at start-up again with " + exit_text +
-      ", as its previous incarnation did, and never trained (no committed step): it would fail the same way "
+  const std::string previous =
+      options_.ft_replica_size > 1 ? "its replica group's previous incarnation" : "its previous incarnation";
+  say("fault tolerance: " + worker.label() + " failed at start-up again with " + exit_text + ", as " + previous +
+      " did, and never trained (no committed step): it would fail the same way "
       "each time (a bad argument? a missing file?), so ddprun stops restarting it and ends the job; its last "
       "line: " + worker.last_words() + "; " + where);
   stop_workers(SIGTERM);

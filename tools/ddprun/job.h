@@ -96,9 +96,14 @@ class Job {
 
   // Setting the workers up (worker_setup.cpp).
   void start_workers();
-  // --fault-tolerance: starts `failed`'s local rank again, alone, as its next incarnation.
-  // startup_exit_code: `failed`'s exit code if it failed at start-up, else -1.
-  void restart_alone(Worker& failed, int startup_exit_code);
+  // --fault-tolerance: starts `failed`'s local rank again as its next incarnation (alone, or
+  // as one member of its replica group). startup_exit_code: the exit code of the group's
+  // failure if it was at start-up, else -1.
+  void restart_as_next_incarnation(Worker& failed, int startup_exit_code);
+  // --ft-replica-size: the first local rank of `local_rank`'s replica group, and the
+  // DDP_FT_REPLICA_ID of that group's `incarnation`.
+  int group_first_local_rank(int local_rank) const;
+  std::string replica_id_for(int local_rank, int incarnation) const;
   void set_progress_file(Worker& worker) const;
   Environment environment_for(const Worker& worker) const;
   std::string error_file_for(const Worker& worker) const;
@@ -117,6 +122,11 @@ class Job {
   void collect_exits();
   void handle_fault_tolerant_exits(const std::vector<Worker*>& newly_failed);
   void end_after_startup_failure(Worker& worker);
+  // --ft-replica-size: the current members of `failed`'s replica group other than `failed`.
+  std::vector<Worker*> group_siblings(const Worker& failed);
+  // Kills the group of a sibling of a failed worker at once and reaps it: it cannot train without
+  // the failed one, so no grace period.
+  void stop_with_its_group(Worker& sibling);
   void reap(Worker& worker);
   void stop_workers(int signal_number);
   void kill_workers(bool early);

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "posix_util.h"
 #include "session.h"
@@ -59,6 +60,42 @@ class IgnoreSigpipe {
   struct sigaction previous_ {};
 };
 
+// --ft-replica-size: groups of S consecutive local ranks, which only --fault-tolerance restarts
+// as one unit, and which must not straddle two nodes.
+void check_ft_replica_size(const LaunchOptions& options) {
+  const int size = options.ft_replica_size;
+  if (size < 1) {
+    throw std::invalid_argument("invalid value '" + std::to_string(size) +
+                                "' for --ft-replica-size: expected a positive integer, the workers in one replica group");
+  }
+  if (size > 1 && !options.fault_tolerance) {
+    throw std::invalid_argument("--ft-replica-size " + std::to_string(size) +
+                                " makes replica groups that fail and restart as one unit, which only --fault-tolerance "
+                                "does; add --fault-tolerance (or PET_FAULT_TOLERANCE=1), or drop --ft-replica-size");
+  }
+  if (options.nproc_per_node % size != 0) {
+    const int n = options.nproc_per_node;
+    std::vector<int> divisors;
+    for (int d = 1; static_cast<long long>(d) * d <= n; ++d) {
+      if (n % d != 0) continue;
+      divisors.push_back(d);
+      if (n / d != d) divisors.push_back(n / d);
+    }
+    std::sort(divisors.begin(), divisors.end());
+    std::string choices;
+    if (divisors.size() <= 16) {
+      for (int d : divisors) choices += (choices.empty() ? " (" : ", ") + std::to_string(d);
+      choices += ")";
+    }
+    throw std::invalid_argument("--ft-replica-size " + std::to_string(size) + " does not divide --nproc-per-node " +
+                                std::to_string(options.nproc_per_node) + ": a replica group is " +
+                                std::to_string(size) +
+                                " consecutive local ranks of one node; give --ft-replica-size a divisor of " +
+                                std::to_string(options.nproc_per_node) + choices +
+                                ", or change --nproc-per-node");
+  }
+}
+
 }  // namespace
 
 void validate(const LaunchOptions& options) {
@@ -83,6 +120,7 @@ void validate(const LaunchOptions& options) {
   if (options.nnodes < 1) {
     throw invalid("--nnodes", std::to_string(options.nnodes), "must be at least 1");
   }
+  check_ft_replica_size(options);
   // Every rank must fit RANK and WORLD_SIZE, which workers read as an int.
   const long long world_size = static_cast<long long>(options.nnodes) * options.nproc_per_node;
   if (world_size > std::numeric_limits<int>::max()) {

@@ -99,12 +99,18 @@ struct LaunchOptions {
   // kMinMonitorIntervalSeconds.
   double monitor_interval_seconds = 0.5;
   // --fault-tolerance (docs/fault_tolerance.md, "Running it under ddprun"): a failed worker is
-  // restarted alone, with a new replica id, while the others go on; max_restarts bounds the
-  // restarts of this node's workers together. Workers get DDP_FAULT_TOLERANCE=1, DDP_FT_STORE,
-  // DDP_FT_REPLICA_ID, DDP_FT_INITIAL_REPLICAS and DDP_FT_DEADLINE_MS.
+  // restarted alone (with its replica group, see ft_replica_size), with a new replica id, while
+  // the others go on; max_restarts bounds the restarts of this node's workers together. Workers
+  // get DDP_FAULT_TOLERANCE=1, DDP_FT_STORE, DDP_FT_REPLICA_ID, DDP_FT_REPLICA_SIZE,
+  // DDP_FT_INITIAL_REPLICAS and DDP_FT_DEADLINE_MS.
   bool fault_tolerance = false;
   // --ft-deadline: how long a step may wait for a member before it is fenced out.
   double ft_deadline_seconds = 5.0;
+  // --ft-replica-size: the workers of a node form replica groups of this many consecutive local
+  // ranks (fault-tolerant HSDP: a group shards its model among itself), which share one
+  // DDP_FT_REPLICA_ID and fail and restart as one unit. 1: every worker is a replica. Must
+  // divide nproc_per_node.
+  int ft_replica_size = 1;
   // --ft-store-port: where the store keeper (ddp_ft_store) serves the fault-tolerance store
   // under static and c10d rendezvous; 0: any free port with --standalone, else the master's
   // (static) or the rendezvous endpoint's (c10d) port + 1.

@@ -197,14 +197,18 @@ void Job::start_workers() {
   shared.set(ddp::launch_env::kGroupRank, std::to_string(assignment_.node_rank));
   shared.set("GROUP_WORLD_SIZE", std::to_string(assignment_.nnodes));
   shared.set("ROLE_WORLD_SIZE", std::to_string(assignment_.world_size));
-  if (options_.fault_tolerance) shared.set("DDP_FT_INITIAL_REPLICAS", std::to_string(assignment_.world_size));
+  if (options_.fault_tolerance) {
+    // A replica is a group of --ft-replica-size workers, which never straddles two nodes.
+    shared.set("DDP_FT_INITIAL_REPLICAS", std::to_string(assignment_.world_size / options_.ft_replica_size));
+    shared.set("DDP_FT_REPLICA_SIZE", std::to_string(options_.ft_replica_size));
+  }
   workers_environment_ = std::move(shared);
 
   for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
     Worker worker;
     worker.local_rank = local_rank;
     worker.global_rank = assignment_.base_rank + local_rank;
-    if (options_.fault_tolerance) worker.replica_id = assignment_.ft_node_id + "/" + std::to_string(local_rank) + "/inc0";
+    if (options_.fault_tolerance) worker.replica_id = replica_id_for(local_rank, 0);
     workers_.push_back(std::move(worker));
   }
   // Every log file exists before the first worker starts, so a log directory we cannot write
@@ -255,13 +259,23 @@ Environment Job::environment_for(const Worker& worker) const {
   return environment;
 }
 
-void Job::restart_alone(Worker& failed, int startup_exit_code) {
+int Job::group_first_local_rank(int local_rank) const {
+  return local_rank / options_.ft_replica_size * options_.ft_replica_size;
+}
+
+// The members of a replica group share their id: the group's first local rank names it, so that
+// with groups of one it is each worker's own.
+std::string Job::replica_id_for(int local_rank, int incarnation) const {
+  return assignment_.ft_node_id + "/" + std::to_string(group_first_local_rank(local_rank)) + "/inc" +
+         std::to_string(incarnation);
+}
+
+void Job::restart_as_next_incarnation(Worker& failed, int startup_exit_code) {
   Worker next;
   next.local_rank = failed.local_rank;
   next.global_rank = failed.global_rank;
   next.incarnation = failed.incarnation + 1;
-  next.replica_id = assignment_.ft_node_id + "/" + std::to_string(next.local_rank) + "/inc" +
-                    std::to_string(next.incarnation);
+  next.replica_id = replica_id_for(next.local_rank, next.incarnation);
   next.previous_startup_exit_code = startup_exit_code;
   // The same files as the first incarnation, appended to: one log per rank tells its story. They
   // move to the new incarnation rather than being copied, so that restarts hold no more

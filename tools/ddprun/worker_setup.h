@@ -58,6 +58,9 @@ struct Worker {
   std::string replica_id;
   bool replaced = false;
   bool given_up = false;
+  // --ft-replica-size: ddprun killed it because another member of its replica group failed; its
+  // end is not a failure of its own.
+  bool stopped_with_group = false;
   // --fault-tolerance: the file DDP_FT_PROGRESS_FILE names, which ddp's fault-tolerance layer
   // creates at the worker's first committed step; and, for a restarted incarnation, the exit
   // code of the one before it if that one failed at start-up (never trained), else -1.
