@@ -43,7 +43,8 @@ std::vector<std::string> shell_worker(const std::string& dir, const std::string&
                 "echo \"RANK=$RANK LOCAL_RANK=$LOCAL_RANK ID=$DDP_FT_REPLICA_ID SIZE=${DDP_FT_REPLICA_SIZE-unset} "
                 "INITIAL=$DDP_FT_INITIAL_REPLICAS\" > " + dir + "/env.$me.tmp; f env.$me; "
                 "sleep 1000 & echo $! > " + dir + "/child.$me.tmp; f child.$me; "
-                "echo $$ > " + dir + "/pid.$me.tmp; f pid.$me; " + then};
+                "echo \"local rank $LOCAL_RANK is $DDP_FT_REPLICA_ID\"; echo $$ > " + dir + "/pid.$me.tmp; f pid.$me; " +
+              then};
 }
 
 // Waits for `finish` in DIR, then stops its child and exits 0.
@@ -79,9 +80,10 @@ bool exists(const std::string& path) { return std::ifstream(path).good(); }
 
 TEST(DdprunFtReplicaGroups, AKilledMemberRestartsItsWholeGroupAsOneRestartWhileTheOtherGroupKeepsItsPids) {
   TempDir dir;
+  TempDir logs;
   BackgroundProcess job = ddp::testing::start_background(
       ddprun_argv(with({"--standalone", "--fault-tolerance", "--nproc-per-node", "4", "--ft-replica-size", "2",
-                        "--max-restarts", "2"},
+                        "--max-restarts", "2", "--log-dir", logs.path()},
                        shell_worker(dir.path(), until_finished(dir.path())))),
       job_options());
   JobGuard guard{job};
@@ -165,6 +167,17 @@ TEST(DdprunFtReplicaGroups, AKilledMemberRestartsItsWholeGroupAsOneRestartWhileT
   EXPECT_EQ(result.err.find("restarting it alone"), std::string::npos) << result.describe();
   EXPECT_EQ(result.err.find("used up"), std::string::npos) << result.describe();
   EXPECT_EQ(result.err.find("stopped rank"), std::string::npos) << result.describe();
+  // Each rank keeps one log, which every incarnation of it appended to.
+  for (int local_rank : {2, 3}) {
+    const std::string log = read_text_file(logs.file("attempt_0/rank_" + std::to_string(local_rank) + ".log"));
+    for (int incarnation = 0; incarnation < 3; ++incarnation) {
+      EXPECT_NE(log.find("local rank " + std::to_string(local_rank) + " is " + node + "/2/inc" +
+                         std::to_string(incarnation)),
+                std::string::npos)
+          << log;
+    }
+  }
+  EXPECT_EQ(count_of(read_text_file(logs.file("attempt_0/rank_0.log")), "local rank 0 is"), 1u);
   // No orphan: every incarnation and every child it started is gone.
   for (int local_rank = 0; local_rank < 4; ++local_rank) {
     for (int incarnation = 0; incarnation < 3; ++incarnation) {
