@@ -181,8 +181,11 @@ struct FSDPOptions {
   /// shard's gradient as HSDP's all-reduce across replicas does, and a
   /// future that fails fails the backward with an error naming the unit.
   /// Hooks run in launch order, one per unit on every rank, also for a unit
-  /// whose reduction failed on this rank (on zeros). Not combinable with a
-  /// mesh or hybrid strategy that already replicates over several ranks.
+  /// whose reduction failed on this rank (on zeros). FSDP sees that group
+  /// only: sync_module_states and state dicts cover one replica, so the
+  /// replicas must start alike (the hook's owner sees to it). Not
+  /// combinable with a mesh or hybrid strategy that already replicates over
+  /// several ranks.
   ///
   ///   ddp::FSDPOptions().replicate_hook(fault_tolerance.comm_hook())
   TORCH_ARG(std::shared_ptr<CommHook>, replicate_hook) = nullptr;
