@@ -337,3 +337,12 @@ ddp_reuse_precompiled_header(ddprun_ft_replica_groups_tests)
 add_dependencies(ddprun_ft_replica_groups_tests ddprun ddp_ft_store)
 gtest_discover_tests(ddprun_ft_replica_groups_tests PROPERTIES LABELS "multiprocess" TIMEOUT 180
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# Fault-tolerant HSDP (include/ddp/fault_tolerant_hsdp.h, issue 36): under ddprun
+# --fault-tolerance --ft-replica-size 2, with the test binary as its own worker.
+add_executable(ddp_ft_hsdp_tests test_ft_hsdp.cpp)
+target_link_libraries(ddp_ft_hsdp_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_ft_hsdp_tests)
+add_dependencies(ddp_ft_hsdp_tests ddprun ddp_ft_store)
+gtest_discover_tests(ddp_ft_hsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -25,6 +25,7 @@
 #include <ddp/error.h>
 #include <ddp/error_file.h>
 #include <ddp/fault_tolerance.h>
+#include <ddp/fault_tolerant_hsdp.h>
 #include <ddp/fully_sharded_data_parallel.h>
 #include <ddp/grad_scaler.h>
 #include <ddp/launch_env.h>

@@ -76,6 +76,10 @@ struct DDP_API FaultToleranceOptions {
   /// This worker incarnation's id, unique for the life of the job (a
   /// restarted worker gets a new one). Default: DDP_FT_REPLICA_ID.
   TORCH_ARG(std::string, replica_id);
+  /// A key prefix for this quorum in the store, so that several quorums
+  /// share one store (FaultTolerantHSDP's, one per shard index: "hsdp/shard0/").
+  /// Default: none.
+  TORCH_ARG(std::string, scope);
   /// How many replicas the first quorum waits for (up to join_timeout).
   /// Default: DDP_FT_INITIAL_REPLICAS, else 1.
   TORCH_ARG(int, initial_replicas) = 1;
@@ -232,6 +236,14 @@ class DDP_API FaultTolerance {
   /// the step (optimizer.step()); the managed sampler has advanced. False:
   /// drop it (the random generator is as before the step).
   bool should_commit();
+  /// After should_commit() answered true: drops the step after all, because
+  /// something outside this quorum failed it (FaultTolerantHSDP: another
+  /// shard index's quorum skipped it). The step count, the managed
+  /// sampler, the random generator and the buffers go back to before the
+  /// step, and the next start_step() forms a new group, as after a skipped
+  /// step. Every member must call it on the same step, or none: the caller's
+  /// reason to drop the step must be one every member sees alike.
+  void skip_committed_step(const std::string& cause);
   /// Leaves the job cleanly at a step boundary: the others drop the current
   /// attempt and go on without this member.
   void leave();

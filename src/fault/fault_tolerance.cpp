@@ -251,6 +251,10 @@ struct FaultTolerance::Impl {
   int64_t step = 0;
   at::Tensor rng_before_step;
   Clock::time_point step_started;
+  // should_commit() committed this step and skip_committed_step() may still
+  // drop it; the managed sampler's position before it advanced.
+  bool committed_unconfirmed = false;
+  std::pair<int64_t, int64_t> sampler_before_step{0, 0};
   // The managed module's buffers (broadcast_buffers), and what they were at
   // the start of the step's attempt, packed as heal_state.h packs a shard.
   detail::HealTensors step_buffers;
@@ -851,6 +855,20 @@ struct FaultTolerance::Impl {
                          id);
   }
 
+  // Skipped by every member: the generation is over; whoever has not yet
+  // dropped it does so now, so nobody waits on it. Its verdict keys (this
+  // step's, and the last commit's that a member may have published) go with it.
+  void drop_step(const std::shared_ptr<Generation>& gen, const std::string& cause) {
+    keys_of_old_generations.push_back(k_verdict(gen->g, step));
+    if (step > 0) keys_of_old_generations.push_back(k_verdict(gen->g, step - 1));
+    abort_generation(*store, gen, cause, {});
+    stats.skipped_steps += 1;
+    stats.seconds_lost += ms_since(step_started) / 1000.0;
+    cpu_generator().set_state(rng_before_step);
+    restore_buffers();
+    reconfigure = Reconfigure::kFailure;
+  }
+
   // ---- generations -----------------------------------------------------------
 
   // The joiners registered after `after`, in order, up to the first gap.
@@ -1396,6 +1414,10 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
   impl_->id = o.replica_id();
   impl_->store = detail::open_ft_store(o.store(), o.deadline());
   impl_->wstore = detail::open_ft_store(o.store(), o.deadline());
+  if (!o.scope().empty()) {
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>(o.scope(), impl_->store);
+    impl_->wstore = c10::make_intrusive<c10d::PrefixStore>(o.scope(), impl_->wstore);
+  }
   if (const auto& wrap = detail::test_seams().ft_wrap_store) {
     impl_->store = wrap(impl_->store);
     impl_->wstore = wrap(impl_->wstore);
@@ -1515,6 +1537,7 @@ void FaultTolerance::start_step() {
     std::lock_guard<std::mutex> lock(d.mutex);
     d.pending.clear();
   }
+  d.committed_unconfirmed = false;
   d.rng_before_step = cpu_generator().get_state();
   d.step_started = Clock::now();
   d.current_step = d.step;
@@ -1571,7 +1594,11 @@ bool FaultTolerance::should_commit() {
                    e.what());
   }
   if (verdict == "C" || verdict == "CJ") {
-    if (d.sampler) d.sampler->advance(gen->size());
+    d.committed_unconfirmed = true;
+    if (d.sampler) {
+      d.sampler_before_step = {d.sampler->epoch(), d.sampler->cursor()};
+      d.sampler->advance(gen->size());
+    }
     d.stats.committed_steps += 1;
     // ddprun tells a worker that fails at start-up (a usage error, restarted in vain) from one that
     // trained and then failed by this file's existence (docs/fault_tolerance.md "Start-up failures").
@@ -1587,18 +1614,25 @@ bool FaultTolerance::should_commit() {
     if (verdict == "CJ") d.reconfigure = Reconfigure::kJoin;
     return true;
   }
-  // Skipped by every member: the generation is over; whoever has not yet
-  // dropped it does so now, so nobody waits on it. Its verdict keys (this
-  // step's, and the last commit's that a member may have published) go with it.
-  d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step));
-  if (d.step > 0) d.keys_of_old_generations.push_back(k_verdict(gen->g, d.step - 1));
-  d.abort_generation(*d.store, gen, cause.empty() ? "step skipped" : cause, {});
-  d.stats.skipped_steps += 1;
-  d.stats.seconds_lost += ms_since(d.step_started) / 1000.0;
-  cpu_generator().set_state(d.rng_before_step);
-  d.restore_buffers();
-  d.reconfigure = Reconfigure::kFailure;
+  d.drop_step(gen, cause.empty() ? "step skipped" : cause);
   return false;
+}
+
+void FaultTolerance::skip_committed_step(const std::string& cause) {
+  auto& d = *impl_;
+  DDP_CHECK(d.committed_unconfirmed, "ddp: skip_committed_step() needs a step that should_commit() just committed");
+  d.committed_unconfirmed = false;
+  std::shared_ptr<Generation> gen;
+  {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    gen = d.current;
+  }
+  if (d.sampler) d.sampler->set_position(d.sampler_before_step.first, d.sampler_before_step.second);
+  d.stats.committed_steps -= 1;
+  d.store_ops_counted_steps -= 1;
+  d.step -= 1;
+  d.current_step = d.step;
+  d.drop_step(gen, cause);
 }
 
 void FaultTolerance::leave() {

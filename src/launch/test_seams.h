@@ -34,6 +34,10 @@ struct TestSeams {
   /// member first sees a step fail. Unset: neither happens.
   std::function<c10::intrusive_ptr<c10d::Store>(c10::intrusive_ptr<c10d::Store>)> ft_wrap_store;
   std::function<void()> ft_on_failure_seen;
+  /// FaultTolerantHSDP: called in should_commit() after the replica group
+  /// agreed on letting joiners in and before this process's quorum votes
+  /// (a test kills the process there, between its group's two quorums).
+  std::function<void()> ft_hsdp_before_vote;
 };
 
 /// This process's seams. Defined in the library, not inline, so a test and
