@@ -59,7 +59,9 @@ int64_t now_ms() {
 // "plain" (HSDP on a 2 x 2 mesh, under plain ddprun: the reference);
 // FT_HSDP_STEPS committed steps; FT_HSDP_OUT a directory for the final
 // weights; FT_HSDP_DIE_LOCAL_RANK / FT_HSDP_DIE_AT_STEP: that worker's first
-// incarnation SIGKILLs itself after that step's forward.
+// incarnation SIGKILLs itself after that step's forward (FT_HSDP_DIE_WHERE
+// "stopped": SIGSTOPs itself there; "before_vote": SIGKILLs itself between
+// its group's agreement on joiners and its quorum's vote).
 
 torch::nn::Sequential make_net() {
   torch::manual_seed(5);
@@ -120,7 +122,7 @@ int train_fault_tolerant(const Data& data, int64_t steps) {
                                                      data.y.index_select(0, index));
     if (dies && !dies_before_vote && ft.quorum().step() == die_at) {
       std::fflush(stdout);
-      ::raise(SIGKILL);
+      ::raise(env_text("FT_HSDP_DIE_WHERE") == "stopped" ? SIGSTOP : SIGKILL);
     }
     loss.backward();
     if (ft.should_commit()) {
@@ -254,10 +256,10 @@ TEST(FaultTolerantHsdp, WithoutFaultsTrainsAsHsdpOnATwoByTwoMesh) {
 // `where` says; ddprun restarts local ranks 2 and 3 together, the restarted
 // rank 3 coming to its first step 500 ms after rank 2; the first group
 // ("/0/", local ranks 0 and 1) trains on. What every such run must show.
-void expect_the_group_drops_out_and_heals_back_in(const std::string& where) {
+void expect_the_group_drops_out_and_heals_back_in(const std::string& where, int64_t max_gap_ms = 1500) {
   TempDir out;
   auto job = ddprun({"--standalone", "--fault-tolerance", "--nproc-per-node", "4", "--ft-replica-size", "2",
-                     "--max-restarts", "2", self_exe()},
+                     "--max-restarts", "2", "--ft-deadline", "2", self_exe()},
                     job_options("ft", out.path(),
                                 {{"FT_HSDP_STEPS", "40"}, {"FT_HSDP_END_WITH_REPLICAS", "2"},
                                  {"FT_HSDP_DIE_LOCAL_RANK", "3"}, {"FT_HSDP_DIE_AT_STEP", "8"},
@@ -291,7 +293,7 @@ void expect_the_group_drops_out_and_heals_back_in(const std::string& where) {
       << job.describe();
   EXPECT_EQ(final_hashes(job.out).size(), 1u) << job.describe();
   EXPECT_EQ(count_of(job.out, "hsdp final"), 4u) << job.describe();
-  // The survivors' commit of step 8 came within a second and a half of step 7's.
+  // The survivors' commit of step 8 came within max_gap_ms of step 7's.
   int64_t before = 0, after = 0;
   for (const Commit& c : commits) {
     if (c.rank_label != "0") continue;
@@ -300,11 +302,19 @@ void expect_the_group_drops_out_and_heals_back_in(const std::string& where) {
   }
   ASSERT_GT(before, 0);
   ASSERT_GT(after, 0);
-  EXPECT_LT(after - before, 1500) << job.describe();
+  EXPECT_LT(after - before, max_gap_ms) << job.describe();
 }
 
 TEST(FaultTolerantHsdp, AProcessLostMidStepTakesItsReplicaGroupOutWhichComesBackAndHeals) {
   expect_the_group_drops_out_and_heals_back_in("after_forward");
+}
+
+// A hung process (SIGSTOP): its sibling's shard group names it stopped (or
+// gives up at the 2 s deadline) and leaves, ddprun kills the whole group,
+// the stopped process too, and starts it again; the first group's first
+// commit after it comes within the deadline and a second.
+TEST(FaultTolerantHsdp, AHungProcessTakesItsReplicaGroupOutWithinTheDeadline) {
+  expect_the_group_drops_out_and_heals_back_in("stopped", 3000);
 }
 
 // Between its group's two quorums' votes: the quorum of shard 0 commits the
