@@ -346,3 +346,11 @@ ddp_reuse_precompiled_header(ddp_ft_hsdp_tests)
 add_dependencies(ddp_ft_hsdp_tests ddprun ddp_ft_store)
 gtest_discover_tests(ddp_ft_hsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
+
+# Fault tolerance's fixed-size mode with spares (FaultToleranceOptions::fixed_size, issue 36).
+add_executable(ddp_ft_spares_tests test_ft_spares.cpp)
+target_link_libraries(ddp_ft_spares_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
+ddp_reuse_precompiled_header(ddp_ft_spares_tests)
+add_dependencies(ddp_ft_spares_tests ft_worker)
+gtest_discover_tests(ddp_ft_spares_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
+                     DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)

@@ -85,6 +85,18 @@ struct DDP_API FaultToleranceOptions {
   TORCH_ARG(int, initial_replicas) = 1;
   /// Fewer members than this is an error rather than a smaller job.
   TORCH_ARG(int, min_replicas) = 1;
+  /// Fixed-size mode with spares (torchft's FIXED_WITH_SPARES): 0 (the
+  /// default) averages each step over all its members, so the global batch
+  /// shrinks while one is missing. N > 0: only the first N members (in rank
+  /// order: members carried over before joiners) take part in the average,
+  /// divided by N; the others are spares, which compute and receive every
+  /// step like the rest but add zeros, so they hold the job's state and take
+  /// a lost participant's place at the next step without a heal. The global
+  /// batch stays N x batch_size; with fewer than N members the next group
+  /// waits (up to join_timeout) for a joiner, as min_replicas(N) would.
+  /// Train on sampler.batch(ft.participating() ? ft.rank() : 0,
+  /// ft.participants()): a spare's batch is thrown away.
+  TORCH_ARG(int, fixed_size) = 0;
   /// How long a step's collectives, its vote and the forming of a new group
   /// may take before the members that did not keep up are fenced out (a
   /// hung process, a partition). Default: DDP_FT_DEADLINE_MS, else 5 s.
@@ -250,6 +262,11 @@ class DDP_API FaultTolerance {
 
   int rank() const;  ///< this member's rank among the current members
   int size() const;  ///< how many members the current step has
+  /// How many members the step's average is over: size(), or at most
+  /// FaultToleranceOptions::fixed_size in fixed-size mode.
+  int participants() const;
+  /// Whether this member's gradients count (false: a spare, in fixed-size mode).
+  bool participating() const;
   int64_t step() const;  ///< committed steps of the job
   int64_t generation() const;  ///< how many memberships the job has had
   const std::string& replica_id() const;

@@ -743,8 +743,9 @@ struct FaultTolerance::Impl {
       pending.push_back(p);
     }
     // Averaged over the members that contribute: divided before the sum, as
-    // DDP does, so a sum of averages cannot overflow.
-    p->result = bucket.buffer().div(gen->size());
+    // DDP does, so a sum of averages cannot overflow. A spare sends zeros:
+    // adding them changes no bit of the participants' sum.
+    p->result = gen->rank < participants(*gen) ? bucket.buffer().div(participants(*gen)) : at::zeros_like(bucket.buffer());
     all_reduce_into(*gen, p);
     return p->out;
   }
@@ -853,6 +854,12 @@ struct FaultTolerance::Impl {
     if (!step_buffers_at_start.defined()) return;
     detail::unpack_shard(step_buffers_at_start, step_buffers, std::vector<int>(step_buffers.tensors.size(), 0), 0,
                          id);
+  }
+
+  // How many of `gen`'s members take part in each step's average: all, or
+  // the first fixed_size (the rest are spares).
+  int participants(const Generation& gen) const {
+    return options.fixed_size() > 0 ? std::min(gen.size(), options.fixed_size()) : gen.size();
   }
 
   // Skipped by every member: the generation is over; whoever has not yet
@@ -1276,9 +1283,15 @@ struct FaultTolerance::Impl {
       if (m.rank_of(before[r]) < 0) tail += in_flight_samples(before, static_cast<int>(r));
     }
     if (heal_bytes_sent_now > 0) tail += "; sent " + std::to_string(heal_bytes_sent_now) + " bytes of state";
-    std::fprintf(stderr, "ddp: membership: %s at step %lld; recovered in %.0f ms; %zu -> %zu replicas%s\n",
+    std::string spares;
+    if (options.fixed_size() > 0) {
+      const size_t taking_part = std::min(m.ids.size(), static_cast<size_t>(options.fixed_size()));
+      spares = " (" + std::to_string(taking_part) + " taking part, " + std::to_string(m.ids.size() - taking_part) +
+               " spare)";
+    }
+    std::fprintf(stderr, "ddp: membership: %s at step %lld; recovered in %.0f ms; %zu -> %zu replicas%s%s\n",
                  what.c_str(), static_cast<long long>(step), recovered_ms, before.size(), m.ids.size(),
-                 tail.c_str());
+                 spares.c_str(), tail.c_str());
     std::fflush(stderr);
   }
 
@@ -1408,6 +1421,10 @@ FaultTolerance::FaultTolerance(FaultToleranceOptions options) : impl_(std::make_
                 o.heartbeat_timeout() > o.heartbeat_interval(),
             "ddp: fault tolerance needs a positive deadline and a heartbeat timeout longer than its interval");
   DDP_CHECK(o.initial_replicas() >= 1 && o.min_replicas() >= 1, "ddp: initial_replicas and min_replicas must be >= 1");
+  DDP_CHECK(o.fixed_size() >= 0, "ddp: FaultToleranceOptions::fixed_size must be >= 0 (0: every member takes part), got ",
+            o.fixed_size());
+  // Fewer members than the fixed size would shrink the global batch: the group waits for a joiner.
+  if (o.fixed_size() > 0 && o.min_replicas() < o.fixed_size()) o.min_replicas(o.fixed_size());
   DDP_CHECK(o.heal_senders() >= 0, "ddp: heal_senders must be >= 0 (0: every member that holds the state), got ",
             o.heal_senders());
   std::signal(SIGPIPE, SIG_IGN);  // Gloo's writev does not suppress it: a dead peer must not kill a survivor
@@ -1597,7 +1614,7 @@ bool FaultTolerance::should_commit() {
     d.committed_unconfirmed = true;
     if (d.sampler) {
       d.sampler_before_step = {d.sampler->epoch(), d.sampler->cursor()};
-      d.sampler->advance(gen->size());
+      d.sampler->advance(d.participants(*gen));
     }
     d.stats.committed_steps += 1;
     // ddprun tells a worker that fails at start-up (a usage error, restarted in vain) from one that
@@ -1666,6 +1683,16 @@ int FaultTolerance::rank() const {
 int FaultTolerance::size() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->current ? impl_->current->size() : 0;
+}
+
+int FaultTolerance::participants() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current ? impl_->participants(*impl_->current) : 0;
+}
+
+bool FaultTolerance::participating() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current && impl_->current->rank < impl_->participants(*impl_->current);
 }
 
 int64_t FaultTolerance::step() const { return impl_->step; }

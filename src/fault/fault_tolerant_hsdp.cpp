@@ -73,6 +73,8 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
             "ddp: FaultTolerantHSDP needs 0 <= shard_index < replica_size, got shard ", shard_index_, " of ",
             replica_size_, " (ddprun --ft-replica-size S gives DDP_FT_REPLICA_SIZE; the shard is LOCAL_RANK % S)");
   FaultToleranceOptions quorum_options = options.fault_tolerance();
+  DDP_CHECK(quorum_options.fixed_size() == 0, "ddp: FaultTolerantHSDP does not support fixed_size (spares) yet: its ",
+            "groups' sampler slices count every group; leave FaultToleranceOptions::fixed_size at 0");
   const std::string group_id = quorum_options.replica_id();
   quorum_options.scope(quorum_options.scope() + "hsdp/shard" + std::to_string(shard_index_) + "/")
       .broadcast_buffers(false);

@@ -19,6 +19,8 @@
 //                     buffers <step> gen <g> rank <r>/<n> hash <buffers' hash>
 //                   and "after ..." alike after backward (what the step's forward made of them)
 //   FT_BROADCAST_BUFFERS  0: FaultToleranceOptions::broadcast_buffers(false)
+//   FT_FIXED_SIZE   FaultToleranceOptions::fixed_size (spares beyond it); the
+//                   step lines' n is then the participants, and a spare's rank >= n
 //   FT_STOP_RANK0_BEFORE_STEP  the member that is rank 0 when this step comes up
 //                   prints "stopping before step <s>" and stops itself (SIGSTOP)
 //                   before start_step(), so the others wait in the buffers' broadcast
@@ -76,7 +78,9 @@ int main() {
     bool stopped = false;  // once: the attempt it broke is skipped, and comes up again
 
     ddp::FaultTolerance ft(
-        ddp::FaultToleranceOptions().broadcast_buffers(env_int("FT_BROADCAST_BUFFERS", state_mb > 0 ? 0 : 1) != 0));
+        ddp::FaultToleranceOptions()
+            .broadcast_buffers(env_int("FT_BROADCAST_BUFFERS", state_mb > 0 ? 0 : 1) != 0)
+            .fixed_size(static_cast<int>(env_int("FT_FIXED_SIZE", 0))));
     ddp::DistributedDataParallel<torch::nn::Sequential> model(net, ft.local_group(), ft.ddp_options());
     torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(1e-2));
     ddp::FaultTolerantSampler sampler(dataset_size, batch, /*seed=*/3);
@@ -109,9 +113,12 @@ int main() {
         while (!ft.join_pending()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
-      const int rank = ft.rank(), size = ft.size();
+      // A spare (fixed-size mode) computes participant 0's batch; its gradients count for nothing.
+      // Its step lines say "rank <r>/<n>" with r >= n.
+      const int rank = ft.rank(), size = ft.participants();
+      const int slice = ft.participating() ? rank : 0;
       const std::vector<int64_t> window = sampler.window(size);
-      const std::vector<int64_t> mine = sampler.batch(rank, size);
+      const std::vector<int64_t> mine = sampler.batch(slice, size);
       at::Tensor index = torch::tensor(mine, at::kLong);
       optimizer.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(model.forward(features.index_select(0, index)),
