@@ -10,6 +10,7 @@
 #include "support/fsdp_nets.h"
 #include "support/fsdp_trainers.h"
 #include "support/ranks.h"
+#include "support/torch_errors.h"
 
 #include <ddp/comm_hooks.h>
 #include <ddp/device_mesh.h>
@@ -275,17 +276,6 @@ TEST(FsdpReplicateHook, AShardGroupOfOneRankStillRunsTheHook) {
       EXPECT_TRUE(both[0].equal(both[1])) << "the replicas differ";
     }
   }));
-}
-
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // Rank 1's hook fails its future for the second unit launched (unit '1-2': the
