@@ -331,7 +331,8 @@ TEST_F(FaultToleranceJob, RestartedReplicaHealsFromALivePeerBitForBit) {
 }
 
 // A replica that leaves cleanly mid-training: the attempt in flight is
-// skipped by both survivors, identically, and their weights stay equal.
+// skipped by every survivor that had begun it (one that had not yet begun it
+// only forms the new group first), and their weights stay equal.
 TEST_F(FaultToleranceJob, SkippedStepIsSkippedByEverySurvivor) {
   std::map<std::string, std::string> env{{"FT_STEPS", "30"}, {"FT_STEP_MS", "10"}};
   start("w0/inc0", env);
@@ -341,9 +342,11 @@ TEST_F(FaultToleranceJob, SkippedStepIsSkippedByEverySurvivor) {
   start("w2/inc0", leaver);
   wait_exit({0, 1, 2}, 60);
   for (size_t i : {0, 1, 2}) ASSERT_EQ(workers_[i].status, 0) << logs();
-  const auto skipped0 = workers_[0].skipped();
-  EXPECT_FALSE(skipped0.empty()) << logs();
-  EXPECT_EQ(skipped0, workers_[1].skipped());
+  // The only attempt either survivor may drop is step 12's, the one the leaver left in.
+  for (size_t i : {0, 1}) {
+    for (const auto& line : workers_[i].skipped()) EXPECT_EQ(line, "skipped step 12 gen 1") << logs();
+    EXPECT_LE(workers_[i].skipped().size(), 1u) << logs();
+  }
   expect_same_weights({0, 1});
   EXPECT_EQ(workers_[0].final_hash(), workers_[1].final_hash());
   // The skipped attempt left no trace: step 12 is trained once, by two.

@@ -42,6 +42,7 @@
 
 #include <torch/arg.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -69,9 +70,12 @@ struct DDP_API FaultTolerantHSDPOptions {
 class DDP_API FaultTolerantHSDP {
  public:
   /// Connects this process to its shard index's quorum and forms the replica
-  /// group's shard group (its S processes meet through the quorum's store;
-  /// the group's collectives time out at the fault-tolerance deadline, so a
-  /// hung sibling ends the group rather than hanging it).
+  /// group's shard group (its S processes meet through the quorum's store,
+  /// waiting for each other up to the join timeout). The group's collectives
+  /// time out at twice the fault-tolerance deadline plus a second: long
+  /// enough for a sibling whose quorum waits out a hung member of another
+  /// group (the deadline, then the vote's grace), short enough that a hung
+  /// sibling ends the group rather than hanging it.
   explicit FaultTolerantHSDP(FaultTolerantHSDPOptions options = {});
   ~FaultTolerantHSDP();
   FaultTolerantHSDP(const FaultTolerantHSDP&) = delete;
@@ -115,8 +119,16 @@ class DDP_API FaultTolerantHSDP {
   void manage_shards(const std::vector<at::Tensor>& shards, const std::shared_ptr<torch::nn::Module>& root,
                      torch::optim::Optimizer* optimizer, FaultTolerantSampler* sampler);
 
+  // Waits, through the quorums' store and up to the join timeout, until all
+  // S processes of the group have called it with `what`.
+  void wait_for_the_group(const std::string& what);
+
   int replica_size_;
   int shard_index_;
+  std::string group_id_;     // the group's replica id, the same on its S processes
+  std::string store_spec_;   // the quorums' store
+  std::chrono::milliseconds join_timeout_;
+  bool started_ = false;
   std::unique_ptr<FaultTolerance> quorum_;
   std::shared_ptr<ProcessGroup> shard_group_;
   std::shared_ptr<torch::nn::Module> managed_;  // the shards and buffers, as one module for healing

@@ -72,10 +72,13 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
   DDP_CHECK(replica_size_ >= 1 && shard_index_ >= 0 && shard_index_ < replica_size_,
             "ddp: FaultTolerantHSDP needs 0 <= shard_index < replica_size, got shard ", shard_index_, " of ",
             replica_size_, " (ddprun --ft-replica-size S gives DDP_FT_REPLICA_SIZE; the shard is LOCAL_RANK % S)");
-  FaultToleranceOptions quorum_options = options.fault_tolerance();
+  const FaultToleranceOptions& given = options.fault_tolerance();
+  group_id_ = given.replica_id();
+  store_spec_ = given.store();
+  join_timeout_ = given.join_timeout();
+  FaultToleranceOptions quorum_options = given;
   DDP_CHECK(quorum_options.fixed_size() == 0, "ddp: FaultTolerantHSDP does not support fixed_size (spares) yet: its ",
             "groups' sampler slices count every group; leave FaultToleranceOptions::fixed_size at 0");
-  const std::string group_id = quorum_options.replica_id();
   quorum_options.scope(quorum_options.scope() + "hsdp/shard" + std::to_string(shard_index_) + "/")
       .broadcast_buffers(false);
   quorum_ = std::make_unique<FaultTolerance>(quorum_options);
@@ -90,7 +93,10 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
     // The group's processes meet through the quorums' store, under a key of
     // this incarnation of the group (its replica id changes on a restart).
     auto store = detail::open_ft_store(quorum_options.store(), quorum_options.join_timeout());
-    const std::string key = "hsdp/group/" + group_id + "/port";
+    // Every process of the group is alive and here before its group is made,
+    // so the group's rendezvous, under the collectives' timeout, is quick.
+    wait_for_the_group("ready");
+    const std::string key = "hsdp/group/" + group_id_ + "/port";
     if (shard_index_ == 0) {
       world.master_port = free_loopback_port();
       const std::string port = std::to_string(world.master_port);
@@ -99,7 +105,7 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
       try {
         store->wait({key}, quorum_options.join_timeout());
       } catch (const std::exception& e) {
-        DDP_CHECK(false, "ddp: replica group ", group_id, ": shard 0 of the group never published its shard "
+        DDP_CHECK(false, "ddp: replica group ", group_id_, ": shard 0 of the group never published its shard "
                   "group's address within ", quorum_options.join_timeout().count(), " ms (", e.what(),
                   "); start all ", replica_size_, " processes of the group (ddprun --ft-replica-size does)");
       }
@@ -108,7 +114,7 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
     }
     shard_group_ = ProcessGroup::create(world, ProcessGroupOptions()
                                                    .init_method("env://")
-                                                   .timeout(quorum_options.deadline())
+                                                   .timeout(2 * quorum_options.deadline() + std::chrono::seconds(1))
                                                    .install_stack_dump_handler(false)
                                                    .install_terminate_handler(false));
     if (shard_index_ == 0) store->deleteKey(key);  // every process of the group has connected
@@ -118,6 +124,20 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
 }
 
 FaultTolerantHSDP::~FaultTolerantHSDP() = default;
+
+void FaultTolerantHSDP::wait_for_the_group(const std::string& what) {
+  if (replica_size_ == 1) return;
+  auto store = detail::open_ft_store(store_spec_, join_timeout_);
+  const std::string key = "hsdp/group/" + group_id_ + "/" + what;
+  if (store->add(key, 1) == replica_size_) store->set(key + "/all", std::vector<uint8_t>{'1'});
+  try {
+    store->wait({key + "/all"}, join_timeout_);
+  } catch (const std::exception& e) {
+    DDP_CHECK(false, "ddp: replica group ", group_id_, ": not all ", replica_size_, " of its processes reached '",
+              what, "' within ", join_timeout_.count(), " ms (", e.what(), "); start all of them (ddprun ",
+              "--ft-replica-size does)");
+  }
+}
 
 FSDPOptions FaultTolerantHSDP::fsdp_options(FSDPOptions base) { return base.replicate_hook(quorum_->comm_hook()); }
 
@@ -155,7 +175,16 @@ void FaultTolerantHSDP::manage_shards(const std::vector<at::Tensor>& shards,
   }
 }
 
-void FaultTolerantHSDP::start_step() { quorum_->start_step(); }
+void FaultTolerantHSDP::start_step() {
+  quorum_->start_step();
+  if (!started_) {
+    // A first quorum, or a join and its heal, takes each shard's quorum its
+    // own time; the group's processes enter their first step together, so
+    // that this skew never counts against the group's collectives' timeout.
+    wait_for_the_group("first-step");
+    started_ = true;
+  }
+}
 
 bool FaultTolerantHSDP::should_commit() {
   // Every process of the group must reach the same decision; a collective
