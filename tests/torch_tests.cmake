@@ -344,7 +344,9 @@ add_executable(ddp_ft_hsdp_tests test_ft_hsdp.cpp)
 target_link_libraries(ddp_ft_hsdp_tests PRIVATE ddp_internal ddp_test_support GTest::gtest_main)
 ddp_reuse_precompiled_header(ddp_ft_hsdp_tests)
 add_dependencies(ddp_ft_hsdp_tests ddprun ddp_ft_store)
-gtest_discover_tests(ddp_ft_hsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150
+# RUN_SERIAL: each test starts 4 workers and a store keeper at once, which two at a time
+# on 2 cores made start-up alone take seconds.
+gtest_discover_tests(ddp_ft_hsdp_tests PROPERTIES LABELS "multiprocess" TIMEOUT 150 RUN_SERIAL TRUE
                      DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60)
 
 # Fault tolerance's fixed-size mode with spares (FaultToleranceOptions::fixed_size, issue 36).

@@ -72,10 +72,12 @@ class DDP_API FaultTolerantHSDP {
   /// Connects this process to its shard index's quorum and forms the replica
   /// group's shard group (its S processes meet through the quorum's store,
   /// waiting for each other up to the join timeout). The group's collectives
-  /// time out at twice the fault-tolerance deadline plus a second: long
-  /// enough for a sibling whose quorum waits out a hung member of another
-  /// group (the deadline, then the vote's grace), short enough that a hung
-  /// sibling ends the group rather than hanging it.
+  /// time out at twice the fault-tolerance deadline plus a second, and at
+  /// least 30 s: long enough for a sibling whose quorum waits out a hung
+  /// member of another group (the deadline, then the vote's grace) and for a
+  /// loaded machine's start-up. The group is on one host, where shared memory
+  /// names a dead or stopped sibling within a second whatever the timeout,
+  /// and the other groups' quorums fence this group at the deadline anyway.
   explicit FaultTolerantHSDP(FaultTolerantHSDPOptions options = {});
   ~FaultTolerantHSDP();
   FaultTolerantHSDP(const FaultTolerantHSDP&) = delete;

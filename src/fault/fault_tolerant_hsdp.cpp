@@ -114,7 +114,9 @@ FaultTolerantHSDP::FaultTolerantHSDP(FaultTolerantHSDPOptions options)
     }
     shard_group_ = ProcessGroup::create(world, ProcessGroupOptions()
                                                    .init_method("env://")
-                                                   .timeout(2 * quorum_options.deadline() + std::chrono::seconds(1))
+                                                   .timeout(std::max<std::chrono::milliseconds>(
+                                                       2 * quorum_options.deadline() + std::chrono::seconds(1),
+                                                       std::chrono::seconds(30)))
                                                    .install_stack_dump_handler(false)
                                                    .install_terminate_handler(false));
     if (shard_index_ == 0) store->deleteKey(key);  // every process of the group has connected

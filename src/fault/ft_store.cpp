@@ -7,6 +7,8 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
@@ -40,8 +42,13 @@ c10::intrusive_ptr<c10d::Store> open_ft_store(const std::string& spec, std::chro
   options.port = static_cast<std::uint16_t>(std::stoi(address.substr(colon + 1)));
   options.isServer = false;
   options.waitWorkers = false;
-  options.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(address.substr(0, colon), options);
+  // Connecting is part of starting, which a loaded machine slows down (many
+  // workers loading libtorch at once): it gets at least 30 s. The operations
+  // that follow run under `timeout`, the step's deadline.
+  options.timeout = std::max(timeout, std::chrono::milliseconds(30000));
+  auto store = c10::make_intrusive<c10d::TCPStore>(address.substr(0, colon), options);
+  store->setTimeout(timeout);
+  return store;
 }
 
 std::set<std::string> ft_store_addresses(const std::string& spec) {
