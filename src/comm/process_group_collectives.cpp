@@ -283,12 +283,26 @@ void ProcessGroup::monitored_barrier(std::optional<std::chrono::milliseconds> ti
         if (!impl_->store_->check({keys[r - 1]})) still.push_back(r);
       }
       waiting = std::move(still);
+      std::vector<std::string> read_keys;  // of the ranks that arrived
+      for (int r = 1; r < size(); ++r) {
+        if (std::find(waiting.begin(), waiting.end(), r) == waiting.end()) {
+          read_keys.push_back(prefix + "read/" + std::to_string(r));
+        }
+      }
       // As torch's: the first rank that did not arrive, or all of them.
       if (!waiting.empty() && !wait_all_ranks) waiting.resize(1);
       missing = waiting;
       impl_->store_->set(prefix + "verdict",
                          bytes_of(waiting.empty() ? std::string("ok") : "missing:" + join_ranks(waiting)));
       for (int r = 1; r < size(); ++r) impl_->store_->deleteKey(prefix + "arrived/" + std::to_string(r));
+      // The ranks that arrived read the verdict before rank 0 goes on: rank 0
+      // may host the store, and a program that ends right after this call
+      // would otherwise take the store away from a rank still reading it.
+      const Clock::time_point read_by = Clock::now() + verdict_grace(timeout);
+      while (!read_keys.empty() && !impl_->store_->check(read_keys) && Clock::now() < read_by) {
+        std::this_thread::sleep_for(kStorePoll);
+      }
+      for (const auto& key : read_keys) impl_->store_->deleteKey(key);
     } else {
       impl_->store_->set(prefix + "arrived/" + std::to_string(rank()), bytes_of("1"));
       const Clock::time_point deadline = start + timeout + verdict_grace(timeout);
@@ -296,6 +310,7 @@ void ProcessGroup::monitored_barrier(std::optional<std::chrono::milliseconds> ti
       while (!impl_->store_->check({key}) && Clock::now() < deadline) std::this_thread::sleep_for(kStorePoll);
       if (impl_->store_->check({key})) {
         const std::string verdict = text_of(impl_->store_->get(key));
+        impl_->store_->set(prefix + "read/" + std::to_string(rank()), bytes_of("1"));
         missing = verdict == "ok" ? std::vector<int>{} : split_ranks(verdict.substr(std::strlen("missing:")));
       }
     }
